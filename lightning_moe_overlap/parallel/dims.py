@@ -1,0 +1,130 @@
+"""Parallel sizes and the rank layout, as pure functions (no process group needed).
+
+Rank layout. The dense view orders ranks as ``(pp, dp, cp, tp)`` with ``tp`` varying fastest::
+
+    rank = ((pp_rank * dp + dp_rank) * cp + cp_rank) * tp + tp_rank
+
+Expert parallelism folds into the ``dp x cp`` block, as in Megatron-core: the expert view orders the same
+ranks as ``(pp, edp, ep, tp)``, where ``ep * edp == dp * cp`` and ``ep`` varies fastest inside the block. So
+the ranks of one ep group are neighbours (``tp`` apart), which puts an ep group inside a node whenever
+``ep * tp`` fits in one. Example, 8 ranks, ``ep=4``: ep groups ``[0,1,2,3]`` and ``[4,5,6,7]``; edp groups
+(the ranks holding the same experts) ``[0,4] [1,5] [2,6] [3,7]``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+GroupKind = Literal["dp", "cp", "dp_cp", "tp", "pp", "ep", "edp"]
+GROUP_KINDS: tuple[GroupKind, ...] = ("dp", "cp", "dp_cp", "tp", "pp", "ep", "edp")
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+@dataclass(frozen=True)
+class RankCoords:
+    """Where one rank sits in each view."""
+
+    pp: int
+    dp: int
+    cp: int
+    tp: int
+    ep: int
+    edp: int
+
+
+@dataclass(frozen=True)
+class ParallelDims:
+    """The parallel sizes of a run. Build it with :meth:`from_world_size`, which infers ``dp`` and validates."""
+
+    world_size: int
+    dp: int
+    tp: int = 1
+    pp: int = 1
+    cp: int = 1
+    ep: int = 1
+    vpp: int | None = None
+
+    @classmethod
+    def from_world_size(
+        cls, world_size: int, *, tp: int = 1, pp: int = 1, cp: int = 1, ep: int = 1, vpp: int | None = None
+    ) -> ParallelDims:
+        """Infer ``dp = world_size / (pp * cp * tp)`` and check that the sizes fit together.
+
+        Raises:
+            ValueError: a size is not a positive integer, the world size is not a multiple of ``pp * cp * tp``,
+                or ``ep`` does not divide ``dp * cp``. The message lists the valid choices.
+        """
+        for name, value in (("world_size", world_size), ("tp", tp), ("pp", pp), ("cp", cp), ("ep", ep)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"`ParallelDims`: `{name}={value!r}` must be a positive integer.")
+        if vpp is not None and (isinstance(vpp, bool) or not isinstance(vpp, int) or vpp < 1):
+            raise ValueError(f"`ParallelDims`: `vpp={vpp!r}` must be None or a positive integer.")
+        model = pp * cp * tp
+        if world_size % model != 0:
+            raise ValueError(
+                f"`ParallelDims`: world_size={world_size} is not a multiple of pp*cp*tp={model} "
+                f"(pp={pp}, cp={cp}, tp={tp}); the rule is world_size = pp * dp * cp * tp. "
+                f"Choose pp*cp*tp among the divisors of {world_size}: {_divisors(world_size)}, "
+                f"or run on a multiple of {model} processes."
+            )
+        dp = world_size // model
+        if (dp * cp) % ep != 0:
+            raise ValueError(
+                f"`ParallelDims`: ep={ep} does not divide dp*cp={dp * cp} (dp={dp}, cp={cp}, world_size={world_size}); "
+                f"expert parallelism folds into the data-parallel ranks, so ep must divide dp*cp. "
+                f"Valid ep values here: {_divisors(dp * cp)}."
+            )
+        return cls(world_size=world_size, dp=dp, tp=tp, pp=pp, cp=cp, ep=ep, vpp=vpp)
+
+    @property
+    def edp(self) -> int:
+        """Expert-data-parallel size: how many ranks hold a copy of the same experts."""
+        return self.dp * self.cp // self.ep
+
+    @property
+    def ep_enabled(self) -> bool:
+        return self.ep > 1
+
+    def coords(self, rank: int) -> RankCoords:
+        """The coordinates of ``rank`` in the dense ``(pp, dp, cp, tp)`` and expert ``(pp, edp, ep, tp)`` views."""
+        if not 0 <= rank < self.world_size:
+            raise ValueError(f"`ParallelDims.coords`: rank={rank} is outside [0, world_size={self.world_size}).")
+        tp_rank = rank % self.tp
+        cp_rank = (rank // self.tp) % self.cp
+        dp_rank = (rank // (self.tp * self.cp)) % self.dp
+        pp_rank = rank // (self.tp * self.cp * self.dp)
+        block = dp_rank * self.cp + cp_rank  # index inside the dp x cp block
+        return RankCoords(pp=pp_rank, dp=dp_rank, cp=cp_rank, tp=tp_rank, ep=block % self.ep, edp=block // self.ep)
+
+    def group_ranks(self, kind: GroupKind) -> list[list[int]]:
+        """Every group of one kind, each as its sorted list of ranks; together they partition the world."""
+        if kind not in GROUP_KINDS:
+            raise ValueError(f"`ParallelDims.group_ranks`: unknown kind={kind!r}; valid kinds: {list(GROUP_KINDS)}.")
+        groups: dict[tuple[int, ...], list[int]] = {}
+        for rank in range(self.world_size):
+            c = self.coords(rank)
+            key = {
+                "dp": (c.pp, c.cp, c.tp),
+                "cp": (c.pp, c.dp, c.tp),
+                "dp_cp": (c.pp, c.tp),
+                "tp": (c.pp, c.dp, c.cp),
+                "pp": (c.dp, c.cp, c.tp),
+                "ep": (c.pp, c.edp, c.tp),
+                "edp": (c.pp, c.ep, c.tp),
+            }[kind]
+            groups.setdefault(key, []).append(rank)
+        return list(groups.values())
+
+    def group_of(self, kind: GroupKind, rank: int) -> list[int]:
+        """The ranks of the group of ``kind`` that ``rank`` belongs to."""
+        return next(g for g in self.group_ranks(kind) if rank in g)
+
+    def describe(self) -> str:
+        return (
+            f"world_size={self.world_size}: dp={self.dp} tp={self.tp} pp={self.pp} cp={self.cp} "
+            f"ep={self.ep} edp={self.edp} vpp={self.vpp}"
+        )
