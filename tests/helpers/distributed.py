@@ -28,7 +28,16 @@ def free_port() -> int:
 
 
 def _entry(rank: int, world_size: int, port: int, timeout_s: float, worker: Callable, args: tuple, queue) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world_size))
+    # LOCAL_RANK/NODE_RANK make a Lightning Trainer built inside the worker treat the processes as launched
+    # externally (the torchrun path), so Trainer-level tests get per-rank results too.
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        RANK=str(rank),
+        WORLD_SIZE=str(world_size),
+        LOCAL_RANK=str(rank),
+        NODE_RANK="0",
+    )
     torch.set_num_threads(1)
     try:
         dist.init_process_group(

@@ -1,0 +1,353 @@
+"""Validation rules, checked before anything is spawned or any collective runs.
+
+Each rule is a small function that returns the problems it finds. A problem names the values, the rule and the fix.
+Rules run identically on every rank (they read only the configuration, the world size and the model's structure),
+so a bad configuration fails on every rank with the same message instead of hanging in a collective.
+``docs/validation.md`` lists every rule with its reason.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import warnings
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+
+import torch
+
+from lightning_moe_overlap.config import DISPATCHERS, DROP_POLICIES, FLEX_BACKENDS, START_METHODS, OverlapConfig
+from lightning_moe_overlap.parallel.dims import ParallelDims, _divisors
+
+OWNER = "`MoEOverlapStrategy`"
+
+
+@dataclass(frozen=True)
+class Problem:
+    """One finding. ``error`` is the exception type to raise, or None for a warning."""
+
+    rule: str
+    message: str
+    error: type[Exception] | None = ValueError
+
+    @property
+    def is_error(self) -> bool:
+        return self.error is not None
+
+    def __str__(self) -> str:
+        kind = self.error.__name__ if self.error else "warning"
+        return f"[{self.rule}] {kind}: {self.message}"
+
+
+def _warn(rule: str, message: str) -> Problem:
+    return Problem(rule, message, None)
+
+
+def _is_pos_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 1
+
+
+# -- rules on the configuration alone --------------------------------------------------------------------------
+def rule_sizes(cfg: OverlapConfig) -> list[Problem]:
+    out = [
+        Problem("sizes", f"{OWNER}: `{name}={value!r}` must be a positive integer. Pass an int >= 1.")
+        for name, value in (("ep", cfg.ep), ("tp", cfg.tp), ("pp", cfg.pp), ("cp", cfg.cp))
+        if not _is_pos_int(value)
+    ]
+    if cfg.vpp is not None and not _is_pos_int(cfg.vpp):
+        out.append(Problem("sizes", f"{OWNER}: `vpp={cfg.vpp!r}` must be None or a positive integer."))
+    if not _is_pos_int(cfg.num_microbatches):
+        out.append(
+            Problem(
+                "num-microbatches",
+                f"{OWNER}: `num_microbatches={cfg.num_microbatches!r}` must be a positive integer; "
+                "each batch the dataloader yields is split into that many micro-batches.",
+            )
+        )
+    return out
+
+
+def rule_choices(cfg: OverlapConfig) -> list[Problem]:
+    choices = (
+        ("dispatcher", cfg.dispatcher, DISPATCHERS),
+        ("token_drop_policy", cfg.token_drop_policy, DROP_POLICIES),
+        ("start_method", cfg.start_method, START_METHODS),
+    )
+    out = [
+        Problem("choices", f"{OWNER}: `{name}={value!r}` is not one of {list(valid)}. Pick one of them.")
+        for name, value, valid in choices
+        if value not in valid
+    ]
+    if cfg.flex_backend is not None and cfg.flex_backend not in FLEX_BACKENDS:
+        out.append(
+            Problem(
+                "choices", f"{OWNER}: `flex_backend={cfg.flex_backend!r}` is not one of {list(FLEX_BACKENDS)}."
+            )
+        )
+    if cfg.capacity_factor is not None and not (
+        isinstance(cfg.capacity_factor, (int, float)) and cfg.capacity_factor > 0
+    ):
+        out.append(
+            Problem(
+                "capacity-factor",
+                f"{OWNER}: `capacity_factor={cfg.capacity_factor!r}` must be None (dropless) or a number > 0.",
+            )
+        )
+    if not _is_pos_int(cfg.deepep_num_sms) or cfg.deepep_num_sms % 2:
+        out.append(
+            Problem(
+                "deepep-num-sms",
+                f"{OWNER}: `deepep_num_sms={cfg.deepep_num_sms!r}` must be a positive even integer "
+                "(DeepEP splits its SMs into send/receive pairs). Try 20, DeepSeek-V3's setting.",
+            )
+        )
+    return out
+
+
+def rule_flex_backend_without_flex(cfg: OverlapConfig) -> list[Problem]:
+    """Megatron-Bridge pitfall: the backend flag alone does not activate the flex dispatcher."""
+    if cfg.flex_backend is not None and cfg.dispatcher != "flex":
+        return [
+            Problem(
+                "flex-backend-without-flex",
+                f"{OWNER}: `flex_backend={cfg.flex_backend!r}` does nothing with `dispatcher={cfg.dispatcher!r}`; "
+                "the backend is only used by the flex dispatcher. Set `dispatcher='flex'` too, or drop `flex_backend`.",
+            )
+        ]
+    return []
+
+
+def rule_shared_expert_overlap(cfg: OverlapConfig) -> list[Problem]:
+    """Megatron-Bridge pitfall: shared-expert overlap and dispatch overlap both claim the dispatch window."""
+    if cfg.shared_expert_overlap and cfg.overlap:
+        return [
+            Problem(
+                "shared-expert-overlap",
+                f"{OWNER}: `shared_expert_overlap=True` conflicts with `overlap=True`: the dispatch overlap already "
+                "hides each all-to-all behind the other micro-batch's compute. Set `shared_expert_overlap=False` "
+                "(or `overlap=False` to hide the dispatch behind the shared experts only).",
+            )
+        ]
+    return []
+
+
+def rule_pipeline(cfg: OverlapConfig) -> list[Problem]:
+    out: list[Problem] = []
+    if cfg.pp > 1 and cfg.overlap and cfg.vpp is None:
+        out.append(
+            Problem(
+                "pp-without-vpp",
+                f"{OWNER}: `overlap=True` with `pp={cfg.pp}` needs `vpp` set: without interleaving, forward and "
+                "backward on the last stage depend on each other and cannot overlap. Set `vpp` (1 is allowed).",
+            )
+        )
+    if cfg.pp == 1 and cfg.vpp is not None and cfg.vpp > 1:
+        out.append(
+            _warn(
+                "vpp-without-pp",
+                f"{OWNER}: `vpp={cfg.vpp}` with `pp=1` has nothing to interleave and is ignored.",
+            )
+        )
+    return out
+
+
+def rule_overlap_needs_microbatches(cfg: OverlapConfig) -> list[Problem]:
+    if cfg.overlap and cfg.num_microbatches == 1:
+        return [
+            _warn(
+                "overlap-one-microbatch",
+                f"{OWNER}: `overlap=True` with `num_microbatches=1`: there is no second micro-batch to overlap "
+                "with, so each step runs sequentially. Set `num_microbatches>=2` to hide the all-to-all.",
+            )
+        ]
+    return []
+
+
+def rule_not_implemented(cfg: OverlapConfig) -> list[Problem]:
+    unsupported = [f"{n}={v}" for n, v in (("tp", cfg.tp), ("pp", cfg.pp), ("cp", cfg.cp)) if _is_pos_int(v) and v > 1]
+    if unsupported:
+        return [
+            Problem(
+                "not-implemented-parallelism",
+                f"{OWNER}: {', '.join(unsupported)}: this version builds the process groups for tp/pp/cp but "
+                "executes expert and data parallelism only. Use tp=pp=cp=1 (the world becomes dp, and ep folds "
+                "into it).",
+                NotImplementedError,
+            )
+        ]
+    return []
+
+
+def rule_torch_version(cfg: OverlapConfig, version: str | None = None) -> list[Problem]:
+    """Megatron-core and Bridge record all-to-all overlap hangs below torch 2.6."""
+    version = version or torch.__version__
+    major, minor = (int(p) for p in version.split("+")[0].split(".")[:2])
+    if cfg.overlap and (major, minor) < (2, 6):
+        return [
+            Problem(
+                "torch-version",
+                f"{OWNER}: `overlap=True` needs torch>=2.6 (found {version}); all-to-all overlap hangs below it. "
+                "Upgrade torch.",
+                RuntimeError,
+            )
+        ]
+    return []
+
+
+CONFIG_RULES: tuple[Callable[[OverlapConfig], list[Problem]], ...] = (
+    rule_sizes,
+    rule_choices,
+    rule_flex_backend_without_flex,
+    rule_shared_expert_overlap,
+    rule_pipeline,
+    rule_overlap_needs_microbatches,
+    rule_not_implemented,
+    rule_torch_version,
+)
+
+
+def check_config(cfg: OverlapConfig) -> list[Problem]:
+    """Rules that need only the configuration."""
+    return [p for rule in CONFIG_RULES for p in rule(cfg)]
+
+
+# -- rules on the world ----------------------------------------------------------------------------------------
+def check_world(cfg: OverlapConfig, world_size: int) -> list[Problem]:
+    """Rules that need the number of processes (before any is spawned)."""
+    if rule_sizes(cfg):
+        return []  # the sizes themselves are wrong; reported by check_config
+    out: list[Problem] = []
+    model = cfg.pp * cfg.cp * cfg.tp
+    if world_size % model:
+        out.append(
+            Problem(
+                "world-size",
+                f"{OWNER}: world_size={world_size} (devices x num_nodes) is not a multiple of pp*cp*tp={model} "
+                f"(pp={cfg.pp}, cp={cfg.cp}, tp={cfg.tp}); the rule is world_size = pp * dp * cp * tp. "
+                f"Choose pp*cp*tp among {_divisors(world_size)}, or run on a multiple of {model} processes.",
+            )
+        )
+        return out
+    dp_cp = world_size // model * cfg.cp
+    if dp_cp % cfg.ep:
+        out.append(
+            Problem(
+                "ep-divides-dp-cp",
+                f"{OWNER}: ep={cfg.ep} does not divide dp*cp={dp_cp} (world_size={world_size}); expert parallelism "
+                f"folds into the data-parallel ranks. Valid ep values here: {_divisors(dp_cp)}; or run on a "
+                f"multiple of {cfg.ep * model} processes.",
+            )
+        )
+    elif cfg.overlap and cfg.ep == 1 and world_size > 1:
+        out.append(
+            _warn(
+                "overlap-ep1",
+                f"{OWNER}: `overlap=True` with `ep=1`: no all-to-all crosses processes, so there is nothing to hide. "
+                "Set `ep>1` for expert parallelism.",
+            )
+        )
+    return out
+
+
+def build_dims(cfg: OverlapConfig, world_size: int) -> ParallelDims:
+    return ParallelDims.from_world_size(world_size, tp=cfg.tp, pp=cfg.pp, cp=cfg.cp, ep=cfg.ep, vpp=cfg.vpp)
+
+
+# -- rules on the machine --------------------------------------------------------------------------------------
+def check_machine(cfg: OverlapConfig, device_type: str, cuda_available: bool | None = None) -> list[Problem]:
+    """Rules that need the accelerator and the installed packages."""
+    cuda_available = torch.cuda.is_available() if cuda_available is None else cuda_available
+    out: list[Problem] = []
+    if cfg.resolved_flex_backend == "deepep":
+        missing = []
+        if importlib.util.find_spec("deep_ep") is None:
+            missing.append("the `deep_ep` package")
+        if not cuda_available or device_type != "cuda":
+            missing.append("a CUDA device (Hopper with NVLink/RDMA)")
+        if missing:
+            out.append(
+                Problem(
+                    "flex-needs-deepep",
+                    f"{OWNER}: `dispatcher='flex'` (backend 'deepep') needs {' and '.join(missing)}. Install it "
+                    "with `pip install lightning-moe-overlap[deepep]` on a CUDA machine, or use "
+                    "`dispatcher='alltoall'` (plain all-to-all, runs everywhere).",
+                    ImportError,
+                )
+            )
+    if cfg.process_group_backend == "nccl" and device_type != "cuda":
+        out.append(
+            Problem(
+                "backend-device",
+                f"{OWNER}: `process_group_backend='nccl'` needs CUDA devices, but the accelerator is "
+                f"{device_type!r}. Use 'gloo' on CPU, or leave it None to pick the default for the device.",
+            )
+        )
+    return out
+
+
+# -- rules on the model ----------------------------------------------------------------------------------------
+def check_model(cfg: OverlapConfig, experts_per_block: Mapping[str, int]) -> list[Problem]:
+    """Rules that need the model: ``experts_per_block`` maps each MoE block's name to its number of experts."""
+    out: list[Problem] = []
+    if not experts_per_block:
+        if cfg.ep > 1:
+            out.append(
+                _warn(
+                    "no-moe-blocks",
+                    f"{OWNER}: `ep={cfg.ep}` but the model has no MoE block this package recognises, so nothing is "
+                    "expert-parallel. Register your block type with `register_experts_adapter` (docs/adapters.md).",
+                )
+            )
+        return out
+    bad = {name: n for name, n in experts_per_block.items() if n % cfg.ep}
+    if bad:
+        name, n = next(iter(bad.items()))
+        out.append(
+            Problem(
+                "experts-divisible-by-ep",
+                f"{OWNER}: `{name}` has num_experts={n}, which ep={cfg.ep} does not divide "
+                f"({len(bad)} block(s) affected); each ep rank must own the same number of experts. "
+                f"Choose ep among {_divisors(n)}.",
+            )
+        )
+    return out
+
+
+# -- rules on the trainer --------------------------------------------------------------------------------------
+def check_trainer(cfg: OverlapConfig, *, accumulate_grad_batches: int, automatic_optimization: bool) -> list[Problem]:
+    out: list[Problem] = []
+    if accumulate_grad_batches != 1:
+        out.append(
+            Problem(
+                "accumulate-grad-batches",
+                f"{OWNER}: `Trainer(accumulate_grad_batches={accumulate_grad_batches})` is not supported: the "
+                "strategy accumulates over micro-batches inside one optimizer step. Use "
+                f"`MoEOverlapStrategy(num_microbatches={cfg.num_microbatches * accumulate_grad_batches})` with a "
+                f"{accumulate_grad_batches}x larger batch instead.",
+                NotImplementedError,
+            )
+        )
+    if not automatic_optimization:
+        out.append(
+            Problem(
+                "manual-optimization",
+                f"{OWNER}: manual optimization (`automatic_optimization=False`) is not supported: the strategy runs "
+                "the micro-batch schedule and backward itself. Use automatic optimization.",
+                NotImplementedError,
+            )
+        )
+    return out
+
+
+# -- raising ---------------------------------------------------------------------------------------------------
+def raise_problems(problems: list[Problem]) -> None:
+    """Emit warnings; raise the first error's type with every error listed (same text on every rank)."""
+    for p in problems:
+        if not p.is_error:
+            warnings.warn(p.message, UserWarning, stacklevel=3)
+    errors = [p for p in problems if p.is_error]
+    if not errors:
+        return
+    if len(errors) == 1:
+        raise errors[0].error(errors[0].message)  # type: ignore[misc]
+    text = "\n".join(f"  {i}. {p.message}" for i, p in enumerate(errors, 1))
+    raise errors[0].error(f"{OWNER}: {len(errors)} problems:\n{text}")  # type: ignore[misc]

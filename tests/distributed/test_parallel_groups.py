@@ -1,0 +1,56 @@
+"""build_groups on real gloo ranks: every rank lands in the groups the pure layout says, and they communicate."""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from lightning_moe_overlap.parallel import ParallelDims, build_groups
+from lightning_moe_overlap.parallel.dims import GROUP_KINDS
+from tests.helpers.distributed import run_distributed
+
+SHAPES = {  # world -> list of (tp, pp, cp, ep)
+    1: [(1, 1, 1, 1)],
+    4: [(1, 1, 1, 2), (2, 1, 1, 2), (1, 2, 1, 2), (1, 1, 2, 4)],
+    8: [(2, 1, 2, 2), (1, 2, 1, 4), (2, 2, 1, 2), (1, 1, 1, 8)],
+}
+
+
+def _worker_groups(rank: int, world: int, shapes: list[tuple[int, int, int, int]]) -> int:
+    checked = 0
+    for tp, pp, cp, ep in shapes:
+        dims = ParallelDims.from_world_size(world, tp=tp, pp=pp, cp=cp, ep=ep)
+        groups = build_groups(dims, rank)
+        for kind in GROUP_KINDS:
+            group = getattr(groups, kind)
+            expected = dims.group_of(kind, rank)
+            assert dist.get_process_group_ranks(group) == expected, (kind, rank, dims)
+            total = torch.tensor([float(rank)])
+            dist.all_reduce(total, group=group)  # the group really connects exactly those ranks
+            assert total.item() == float(sum(expected)), (kind, rank)
+            checked += 1
+        assert groups.coords == dims.coords(rank)
+    return checked
+
+
+def test_groups_single_process():
+    assert run_distributed(_worker_groups, 1, SHAPES[1]) == [len(GROUP_KINDS)]
+
+
+def test_groups_four_ranks():
+    assert run_distributed(_worker_groups, 4, SHAPES[4]) == [4 * len(GROUP_KINDS)] * 4
+
+
+def test_groups_eight_ranks():
+    assert run_distributed(_worker_groups, 8, SHAPES[8], timeout_s=120) == [4 * len(GROUP_KINDS)] * 8
+
+
+def _worker_wrong_world(rank: int, world: int) -> None:
+    build_groups(ParallelDims.from_world_size(4, ep=2), rank)
+
+
+def test_groups_refuse_dims_of_another_world():
+    import pytest
+
+    with pytest.raises(RuntimeError, match=r"world_size=2 but the dims were built for world_size=4"):
+        run_distributed(_worker_wrong_world, 2)

@@ -1,0 +1,113 @@
+"""Every validation rule: the message names the values, the rule and the fix; warnings do not raise."""
+
+from __future__ import annotations
+
+import pytest
+
+from lightning_moe_overlap.config import OverlapConfig
+from lightning_moe_overlap.validation import (
+    check_config,
+    check_machine,
+    check_model,
+    check_trainer,
+    check_world,
+    raise_problems,
+    rule_torch_version,
+)
+
+
+def _raise(problems):
+    raise_problems(problems)
+
+
+@pytest.mark.parametrize(
+    "kwargs,error,match",
+    [
+        ({"ep": 0}, ValueError, r"`ep=0` must be a positive integer"),
+        ({"vpp": 0}, ValueError, r"`vpp=0` must be None or a positive integer"),
+        ({"num_microbatches": 0}, ValueError, r"`num_microbatches=0` must be a positive integer"),
+        ({"dispatcher": "ring"}, ValueError, r"`dispatcher='ring'` is not one of \['alltoall', 'allgather', 'flex'\]"),
+        ({"token_drop_policy": "random"}, ValueError, r"`token_drop_policy='random'` is not one of"),
+        ({"start_method": "thread"}, ValueError, r"`start_method='thread'` is not one of"),
+        ({"dispatcher": "flex", "flex_backend": "hybridep"}, ValueError, r"`flex_backend='hybridep'` is not one of"),
+        ({"capacity_factor": 0.0}, ValueError, r"`capacity_factor=0.0` must be None \(dropless\) or a number > 0"),
+        ({"deepep_num_sms": 7}, ValueError, r"`deepep_num_sms=7` must be a positive even integer"),
+        ({"flex_backend": "deepep"}, ValueError, r"`flex_backend='deepep'` does nothing with `dispatcher='alltoall'`"),
+        ({"shared_expert_overlap": True}, ValueError, r"`shared_expert_overlap=True` conflicts with `overlap=True`"),
+        ({"pp": 2}, ValueError, r"`overlap=True` with `pp=2` needs `vpp` set"),
+        ({"tp": 2}, NotImplementedError, r"tp=2: this version builds the process groups"),
+        ({"pp": 2, "vpp": 2, "cp": 2}, NotImplementedError, r"pp=2, cp=2: this version"),
+    ],
+)
+def test_validation_config_rules(kwargs, error, match):
+    with pytest.raises(error, match=match):
+        _raise(check_config(OverlapConfig(**kwargs)))
+
+
+def test_validation_lists_every_problem_at_once():
+    problems = check_config(OverlapConfig(ep=0, dispatcher="ring", flex_backend="deepep"))
+    assert [p.rule for p in problems if p.is_error] == ["sizes", "choices", "flex-backend-without-flex"]
+    with pytest.raises(ValueError, match=r"3 problems:\n  1\. .*`ep=0`.*\n  2\. .*'ring'.*\n  3\. .*does nothing"):
+        _raise(problems)
+
+
+def test_validation_good_configs_pass_silently(recwarn):
+    _raise(check_config(OverlapConfig(ep=8, num_microbatches=4)))
+    _raise(check_config(OverlapConfig(dispatcher="flex", flex_backend="deepep", num_microbatches=2)))
+    _raise(check_config(OverlapConfig(overlap=False, shared_expert_overlap=True, delay_wgrad=True)))
+    _raise(check_config(OverlapConfig(dispatcher="allgather", num_microbatches=2)))
+    assert not [w for w in recwarn if issubclass(w.category, UserWarning)]
+
+
+@pytest.mark.parametrize(
+    "kwargs,match",
+    [
+        ({"ep": 8, "vpp": 2}, r"`vpp=2` with `pp=1` has nothing to interleave"),
+        ({"num_microbatches": 1}, r"`overlap=True` with `num_microbatches=1`: there is no second micro-batch"),
+    ],
+)
+def test_validation_config_warnings(kwargs, match):
+    with pytest.warns(UserWarning, match=match):
+        _raise(check_config(OverlapConfig(**kwargs)))
+
+
+def test_validation_torch_version_rule():
+    with pytest.raises(RuntimeError, match=r"`overlap=True` needs torch>=2.6 \(found 2.5.1\+cu124\)"):
+        _raise(rule_torch_version(OverlapConfig(), version="2.5.1+cu124"))
+    assert rule_torch_version(OverlapConfig(overlap=False), version="2.5.1") == []
+    assert rule_torch_version(OverlapConfig(), version="2.13.0+cpu") == []
+
+
+def test_validation_world_rules():
+    with pytest.raises(ValueError, match=r"world_size=6 \(devices x num_nodes\) is not a multiple of pp\*cp\*tp=4"):
+        _raise(check_world(OverlapConfig(tp=2, pp=2, vpp=1), 6))
+    with pytest.raises(ValueError, match=r"ep=8 does not divide dp\*cp=4 .*Valid ep values here: \[1, 2, 4\]"):
+        _raise(check_world(OverlapConfig(ep=8, num_microbatches=2), 4))
+    with pytest.warns(UserWarning, match=r"`overlap=True` with `ep=1`: no all-to-all crosses processes"):
+        _raise(check_world(OverlapConfig(num_microbatches=2), 4))
+    assert check_world(OverlapConfig(ep=8, num_microbatches=2), 8) == []
+    assert check_world(OverlapConfig(ep=0), 8) == []  # reported once, by check_config
+
+
+def test_validation_machine_rules():
+    with pytest.raises(ImportError, match=r"`dispatcher='flex'` \(backend 'deepep'\) needs .*a CUDA device.*\[deepep\]"):
+        _raise(check_machine(OverlapConfig(dispatcher="flex"), "cpu", cuda_available=False))
+    with pytest.raises(ValueError, match=r"`process_group_backend='nccl'` needs CUDA devices, but the accelerator is 'cpu'"):
+        _raise(check_machine(OverlapConfig(process_group_backend="nccl"), "cpu", cuda_available=False))
+    assert check_machine(OverlapConfig(process_group_backend="gloo"), "cpu", cuda_available=False) == []
+
+
+def test_validation_model_rules():
+    with pytest.raises(ValueError, match=r"`layers.1.mlp.experts` has num_experts=6, which ep=4 does not divide .*\[1, 2, 3, 6\]"):
+        _raise(check_model(OverlapConfig(ep=4), {"layers.0.mlp.experts": 8, "layers.1.mlp.experts": 6}))
+    with pytest.warns(UserWarning, match=r"`ep=2` but the model has no MoE block"):
+        _raise(check_model(OverlapConfig(ep=2), {}))
+    assert check_model(OverlapConfig(ep=4), {"a": 8, "b": 16}) == []
+    assert check_model(OverlapConfig(ep=1), {}) == []
+
+
+def test_validation_trainer_rules():
+    with pytest.raises(NotImplementedError, match=r"accumulate_grad_batches=4\)` is not supported.*num_microbatches=8\)"):
+        _raise(check_trainer(OverlapConfig(num_microbatches=2), accumulate_grad_batches=4, automatic_optimization=True))
+    with pytest.raises(NotImplementedError, match=r"manual optimization .* is not supported"):
+        _raise(check_trainer(OverlapConfig(), accumulate_grad_batches=1, automatic_optimization=False))
