@@ -1,3 +1,17 @@
-"""lightning-moe-overlap: expert-parallel all-to-all overlap for Mixture-of-Experts training in Lightning."""
+"""lightning-moe-overlap: expert-parallel all-to-all overlap for Mixture-of-Experts training in Lightning.
+
+Importing the package registers the strategy under the names ``moe_overlap`` and ``moe_overlap_spawn``, so
+``Trainer(strategy="moe_overlap")`` and ``--trainer.strategy=moe_overlap`` work.
+"""
+
+from lightning.pytorch.strategies import StrategyRegistry
+
+from lightning_moe_overlap.config import OverlapConfig
+from lightning_moe_overlap.parallel import ParallelDims, ParallelGroups
+from lightning_moe_overlap.strategy import MoEOverlapStrategy
 
 __version__ = "0.1.0"
+
+MoEOverlapStrategy.register_strategies(StrategyRegistry)  # idempotent: skips names already registered
+
+__all__ = ["MoEOverlapStrategy", "OverlapConfig", "ParallelDims", "ParallelGroups", "__version__"]

@@ -5,7 +5,7 @@ passes) is a *comm point*. At a comm point the running code does::
 
     work = dist.all_to_all_single(out, inp, ..., async_op=True)   # issue
     runtime.handoff()                                              # let other work run while it is in flight
-    work.wait()                                                    # then wait for it
+    runtime.wait(work)                                             # then wait for it (``work.wait()``, timed)
 
 ``handoff`` first runs any queued side work (shared experts under ``shared_expert_overlap``) and weight-gradient
 GEMMs (``delay_wgrad``), then, while a schedule of two
@@ -14,13 +14,21 @@ Outside a schedule (validation, ``overlap=False``) it only runs the queued GEMMs
 both and the results are bitwise equal.
 
 One ``CommRuntime`` belongs to one strategy; every wrapped layer holds a reference to it. Nothing is global.
+
+Timing (opt-in): attach a :class:`CommTimer` (``runtime.timing = CommTimer()`` or ``with runtime.timed() as
+timer:``) and every ``runtime.wait(work)`` records how long the caller was blocked in the wait, i.e. the
+communication that nothing hid, and how long the collective was in flight (from the hand-over that followed its
+issue to the end of the wait). Without a timer ``wait`` is ``work.wait()`` plus one attribute test.
 """
 
 from __future__ import annotations
 
+import threading
+import time
 from collections import deque
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 
@@ -28,6 +36,87 @@ class Baton(Protocol):
     """What the engine provides while a schedule runs: a hand-over to the other context."""
 
     def handoff(self) -> None: ...
+
+
+class Waitable(Protocol):
+    """An issued asynchronous collective (``torch.distributed`` ``Work``)."""
+
+    def wait(self) -> Any: ...
+
+
+@dataclass(frozen=True)
+class CommTimes:
+    """Totals recorded by a :class:`CommTimer`.
+
+    Attributes:
+        waits: collectives waited on.
+        blocked_s: seconds the callers were blocked in ``wait``: the exposed (un-hidden) communication.
+        in_flight_s: seconds from each collective's hand-over (right after its issue) to the end of its wait.
+            Equal to the collective's duration when the wait blocked; an upper bound when it had already
+            finished (the other context's compute ran longer).
+        max_blocked_s: the longest single wait.
+    """
+
+    waits: int = 0
+    blocked_s: float = 0.0
+    in_flight_s: float = 0.0
+    max_blocked_s: float = 0.0
+
+
+class CommTimer:
+    """Records the waits of the comm points of a :class:`CommRuntime` it is attached to.
+
+    Both contexts of a schedule record into the same timer (a lock keeps the totals consistent).
+
+    Args:
+        synchronize: called when a collective is handed over and again after its wait, inside the timed span,
+            e.g. ``lambda: torch.cuda.current_stream().synchronize()`` to time device-side durations (NCCL's
+            ``wait`` does not block the host; the compute stream waits for the collective after it). It blocks the
+            host on the device, which defeats overlap: use it only to measure the sequential run.
+    """
+
+    def __init__(self, synchronize: Callable[[], None] | None = None) -> None:
+        self.synchronize = synchronize
+        self._lock = threading.Lock()
+        self._issued = threading.local()
+        self._totals = CommTimes()
+
+    def mark_issued(self) -> None:
+        """Called by the runtime at the hand-over that follows an issue (per thread, the latest one wins)."""
+        if self.synchronize is not None:
+            self.synchronize()
+        self._issued.at = time.perf_counter()
+
+    def wait(self, work: Waitable) -> Any:
+        """``work.wait()``, timed; returns what it returns."""
+        start = time.perf_counter()
+        result = work.wait()
+        if self.synchronize is not None:
+            self.synchronize()
+        end = time.perf_counter()
+        issued = getattr(self._issued, "at", None)
+        self._issued.at = None
+        self.record(end - start, end - (start if issued is None else issued))
+        return result
+
+    def record(self, blocked_s: float, in_flight_s: float) -> None:
+        """Add one wait to the totals."""
+        with self._lock:
+            t = self._totals
+            self._totals = CommTimes(
+                t.waits + 1, t.blocked_s + blocked_s, t.in_flight_s + in_flight_s, max(t.max_blocked_s, blocked_s)
+            )
+
+    def snapshot(self) -> CommTimes:
+        """The totals so far."""
+        with self._lock:
+            return self._totals
+
+    def reset(self) -> CommTimes:
+        """Zero the totals; returns those before the reset."""
+        with self._lock:
+            totals, self._totals = self._totals, CommTimes()
+            return totals
 
 
 class SideWork:
@@ -64,15 +153,40 @@ class CommRuntime:
         self._baton: Baton | None = None
         self._wgrad: deque[Callable[[], None]] = deque()
         self._side: deque[SideWork] = deque()
+        self.timing: CommTimer | None = None  # opt-in: see `timed` and `wait`
 
     # -- comm points -------------------------------------------------------------------------------------------
     def handoff(self) -> None:
         """Call right after issuing an async collective and before waiting on it."""
+        timing = self.timing
+        if timing is not None:
+            timing.mark_issued()
         self.run_side_work()
         self.flush_wgrad()
         baton = self._baton
         if baton is not None:
             baton.handoff()
+
+    def wait(self, work: Waitable) -> Any:
+        """Wait for an issued collective (call after ``handoff``); timed when a :class:`CommTimer` is attached.
+
+        Returns:
+            What ``work.wait()`` returns.
+        """
+        timing = self.timing
+        if timing is None:
+            return work.wait()
+        return timing.wait(work)
+
+    @contextmanager
+    def timed(self, timer: CommTimer | None = None) -> Iterator[CommTimer]:
+        """Attach ``timer`` (a new one by default) for the block; the previous one is restored afterwards."""
+        attached = timer if timer is not None else CommTimer()
+        previous, self.timing = self.timing, attached
+        try:
+            yield attached
+        finally:
+            self.timing = previous
 
     # -- side work ---------------------------------------------------------------------------------------------
     def submit(self, fn: Callable[[], Any]) -> SideWork:

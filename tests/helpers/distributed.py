@@ -8,6 +8,7 @@ back to the caller. A failure on any rank raises in the caller with that rank's 
 from __future__ import annotations
 
 import os
+import pickle
 import queue as queue_module
 import time
 import socket
@@ -44,7 +45,8 @@ def _entry(rank: int, world_size: int, port: int, timeout_s: float, worker: Call
             "gloo", rank=rank, world_size=world_size, timeout=timedelta(seconds=timeout_s)
         )
         result = worker(rank, world_size, *args)
-        queue.put((rank, True, result))
+        # Plain pickled bytes: a tensor sent as is travels by shared memory that dies with this process.
+        queue.put((rank, True, pickle.dumps(result)))
     except BaseException:  # noqa: BLE001 - brought back to the caller with its traceback
         queue.put((rank, False, traceback.format_exc()))
     finally:
@@ -77,7 +79,10 @@ def run_distributed(
                 p.kill()
             errors.update({r: "no result before the deadline (hang?)" for r in missing})
             break
-        (results if ok else errors)[rank] = payload
+        if ok:
+            results[rank] = pickle.loads(payload)
+        else:
+            errors[rank] = payload
     for p in procs:
         p.join(timeout=30)
         if p.is_alive():

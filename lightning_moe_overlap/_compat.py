@@ -1,0 +1,28 @@
+"""Every private Lightning name this package uses, in one place (the supported range is pinned in pyproject)."""
+
+from __future__ import annotations
+
+from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
+from lightning.fabric.utilities.distributed import (
+    _distributed_is_initialized,
+    _get_default_process_group_backend_for_device,
+    _init_dist_connection,
+    _sync_ddp_if_available,
+)
+from lightning.fabric.utilities.optimizer import _optimizers_to_device
+from lightning.fabric.utilities.seed import reset_seed
+from lightning.pytorch.strategies.launchers import _MultiProcessingLauncher, _SubprocessScriptLauncher
+from lightning.pytorch.trainer import call as trainer_call
+
+__all__ = [
+    "_MultiProcessingLauncher",
+    "_SubprocessScriptLauncher",
+    "_distributed_is_initialized",
+    "_get_default_process_group_backend_for_device",
+    "_init_dist_connection",
+    "_optimizers_to_device",
+    "_sync_ddp_if_available",
+    "default_pg_timeout",
+    "reset_seed",
+    "trainer_call",
+]

@@ -1,0 +1,142 @@
+"""The ``lightning-moe-overlap`` console script: LightningCLI with the strategy registered, plus ``check``.
+
+    lightning-moe-overlap fit --config examples/configs/cpu.yaml
+    lightning-moe-overlap fit --config examples/configs/cpu.yaml --print_config
+    lightning-moe-overlap check --config examples/configs/gpu_multinode.yaml --world-size 64
+
+``check`` loads a config, applies every validation rule for a world size without starting any process or
+building the model's weights (the model is instantiated on the meta device), and prints every problem with its fix.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+import yaml
+from lightning.pytorch.cli import LightningCLI
+
+import lightning_moe_overlap  # noqa: F401  (registers the strategy names)
+from lightning_moe_overlap.config import OverlapConfig
+from lightning_moe_overlap.strategy import MoEOverlapStrategy
+from lightning_moe_overlap.validation import (
+    Problem,
+    check_config,
+    check_machine,
+    check_model,
+    check_trainer,
+    check_world,
+)
+
+_REGISTERED = {"moe_overlap": {}, "moe_overlap_spawn": {"start_method": "spawn"}}
+
+
+def run_cli(args: Sequence[str] | None = None) -> LightningCLI:
+    """LightningCLI over any LightningModule / LightningDataModule, chosen by class path in the config."""
+    return LightningCLI(
+        subclass_mode_model=True,
+        subclass_mode_data=True,
+        save_config_kwargs={"overwrite": True},
+        args=args,
+    )
+
+
+# -- check ------------------------------------------------------------------------------------------------------
+def _load(path: str) -> dict[str, Any]:
+    with open(path) as f:
+        return yaml.safe_load(f) or {}
+
+
+def _strategy_config(strategy: Any) -> OverlapConfig | None:
+    """The OverlapConfig the trainer section asks for, or None when the strategy is not this package's."""
+    if isinstance(strategy, str):
+        if strategy not in _REGISTERED:
+            return None
+        return OverlapConfig(**_REGISTERED[strategy])
+    if isinstance(strategy, dict) and str(strategy.get("class_path", "")).endswith("MoEOverlapStrategy"):
+        init_args = dict(strategy.get("init_args") or {})
+        init_args.pop("timeout", None)
+        fields = set(OverlapConfig.__dataclass_fields__)
+        unknown = sorted(set(init_args) - fields)
+        if unknown:
+            raise ValueError(f"`check`: unknown `MoEOverlapStrategy` arguments {unknown}; valid: {sorted(fields)}.")
+        return OverlapConfig(**init_args)
+    return None
+
+
+def _instantiate(spec: dict[str, Any]) -> Any:
+    module_name, _, cls_name = spec["class_path"].rpartition(".")
+    cls = getattr(importlib.import_module(module_name), cls_name)
+    return cls(**(spec.get("init_args") or {}))
+
+
+def _world_size(trainer: dict[str, Any], override: int | None) -> int:
+    if override is not None:
+        return override
+    devices = trainer.get("devices", 1)
+    if not isinstance(devices, int):
+        raise ValueError(
+            f"`check`: trainer.devices={devices!r} is not a number of devices; pass `--world-size N` explicitly."
+        )
+    return devices * int(trainer.get("num_nodes", 1))
+
+
+def collect_problems(config: dict[str, Any], world_size: int | None = None) -> list[Problem]:
+    """Every validation problem of a LightningCLI config dict, for ``world_size`` processes."""
+    trainer = config.get("trainer") or {}
+    cfg = _strategy_config(trainer.get("strategy", "auto"))
+    if cfg is None:
+        return [Problem("strategy", "`check`: trainer.strategy is not `MoEOverlapStrategy` (or `moe_overlap`).")]
+    problems = check_config(cfg)
+    problems += check_world(cfg, _world_size(trainer, world_size))
+    accelerator = trainer.get("accelerator", "auto")
+    problems += check_machine(cfg, "cuda" if accelerator in ("gpu", "cuda") else "cpu")
+    automatic = True
+    model_spec = config.get("model")
+    if isinstance(model_spec, dict) and "class_path" in model_spec:
+        from lightning_moe_overlap.wrap import ExpertParallelModel
+
+        with torch.device("meta"):
+            model = _instantiate(model_spec)
+        problems += check_model(cfg, ExpertParallelModel(model).experts_per_block())
+        automatic = model.automatic_optimization
+    accumulate = int(trainer.get("accumulate_grad_batches", 1))
+    return problems + check_trainer(cfg, accumulate_grad_batches=accumulate, automatic_optimization=automatic)
+
+
+def check_main(argv: Sequence[str]) -> int:
+    parser = argparse.ArgumentParser(prog="lightning-moe-overlap check", description=__doc__.split("\n\n")[-1])
+    parser.add_argument("--config", required=True, action="append", help="YAML config file(s), merged in order")
+    parser.add_argument("--world-size", type=int, default=None, help="processes (default: devices x num_nodes)")
+    args = parser.parse_args(argv)
+    config: dict[str, Any] = {}
+    for path in args.config:
+        _merge(config, _load(path))
+    problems = collect_problems(config, args.world_size)
+    errors = [p for p in problems if p.is_error]
+    for p in problems:
+        print(p)
+    print(f"{len(errors)} error(s), {len(problems) - len(errors)} warning(s)")
+    return 1 if errors else 0
+
+
+def _merge(into: dict[str, Any], other: dict[str, Any]) -> None:
+    for key, value in other.items():
+        if isinstance(value, dict) and isinstance(into.get(key), dict):
+            _merge(into[key], value)
+        else:
+            into[key] = value
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv and argv[0] in ("check", "validate-config"):
+        raise SystemExit(check_main(argv[1:]))
+    run_cli(argv)
+
+
+__all__ = ["MoEOverlapStrategy", "collect_problems", "main", "run_cli"]

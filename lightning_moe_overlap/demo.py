@@ -1,0 +1,178 @@
+"""A small MoE GPT built from this package's layers, and synthetic token data, for the examples and the CLI.
+
+The model code knows nothing about parallelism: the strategy finds its experts and makes them expert-parallel.
+
+Shape legend: B batch, S sequence, D hidden, H heads, V vocabulary.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from lightning.pytorch import LightningDataModule, LightningModule
+from torch import Tensor, nn
+from torch.utils.data import DataLoader, Dataset
+
+from lightning_moe_overlap.moe.layer import MoELayer
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float = 1e-6) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.weight * x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+
+
+class CausalSelfAttention(nn.Module):
+    def __init__(self, hidden_size: int, num_heads: int) -> None:
+        super().__init__()
+        self.num_heads = num_heads
+        self.qkv = nn.Linear(hidden_size, 3 * hidden_size, bias=False)
+        self.proj = nn.Linear(hidden_size, hidden_size, bias=False)
+
+    def forward(self, x_BSD: Tensor) -> Tensor:
+        b, s, d = x_BSD.shape
+        q, k, v = self.qkv(x_BSD).view(b, s, 3, self.num_heads, d // self.num_heads).unbind(2)
+        out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True)
+        return self.proj(out.transpose(1, 2).reshape(b, s, d))
+
+
+class MoEDecoderLayer(nn.Module):
+    """Pre-norm attention, then a pre-norm MoE block (the overlap hides its all-to-all)."""
+
+    def __init__(self, hidden_size: int, num_heads: int, moe: MoELayer) -> None:
+        super().__init__()
+        self.attn_norm = RMSNorm(hidden_size)
+        self.attn = CausalSelfAttention(hidden_size, num_heads)
+        self.mlp_norm = RMSNorm(hidden_size)
+        self.mlp = moe
+
+    def forward(self, x_BSD: Tensor) -> Tensor:
+        x_BSD = x_BSD + self.attn(self.attn_norm(x_BSD))
+        return x_BSD + self.mlp(self.mlp_norm(x_BSD))
+
+
+class MoEGPT(LightningModule):
+    """A decoder-only language model whose MLPs are mixtures of experts.
+
+    Args:
+        vocab_size: Token vocabulary.
+        hidden_size: Model width.
+        num_layers: Decoder layers.
+        num_heads: Attention heads.
+        num_experts: Routed experts per MoE layer (the strategy's ``ep`` must divide it).
+        top_k: Experts each token is routed to.
+        ffn_hidden_size: Hidden size of each expert.
+        shared_expert_ffn_hidden_size: Hidden size of the shared expert; None for no shared expert.
+        aux_loss_coeff: Weight of the load-balancing loss.
+        lr: AdamW learning rate.
+        seed: Seed of the parameter initialisation (same model on every rank).
+    """
+
+    def __init__(
+        self,
+        vocab_size: int = 256,
+        hidden_size: int = 64,
+        num_layers: int = 2,
+        num_heads: int = 4,
+        num_experts: int = 8,
+        top_k: int = 2,
+        ffn_hidden_size: int = 128,
+        shared_expert_ffn_hidden_size: int | None = None,
+        aux_loss_coeff: float = 1e-2,
+        lr: float = 3e-3,
+        seed: int = 0,
+    ) -> None:
+        super().__init__()
+        self.save_hyperparameters()
+        torch.manual_seed(seed)
+        self.embed = nn.Embedding(vocab_size, hidden_size)
+        self.layers = nn.ModuleList(
+            MoEDecoderLayer(
+                hidden_size,
+                num_heads,
+                MoELayer(
+                    hidden_size=hidden_size,
+                    ffn_hidden_size=ffn_hidden_size,
+                    num_experts=num_experts,
+                    top_k=top_k,
+                    shared_expert_ffn_hidden_size=shared_expert_ffn_hidden_size,
+                    aux_loss_coeff=aux_loss_coeff,
+                ),
+            )
+            for _ in range(num_layers)
+        )
+        self.norm = RMSNorm(hidden_size)
+        self.head = nn.Linear(hidden_size, vocab_size, bias=False)
+
+    def forward(self, tokens_BS: Tensor) -> Tensor:
+        x_BSD = self.embed(tokens_BS)
+        for layer in self.layers:
+            x_BSD = layer(x_BSD)
+        return self.head(self.norm(x_BSD))
+
+    def _loss(self, tokens_BS: Tensor) -> Tensor:
+        logits_BSV = self(tokens_BS[:, :-1])
+        return F.cross_entropy(logits_BSV.reshape(-1, logits_BSV.shape[-1]).float(), tokens_BS[:, 1:].reshape(-1))
+
+    def training_step(self, batch: Tensor, batch_idx: int) -> Tensor:
+        loss = self._loss(batch)
+        self.log("train_loss", loss, prog_bar=True)
+        return loss
+
+    def validation_step(self, batch: Tensor, batch_idx: int) -> None:
+        self.log("val_loss", self._loss(batch), sync_dist=True)
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.AdamW(self.parameters(), lr=self.hparams.lr)
+
+
+class _PatternTokens(Dataset):
+    """Sequences that follow ``t[i+1] = (a * t[i] + c) % V`` with a per-sequence ``a, c``: learnable, deterministic."""
+
+    def __init__(self, num_samples: int, seq_len: int, vocab_size: int, seed: int) -> None:
+        g = torch.Generator().manual_seed(seed)
+        start = torch.randint(0, vocab_size, (num_samples,), generator=g)
+        a = torch.randint(1, 4, (num_samples,), generator=g)
+        c = torch.randint(0, vocab_size, (num_samples,), generator=g)
+        seq = [start]
+        for _ in range(seq_len):
+            seq.append((a * seq[-1] + c) % vocab_size)
+        self.tokens = torch.stack(seq, dim=1)
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+    def __getitem__(self, i: int) -> Tensor:
+        return self.tokens[i]
+
+
+class SyntheticTokens(LightningDataModule):
+    """Deterministic synthetic token sequences (no download).
+
+    Args:
+        vocab_size: Token vocabulary; match the model's.
+        seq_len: Tokens per sample (plus one for the shifted target).
+        batch_size: Samples per batch on each data-parallel rank (a multiple of the strategy's micro-batches).
+        num_samples: Training samples.
+        seed: Data seed.
+    """
+
+    def __init__(
+        self, vocab_size: int = 256, seq_len: int = 64, batch_size: int = 8, num_samples: int = 2048, seed: int = 0
+    ) -> None:
+        super().__init__()
+        self.save_hyperparameters()
+
+    def train_dataloader(self) -> DataLoader:
+        h = self.hparams
+        data = _PatternTokens(h.num_samples, h.seq_len, h.vocab_size, h.seed)
+        return DataLoader(data, batch_size=h.batch_size, shuffle=True, drop_last=True)
+
+    def val_dataloader(self) -> DataLoader:
+        h = self.hparams
+        data = _PatternTokens(max(h.batch_size * 4, 32), h.seq_len, h.vocab_size, h.seed + 1)
+        return DataLoader(data, batch_size=h.batch_size, drop_last=True)

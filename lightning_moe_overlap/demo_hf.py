@@ -1,0 +1,81 @@
+"""A Hugging Face transformers v5 MoE causal LM in a LightningModule (built from a config: random init, no download).
+
+The module is plain HF code: the strategy finds the experts of its sparse MoE blocks and makes them
+expert-parallel; the model's own routers, shared experts and loss are untouched. Needs ``transformers>=5``
+(``pip install lightning-moe-overlap[hf]``).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+import torch
+from lightning.pytorch import LightningModule
+from torch import Tensor
+
+ModelType = Literal["qwen3_moe", "mixtral", "qwen2_moe", "olmoe"]
+
+TINY_CONFIGS: dict[str, dict[str, Any]] = {
+    "qwen3_moe": dict(
+        hidden_size=32, intermediate_size=64, moe_intermediate_size=16, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=8, num_experts=8, num_experts_per_tok=2, vocab_size=128,
+    ),
+    "mixtral": dict(
+        hidden_size=32, intermediate_size=16, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+        head_dim=8, num_local_experts=4, num_experts_per_tok=2, vocab_size=128,
+    ),
+    "qwen2_moe": dict(
+        hidden_size=32, intermediate_size=64, moe_intermediate_size=16, shared_expert_intermediate_size=32,
+        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, num_experts=8, num_experts_per_tok=2,
+        vocab_size=128,
+    ),
+    "olmoe": dict(
+        hidden_size=32, intermediate_size=16, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4,
+        num_experts=8, num_experts_per_tok=2, vocab_size=128, pad_token_id=1, bos_token_id=None, eos_token_id=0,
+    ),
+}
+
+
+def build_hf_model(model_type: str, **overrides: Any) -> torch.nn.Module:
+    """An HF ``AutoModelForCausalLM`` from a tiny config of ``model_type`` (overrides update the config)."""
+    try:
+        from transformers import AutoConfig, AutoModelForCausalLM
+    except ImportError as err:  # pragma: no cover - depends on the environment
+        raise ImportError(
+            "`build_hf_model` needs Hugging Face transformers>=5: `pip install lightning-moe-overlap[hf]`."
+        ) from err
+    if model_type not in TINY_CONFIGS:
+        raise ValueError(f"`build_hf_model`: model_type={model_type!r} is not one of {sorted(TINY_CONFIGS)}.")
+    config = AutoConfig.for_model(model_type, **{**TINY_CONFIGS[model_type], **overrides})
+    return AutoModelForCausalLM.from_config(config)
+
+
+class HFMoECausalLM(LightningModule):
+    """Next-token training of a tiny HF MoE model.
+
+    Args:
+        model_type: ``"qwen3_moe"``, ``"mixtral"``, ``"qwen2_moe"`` or ``"olmoe"``.
+        lr: AdamW learning rate.
+        seed: Seed of the random initialisation (the same model on every rank).
+        config_overrides: Updates to the tiny config (e.g. ``{"num_hidden_layers": 4}``).
+    """
+
+    def __init__(
+        self, model_type: ModelType = "qwen3_moe", lr: float = 1e-2, seed: int = 0,
+        config_overrides: dict[str, Any] | None = None,
+    ) -> None:
+        super().__init__()
+        self.save_hyperparameters()
+        torch.manual_seed(seed)
+        self.model = build_hf_model(model_type, **(config_overrides or {}))
+
+    def training_step(self, batch: Tensor, batch_idx: int) -> Tensor:
+        loss = self.model(input_ids=batch, labels=batch).loss
+        self.log("train_loss", loss, prog_bar=True)
+        return loss
+
+    def validation_step(self, batch: Tensor, batch_idx: int) -> None:
+        self.log("val_loss", self.model(input_ids=batch, labels=batch).loss, sync_dist=True)
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.AdamW(self.parameters(), lr=self.hparams.lr)

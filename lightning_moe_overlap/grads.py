@@ -1,0 +1,111 @@
+"""Gradient synchronisation over the data-parallel groups and clipping by the true global norm.
+
+Scaling. Each rank backpropagates ``loss / num_microbatches`` of its own batch. The global objective is the mean
+over the ``D = dp * cp`` data-parallel ranks, so
+
+- a dense parameter is replicated on every rank of the ``dp_cp`` group: its gradient is summed over ``dp_cp`` and
+  divided by ``D``;
+- an expert parameter is replicated only over the ``edp`` group, but its local gradient already holds the
+  contributions of every rank of its ``ep`` group (their tokens came to it through the all-to-all). Summing over
+  ``edp`` therefore covers all ``D`` ranks, and it is divided by ``D`` as well, not by ``edp``.
+
+Norm. After the sync, dense gradients are identical on every rank and expert gradients differ between ep ranks,
+so ``|g|^2 = dense^2 + sum over the ep group of expert^2``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
+from torch.distributed import ProcessGroup
+
+_BUCKET_BYTES = 64 << 20
+
+
+def _materialised_grads(params: Iterable[torch.nn.Parameter]) -> list[Tensor]:
+    """Gradients of ``params``; a missing one becomes zeros so every rank reduces the same buffers."""
+    grads = []
+    for p in params:
+        if p.grad is None:
+            p.grad = torch.zeros_like(p)
+        grads.append(p.grad)
+    return grads
+
+
+def _buckets(tensors: Sequence[Tensor]) -> Iterable[list[Tensor]]:
+    """Consecutive runs of same-dtype tensors of at most ``_BUCKET_BYTES`` (order is identical on every rank)."""
+    bucket: list[Tensor] = []
+    size = 0
+    for t in tensors:
+        if bucket and (t.dtype != bucket[0].dtype or size + t.numel() * t.element_size() > _BUCKET_BYTES):
+            yield bucket
+            bucket, size = [], 0
+        bucket.append(t)
+        size += t.numel() * t.element_size()
+    if bucket:
+        yield bucket
+
+
+def allreduce_mean(grads: Sequence[Tensor], group: ProcessGroup, divisor: int) -> None:
+    """In place: ``g = sum_over_group(g) / divisor``, bucketed into flat buffers."""
+    if dist.get_world_size(group) == 1 and divisor == 1:
+        return
+    for bucket in _buckets(grads):
+        flat = _flatten_dense_tensors(bucket)
+        if dist.get_world_size(group) > 1:
+            dist.all_reduce(flat, group=group)
+        flat.div_(divisor)
+        for g, synced in zip(bucket, _unflatten_dense_tensors(flat, bucket)):
+            g.copy_(synced)
+
+
+def sync_gradients(
+    dense: Sequence[torch.nn.Parameter],
+    expert: Sequence[torch.nn.Parameter],
+    *,
+    dp_cp_group: ProcessGroup,
+    edp_group: ProcessGroup,
+    dp_cp_size: int,
+) -> None:
+    """Average dense gradients over ``dp_cp`` and expert gradients over ``edp``, both scaled by ``1/dp_cp_size``."""
+    allreduce_mean(_materialised_grads(dense), dp_cp_group, dp_cp_size)
+    allreduce_mean(_materialised_grads(expert), edp_group, dp_cp_size)
+
+
+def _sum_of_squares(params: Iterable[torch.nn.Parameter]) -> Tensor:
+    total = torch.zeros((), dtype=torch.float64)
+    for p in params:
+        if p.grad is not None:
+            total = total + p.grad.detach().double().pow(2).sum().cpu()
+    return total
+
+
+def global_grad_norm(
+    dense: Sequence[torch.nn.Parameter], expert: Sequence[torch.nn.Parameter], *, ep_group: ProcessGroup
+) -> Tensor:
+    """The L2 norm of every gradient of the model, as a float64 scalar, identical on every rank."""
+    expert_sq = _sum_of_squares(expert)
+    if dist.is_initialized() and dist.get_world_size(ep_group) > 1:
+        dist.all_reduce(expert_sq, group=ep_group)
+    return (_sum_of_squares(dense) + expert_sq).sqrt()
+
+
+def clip_grad_norm(
+    dense: Sequence[torch.nn.Parameter],
+    expert: Sequence[torch.nn.Parameter],
+    max_norm: float,
+    *,
+    ep_group: ProcessGroup,
+    eps: float = 1e-6,
+) -> Tensor:
+    """Scale every gradient by ``min(1, max_norm / (norm + eps))`` like ``torch.nn.utils.clip_grad_norm_``."""
+    norm = global_grad_norm(dense, expert, ep_group=ep_group)
+    coef = torch.clamp(max_norm / (norm + eps), max=1.0)
+    for p in (*dense, *expert):
+        if p.grad is not None:
+            p.grad.detach().mul_(coef.to(p.grad.device, p.grad.dtype))
+    return norm

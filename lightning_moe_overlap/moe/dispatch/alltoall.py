@@ -1,0 +1,133 @@
+"""All-to-all token dispatcher: send each routed (token, choice) row straight to the rank of its expert.
+
+Per call, two comm points on the way in (the token counts, then the tokens) and one on the way out; the
+backward mirrors them (the combine's backward is a dispatch-shaped all-to-all and vice versa). Routing weights
+never cross the wire: they are applied on the source rank when the outputs are scattered back to their tokens.
+
+Host syncs: one per dispatch, the ``.tolist()`` of the send and receive counts that ``all_to_all_single``
+needs as Python split sizes (marked ``NOTE: D2H sync``).
+
+Shape legend:
+    T: tokens on this rank   K: top-k   D: hidden size   E: global experts   e: local experts   G: ep ranks
+    A: rows sent by this rank (kept assignments, sorted by global expert)
+    M: rows received, grouped by source rank then local expert    R: the same rows grouped by local expert
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from lightning_moe_overlap.moe.dispatch.base import DispatcherBase
+from lightning_moe_overlap.moe.dispatch.comm import all_to_all, exchange_counts
+from lightning_moe_overlap.moe.permute import (
+    chunk_permutation,
+    gather_rows,
+    inverse_permutation,
+    scatter_weighted,
+    sort_by_expert,
+)
+
+
+@dataclass(frozen=True)
+class AllToAllHandle:
+    """Per-call state from :meth:`AllToAllDispatcher.dispatch` to :meth:`AllToAllDispatcher.combine`.
+
+    Attributes:
+        assign_A: flat (token, choice) ids of the rows sent, in send order.
+        weights_TK: the routing weights, applied at combine on this (source) rank.
+        num_tokens: ``T``.
+        out_dtype: dtype of the combined output (that of the input tokens).
+        input_splits: rows sent to each ep rank.
+        output_splits: rows received from each ep rank.
+        perm_R: receive layout (source-major) -> expert-major rows; ``None`` when there is one source.
+    """
+
+    assign_A: Tensor
+    weights_TK: Tensor
+    num_tokens: int
+    out_dtype: torch.dtype
+    input_splits: tuple[int, ...]
+    output_splits: tuple[int, ...]
+    perm_R: Tensor | None
+
+
+class AllToAllDispatcher(DispatcherBase):
+    """Uneven ``all_to_all_single`` over the ep group (gloo or NCCL)."""
+
+    name = "alltoall"
+
+    # -- dispatch ----------------------------------------------------------------------------------------------
+    def dispatch(
+        self, x_TD: Tensor, indices_TK: Tensor, weights_TK: Tensor
+    ) -> tuple[Tensor, list[int], AllToAllHandle]:
+        """Send rows to their experts' ranks; returns ``(x_RD, tokens_per_local_expert, handle)``."""
+        order_TK, counts_E = self._dispatch_preprocess(indices_TK)
+        send_E, recv_SE = self._exchange_counts(counts_E)
+        assign_A = order_TK[: sum(send_E)]
+        x_AD = gather_rows(x_TD, assign_A, indices_TK.shape[-1])
+        input_splits = tuple(
+            sum(send_E[r * self.num_local_experts : (r + 1) * self.num_local_experts]) for r in range(self.ep_size)
+        )
+        output_splits = tuple(sum(row) for row in recv_SE)
+        x_MD = self._token_dispatch(x_AD, input_splits, output_splits)
+        x_RD, perm_R = self._dispatch_postprocess(x_MD, recv_SE)
+        tokens_per_local_expert = [sum(row[e] for row in recv_SE) for e in range(self.num_local_experts)]
+        handle = AllToAllHandle(
+            assign_A=assign_A,
+            weights_TK=weights_TK,
+            num_tokens=x_TD.shape[0],
+            out_dtype=x_TD.dtype,
+            input_splits=input_splits,
+            output_splits=output_splits,
+            perm_R=perm_R,
+        )
+        return x_RD, tokens_per_local_expert, handle
+
+    def _dispatch_preprocess(self, indices_TK: Tensor) -> tuple[Tensor, Tensor]:
+        """No comm: order the assignments by global expert (so by destination rank, then local expert)."""
+        return sort_by_expert(indices_TK, self.num_experts)
+
+    def _exchange_counts(self, counts_E: Tensor) -> tuple[list[int], list[list[int]]]:
+        """Comm point: tell every rank how many rows of each of its experts it will receive from here."""
+        recv_GE = exchange_counts(counts_E.view(self.ep_size, self.num_local_experts), self.ep_group, self.runtime)
+        sizes = torch.cat([counts_E, recv_GE.reshape(-1)]).tolist()  # NOTE: D2H sync (split sizes for the all-to-all)
+        send_E = sizes[: self.num_experts]
+        flat_recv = sizes[self.num_experts :]
+        local = self.num_local_experts
+        recv_SE = [flat_recv[s * local : (s + 1) * local] for s in range(self.ep_size)]
+        return send_E, recv_SE
+
+    def _token_dispatch(self, x_AD: Tensor, input_splits: tuple[int, ...], output_splits: tuple[int, ...]) -> Tensor:
+        """Comm point: the uneven all-to-all of the token rows."""
+        return all_to_all(x_AD, output_splits, input_splits, self.ep_group, self.runtime)
+
+    def _dispatch_postprocess(self, x_MD: Tensor, recv_SE: list[list[int]]) -> tuple[Tensor, Tensor | None]:
+        """No comm: regroup the received rows from (source, local expert) to (local expert, source)."""
+        if self.ep_size == 1:
+            return x_MD, None
+        perm_R = chunk_permutation(recv_SE, x_MD.device)
+        return x_MD.index_select(0, perm_R), perm_R
+
+    # -- combine -----------------------------------------------------------------------------------------------
+    def combine(self, y_RD: Tensor, handle: AllToAllHandle) -> Tensor:
+        """Send expert outputs back and sum them per token with the routing weights: ``out_TD``."""
+        y_MD = self._combine_preprocess(y_RD, handle)
+        y_AD = self._token_combine(y_MD, handle)
+        return self._combine_postprocess(y_AD, handle)
+
+    def _combine_preprocess(self, y_RD: Tensor, handle: AllToAllHandle) -> Tensor:
+        """No comm: back to the receive layout (source-major)."""
+        if handle.perm_R is None:
+            return y_RD
+        return y_RD.index_select(0, inverse_permutation(handle.perm_R))
+
+    def _token_combine(self, y_MD: Tensor, handle: AllToAllHandle) -> Tensor:
+        """Comm point: the reverse all-to-all."""
+        return all_to_all(y_MD, handle.input_splits, handle.output_splits, self.ep_group, self.runtime)
+
+    def _combine_postprocess(self, y_AD: Tensor, handle: AllToAllHandle) -> Tensor:
+        """No comm: weight each row by its routing weight and sum it into its token (the unpermute)."""
+        return scatter_weighted(y_AD, handle.assign_A, handle.weights_TK, handle.num_tokens, handle.out_dtype)

@@ -1,0 +1,86 @@
+"""The dispatcher contract shared by every backend.
+
+A dispatcher moves routed tokens to the ranks that own their experts and brings the expert outputs back::
+
+    x_RD, tokens_per_local_expert, handle = dispatcher.dispatch(x_TD, indices_TK, weights_TK)
+    y_RD = experts(x_RD, tokens_per_local_expert)           # rows sorted by local expert
+    out_TD = dispatcher.combine(y_RD, handle)
+
+Inside, each direction runs in stages, and only the middle one communicates::
+
+    dispatch: preprocess (no comm) -> token dispatch (comm) -> postprocess (no comm)
+    combine:  preprocess (no comm) -> token combine (comm)  -> postprocess (no comm)
+
+Everything one call needs later (splits, permutations, routing weights) travels in the frozen ``handle``
+returned by ``dispatch`` and consumed by ``combine``, never on ``self``: with overlap, two micro-batches are in
+flight on the same dispatcher at once.
+
+Experts are split in contiguous blocks: ep rank ``r`` owns global experts ``[r * E / ep, (r + 1) * E / ep)``.
+Indices outside ``[0, E)`` mark dropped (token, choice) pairs; they are not sent and contribute zero.
+
+Shape legend:
+    T: tokens on this rank    K: top-k    D: hidden size    R: rows received here, sorted by local expert
+"""
+
+from __future__ import annotations
+
+from typing import Any, Protocol, runtime_checkable
+
+from torch import Tensor
+from torch.distributed import ProcessGroup
+
+from lightning_moe_overlap.moe.dispatch.comm import group_rank, group_size
+from lightning_moe_overlap.overlap.runtime import CommRuntime
+
+
+@runtime_checkable
+class TokenDispatcher(Protocol):
+    """What :class:`~lightning_moe_overlap.moe.ep.ExpertParallelExperts` needs from a dispatcher."""
+
+    num_experts: int
+    num_local_experts: int
+    first_expert: int
+
+    def dispatch(self, x_TD: Tensor, indices_TK: Tensor, weights_TK: Tensor) -> tuple[Tensor, list[int], Any]: ...
+
+    def combine(self, y_RD: Tensor, handle: Any) -> Tensor: ...
+
+
+def check_expert_split(num_experts: int, ep: int, *, owner: str) -> None:
+    """Raise ``ValueError`` unless ``ep`` divides ``num_experts`` (every rank must own as many experts)."""
+    if isinstance(num_experts, bool) or not isinstance(num_experts, int) or num_experts < 1:
+        raise ValueError(f"{owner}: num_experts={num_experts!r} must be a positive integer.")
+    if num_experts % ep:
+        divisors = [d for d in range(1, num_experts + 1) if num_experts % d == 0]
+        raise ValueError(
+            f"{owner}: num_experts={num_experts} is not divisible by ep={ep}; each expert-parallel rank must own "
+            f"the same number of experts (num_experts % ep == 0). Choose ep among {divisors}."
+        )
+
+
+class DispatcherBase:
+    """Group bookkeeping common to all dispatchers (no per-call state).
+
+    Args:
+        ep_group: the expert-parallel process group; ``None`` for a single process (``ep=1``).
+        num_experts: global number of experts ``E`` (divisible by the group size).
+        runtime: comm-point hand-over target; ``None`` runs without any overlap engine.
+    """
+
+    name = "base"
+
+    def __init__(self, ep_group: ProcessGroup | None, num_experts: int, runtime: CommRuntime | None) -> None:
+        self.ep_group = ep_group
+        self.ep_size = group_size(ep_group)
+        self.ep_rank = group_rank(ep_group)
+        check_expert_split(num_experts, self.ep_size, owner=f"`{type(self).__name__}`")
+        self.num_experts = num_experts
+        self.num_local_experts = num_experts // self.ep_size
+        self.first_expert = self.ep_rank * self.num_local_experts
+        self.runtime = runtime
+
+    def __repr__(self) -> str:
+        return (
+            f"{type(self).__name__}(ep={self.ep_size}, ep_rank={self.ep_rank}, num_experts={self.num_experts}, "
+            f"local=[{self.first_expert}, {self.first_expert + self.num_local_experts}))"
+        )

@@ -1,0 +1,202 @@
+"""Autograd-correct collectives over the expert-parallel group, each one a comm point.
+
+Every collective here is issued asynchronously, then ``runtime.handoff()`` lets other work run (queued shared
+experts, deferred weight gradients, the other micro-batch), then the collective is waited on through
+``runtime.wait(work)`` (which times it when a timer is attached). Backward passes
+are collectives too and go through the same comm point: the backward of a dispatch-shaped all-to-all is the
+combine-shaped one, the backward of an all-gather a reduce-scatter, and so on.
+
+Rules that keep ranks in lockstep:
+
+- a collective is never skipped because of local data: a rank with no tokens sends and receives empty tensors;
+- with one rank in the group (``ep=1``, or no group) no communication is issued, but ``runtime.handoff()`` is
+  still called exactly once, so the sequence of hand-overs is the same for every ``ep``.
+
+Shape legend:
+    N: rows sent by this rank       M: rows received        D: feature size         G: ranks in the group
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+from torch.distributed import ProcessGroup
+
+from lightning_moe_overlap.overlap.runtime import CommRuntime, Waitable
+
+_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
+def group_size(group: ProcessGroup | None) -> int:
+    """Ranks in ``group``; ``None`` means a single process (no communication)."""
+    return 1 if group is None else dist.get_world_size(group)
+
+
+def group_rank(group: ProcessGroup | None) -> int:
+    """This process's rank inside ``group``; 0 for ``None``."""
+    return 0 if group is None else dist.get_rank(group)
+
+
+def handoff(runtime: CommRuntime | None, grad_enabled: bool | None = None) -> None:
+    """Hand over at a comm point, with the caller's grad mode when called from inside an autograd function.
+
+    An autograd function's forward runs with grad disabled, but the work done at a hand-over (a submitted
+    shared-expert forward) must build its graph as the layer's caller would have: ``grad_enabled`` restores the
+    mode captured before entering the function.
+    """
+    if runtime is None:
+        return
+    if grad_enabled is None:
+        runtime.handoff()
+        return
+    with torch.set_grad_enabled(grad_enabled):
+        runtime.handoff()
+
+
+def wait(runtime: CommRuntime | None, work: Waitable) -> None:
+    """Wait for an issued collective, through ``runtime.wait`` (which can time it) when there is a runtime."""
+    if runtime is None:
+        work.wait()
+        return
+    runtime.wait(work)
+
+
+def all_to_all_raw(
+    x_ND: Tensor,
+    output_splits: Sequence[int],
+    input_splits: Sequence[int],
+    group: ProcessGroup | None,
+    runtime: CommRuntime | None,
+    grad_enabled: bool | None = None,
+) -> Tensor:
+    """Uneven ``all_to_all_single`` along dim 0 at a comm point (no autograd)."""
+    if group_size(group) == 1:
+        handoff(runtime, grad_enabled)
+        return x_ND
+    out_MD = x_ND.new_empty((sum(output_splits), *x_ND.shape[1:]))
+    work = dist.all_to_all_single(
+        out_MD, x_ND.contiguous(), list(output_splits), list(input_splits), group=group, async_op=True
+    )
+    handoff(runtime, grad_enabled)
+    wait(runtime, work)
+    return out_MD
+
+
+def all_gather_raw(
+    x_ND: Tensor, group: ProcessGroup | None, runtime: CommRuntime | None, grad_enabled: bool | None = None
+) -> Tensor:
+    """Equal-size all-gather along dim 0 at a comm point (no autograd): ``[G * N, ...]`` in rank order."""
+    size = group_size(group)
+    if size == 1:
+        handoff(runtime, grad_enabled)
+        return x_ND
+    out = x_ND.new_empty((size * x_ND.shape[0], *x_ND.shape[1:]))
+    work = _all_gather_single(out, x_ND.contiguous(), group=group, async_op=True)
+    handoff(runtime, grad_enabled)
+    wait(runtime, work)
+    return out
+
+
+def reduce_scatter_raw(
+    x_GND: Tensor, group: ProcessGroup | None, runtime: CommRuntime | None, grad_enabled: bool | None = None
+) -> Tensor:
+    """Sum-reduce-scatter along dim 0 at a comm point (no autograd): rank ``r`` gets the sum of chunk ``r``."""
+    size = group_size(group)
+    if size == 1:
+        handoff(runtime, grad_enabled)
+        return x_GND
+    out = x_GND.new_empty((x_GND.shape[0] // size, *x_GND.shape[1:]))
+    work = _reduce_scatter_single(out, x_GND.contiguous(), group=group, async_op=True)
+    handoff(runtime, grad_enabled)
+    wait(runtime, work)
+    return out
+
+
+class _AllToAll(torch.autograd.Function):
+    @staticmethod
+    def forward(  # type: ignore[override]
+        ctx,
+        x_ND: Tensor,
+        output_splits: tuple[int, ...],
+        input_splits: tuple[int, ...],
+        group: ProcessGroup | None,
+        runtime: CommRuntime | None,
+        grad_enabled: bool,
+    ) -> Tensor:
+        ctx.output_splits, ctx.input_splits, ctx.group, ctx.runtime = output_splits, input_splits, group, runtime
+        return all_to_all_raw(x_ND, output_splits, input_splits, group, runtime, grad_enabled)
+
+    @staticmethod
+    def backward(ctx, g_MD: Tensor) -> tuple[Tensor, None, None, None, None]:  # type: ignore[override]
+        # The reverse exchange: what was received goes back to where it came from.
+        g_ND = all_to_all_raw(g_MD.contiguous(), ctx.input_splits, ctx.output_splits, ctx.group, ctx.runtime)
+        return g_ND, None, None, None, None, None
+
+
+class _AllGather(torch.autograd.Function):
+    @staticmethod
+    def forward(  # type: ignore[override]
+        ctx, x_ND: Tensor, group: ProcessGroup | None, runtime: CommRuntime | None, grad_enabled: bool
+    ) -> Tensor:
+        ctx.group, ctx.runtime = group, runtime
+        return all_gather_raw(x_ND, group, runtime, grad_enabled)
+
+    @staticmethod
+    def backward(ctx, g_GND: Tensor) -> tuple[Tensor, None, None, None]:  # type: ignore[override]
+        return reduce_scatter_raw(g_GND, ctx.group, ctx.runtime), None, None, None
+
+
+class _ReduceScatter(torch.autograd.Function):
+    @staticmethod
+    def forward(  # type: ignore[override]
+        ctx, x_GND: Tensor, group: ProcessGroup | None, runtime: CommRuntime | None, grad_enabled: bool
+    ) -> Tensor:
+        ctx.group, ctx.runtime = group, runtime
+        return reduce_scatter_raw(x_GND, group, runtime, grad_enabled)
+
+    @staticmethod
+    def backward(ctx, g_ND: Tensor) -> tuple[Tensor, None, None, None]:  # type: ignore[override]
+        return all_gather_raw(g_ND, ctx.group, ctx.runtime), None, None, None
+
+
+def all_to_all(
+    x_ND: Tensor,
+    output_splits: Sequence[int],
+    input_splits: Sequence[int],
+    group: ProcessGroup | None,
+    runtime: CommRuntime | None,
+) -> Tensor:
+    """Differentiable uneven all-to-all: send ``input_splits[r]`` rows to rank ``r``, receive ``output_splits``.
+
+    Its backward is the reverse all-to-all (splits swapped), also at a comm point.
+    """
+    return _AllToAll.apply(x_ND, tuple(output_splits), tuple(input_splits), group, runtime, torch.is_grad_enabled())
+
+
+def all_gather(x_ND: Tensor, group: ProcessGroup | None, runtime: CommRuntime | None) -> Tensor:
+    """Differentiable equal-size all-gather along dim 0; backward is a sum-reduce-scatter."""
+    return _AllGather.apply(x_ND, group, runtime, torch.is_grad_enabled())
+
+
+def reduce_scatter(x_GND: Tensor, group: ProcessGroup | None, runtime: CommRuntime | None) -> Tensor:
+    """Differentiable sum-reduce-scatter along dim 0; backward is an all-gather."""
+    return _ReduceScatter.apply(x_GND, group, runtime, torch.is_grad_enabled())
+
+
+def exchange_counts(counts_GE: Tensor, group: ProcessGroup | None, runtime: CommRuntime | None) -> Tensor:
+    """All-to-all of per-destination counts ``[G, E]``: returns the counts every source sends here, ``[G, E]``."""
+    num_ranks, per_rank = counts_GE.shape
+    splits = [per_rank] * num_ranks
+    return all_to_all_raw(counts_GE.reshape(-1), splits, splits, group, runtime).view(num_ranks, per_rank)
+
+
+def gather_sizes(
+    num_rows: int, group: ProcessGroup | None, runtime: CommRuntime | None, device: torch.device
+) -> list[int]:
+    """Every rank's ``num_rows`` (an all-gather at a comm point); index = rank in ``group``."""
+    mine = torch.tensor([num_rows], dtype=torch.long, device=device)
+    return all_gather_raw(mine, group, runtime).tolist()  # NOTE: D2H sync (sizes of the gathered rows)

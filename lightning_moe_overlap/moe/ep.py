@@ -1,0 +1,157 @@
+"""Expert parallelism at the experts module: keep this rank's experts, route tokens to their owners and back.
+
+``ExpertParallelExperts`` replaces an experts module (our :class:`~lightning_moe_overlap.moe.experts.Experts`
+or a Hugging Face v5 one) and keeps its forward signature ``(hidden_states_TD, top_k_index_TK,
+top_k_weights_TK) -> out_TD``, so the router, shared experts and the rest of the model stay untouched. It holds
+only experts ``[ep_rank * E / ep, (ep_rank + 1) * E / ep)``, as new parameters under the original names, and an
+:class:`ExpertShard` saying which global experts those are.
+
+Forward: capacity drop (optional, on local tokens) -> ``dispatcher.dispatch`` -> grouped MLP of the local
+experts -> ``dispatcher.combine``. On each rank the result equals the unsharded module's on that rank's tokens.
+
+Shape legend:
+    T: tokens on this rank   K: top-k   D: hidden size   R: rows for local experts   e: local experts
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from torch import Tensor, nn
+
+from lightning_moe_overlap.moe.capacity import DropPolicy, drop_over_capacity, validate_capacity
+from lightning_moe_overlap.moe.dispatch.base import DispatcherBase
+from lightning_moe_overlap.moe.grouped import GemmImpl, grouped_mlp
+from lightning_moe_overlap.moe.layout import ExpertsLayout
+
+
+@dataclass(frozen=True)
+class ExpertShard:
+    """Which global experts a rank holds: local expert ``i`` is global expert ``first_expert + i``."""
+
+    num_experts: int
+    first_expert: int
+    num_local: int
+
+    def global_index(self, local_index: int) -> int:
+        if not 0 <= local_index < self.num_local:
+            raise ValueError(
+                f"`ExpertShard.global_index`: local_index={local_index} is outside [0, {self.num_local}); this "
+                f"shard holds global experts [{self.first_expert}, {self.first_expert + self.num_local})."
+            )
+        return self.first_expert + local_index
+
+    @property
+    def global_range(self) -> range:
+        return range(self.first_expert, self.first_expert + self.num_local)
+
+
+class ExpertParallelExperts(nn.Module):
+    """This rank's slice of an experts module plus the token dispatcher that feeds it.
+
+    Args:
+        source: the unsharded experts module; its weights are sliced and cloned (it can be freed afterwards).
+        layout: how ``source`` stores and computes its experts (from its adapter).
+        dispatcher: the token dispatcher (defines the ep group and which experts are local).
+        capacity_factor: drop assignments beyond ``ceil(T*K/E * factor)`` per expert on local tokens; ``None``
+            is dropless.
+        token_drop_policy: ``"probs"`` or ``"position"``.
+        impl: grouped GEMM implementation (``"auto"``, ``"grouped_mm"``, ``"loop"``).
+    """
+
+    def __init__(
+        self,
+        source: nn.Module,
+        layout: ExpertsLayout,
+        dispatcher: DispatcherBase,
+        *,
+        capacity_factor: float | None = None,
+        token_drop_policy: DropPolicy = "probs",
+        impl: GemmImpl = "auto",
+    ) -> None:
+        super().__init__()
+        validate_capacity(capacity_factor, token_drop_policy, owner="`ExpertParallelExperts`")
+        missing = [name for name in layout.parameter_names if not isinstance(getattr(source, name, None), Tensor)]
+        if missing:
+            raise ValueError(
+                f"`ExpertParallelExperts`: the layout names {missing}, which {type(source).__name__} does not have as "
+                "tensors; a layout must name the module's own per-expert parameters. Fix the adapter's layout."
+            )
+        extra = sorted(name for name, _ in source.named_parameters() if name not in layout.parameter_names)
+        if extra:
+            raise NotImplementedError(
+                f"`ExpertParallelExperts`: {type(source).__name__} has parameters {extra} that its layout does not "
+                f"describe (layout: {list(layout.parameter_names)}); sharding would lose them. Register an adapter "
+                "whose layout covers every per-expert parameter (docs/adapters.md), or keep ep=1."
+            )
+        num_experts = getattr(source, layout.up_name).shape[0]
+        if num_experts != dispatcher.num_experts:
+            raise ValueError(
+                f"`ExpertParallelExperts`: the experts module has {num_experts} experts but the dispatcher was built "
+                f"for num_experts={dispatcher.num_experts}; they must match. Build the dispatcher from this module."
+            )
+        first, count = dispatcher.first_expert, dispatcher.num_local_experts
+        # Keep the source's parameter order, so optimizers and checkpoints see the same sequence of names.
+        for name in [n for n in source._parameters if n in layout.parameter_names]:
+            full = getattr(source, name)
+            if full.shape[0] != num_experts:
+                raise ValueError(
+                    f"`ExpertParallelExperts`: `{name}` has {full.shape[0]} rows in dim 0 but `{layout.up_name}` has "
+                    f"{num_experts}; every per-expert tensor must lead with the expert dimension. Register an "
+                    "adapter whose layout names only per-expert tensors (docs/adapters.md)."
+                )
+            local = full.detach()[first : first + count].clone()
+            self.register_parameter(name, nn.Parameter(local, requires_grad=full.requires_grad))
+        self.layout = layout
+        self.act_fn = layout.act_fn
+        self.dispatcher = dispatcher
+        self.runtime = dispatcher.runtime
+        self.expert_shard = ExpertShard(num_experts=num_experts, first_expert=first, num_local=count)
+        self.num_experts = num_experts
+        self.num_local_experts = count
+        self.capacity_factor = capacity_factor
+        self.token_drop_policy: DropPolicy = token_drop_policy
+        self.impl: GemmImpl = impl
+
+    def forward(self, hidden_states: Tensor, top_k_index: Tensor, top_k_weights: Tensor) -> Tensor:
+        """Same contract as the module it replaced: ``[T, D], [T, K], [T, K] -> [T, D]`` (leading dims kept)."""
+        shape = hidden_states.shape
+        x_TD = hidden_states.reshape(-1, shape[-1])
+        indices_TK = top_k_index.reshape(-1, top_k_index.shape[-1])
+        weights_TK = top_k_weights.reshape(-1, top_k_weights.shape[-1])
+        if self.capacity_factor is not None:
+            indices_TK, weights_TK = drop_over_capacity(
+                indices_TK, weights_TK, self.num_experts, self.capacity_factor, self.token_drop_policy
+            )
+        x_RD, tokens_per_expert, handle = self.dispatcher.dispatch(x_TD, indices_TK, weights_TK)
+        y_RD = self.local_experts(x_RD, tokens_per_expert)
+        return self.dispatcher.combine(y_RD, handle).view(shape)
+
+    def local_experts(self, x_RD: Tensor, tokens_per_expert: list[int]) -> Tensor:
+        """The local experts on rows sorted by local expert (``tokens_per_expert[i]`` rows for expert ``i``)."""
+        layout = self.layout
+        return grouped_mlp(
+            x_RD,
+            tokens_per_expert,
+            getattr(self, layout.up_name),
+            getattr(self, layout.down_name),
+            self.act_fn,
+            self.runtime,
+            transposed=layout.transposed,
+            gate_up_bias=getattr(self, layout.up_bias_name) if layout.up_bias_name else None,
+            down_bias=getattr(self, layout.down_bias_name) if layout.down_bias_name else None,
+            gate_fn=layout.gate_fn,
+            gated=layout.gated,
+            impl=self.impl,
+        )
+
+    def extra_repr(self) -> str:
+        shard = self.expert_shard
+        return (
+            f"experts=[{shard.first_expert}, {shard.first_expert + shard.num_local}) of {shard.num_experts}, "
+            f"dispatcher={self.dispatcher.name!r}, capacity_factor={self.capacity_factor}"
+        )
+
+    def local_parameter_bytes(self) -> int:
+        """Bytes of the expert parameters held on this rank."""
+        return sum(p.numel() * p.element_size() for p in self.parameters(recurse=False))

@@ -1,0 +1,227 @@
+"""Grouped expert GEMMs with a weight-gradient that can be deferred to a comm point.
+
+Rows arrive sorted by expert (``tokens_per_expert[e]`` rows for expert ``e``, in order). Each projection is one
+autograd function, :class:`GroupedLinear`, whose backward computes the input gradient (dgrad) at once and hands
+the weight gradient (wgrad) to ``runtime.defer_wgrad``. When the runtime defers it, the closure runs later, at
+a comm point while an all-to-all is in flight, and accumulates into ``weight.grad`` itself; otherwise backward
+returns it and autograd accumulates it. Both paths run the same kernels in the same order, so ``.grad`` is
+bitwise equal.
+
+Kernels: ``torch._grouped_mm`` where this torch build supports it (CPU: torch >= 2.9, float32/bfloat16/float16;
+CUDA: bfloat16 on compute capability >= 8.0 with torch >= 2.9, Hopper before), with 16-byte aligned rows;
+otherwise a loop of one matmul per expert (the reference, and the float64 path).
+
+Shape legend:
+    R: rows (routed assignments) sorted by expert     e: experts held here     D: hidden size
+    F: expert ffn size (``2F`` for the fused gate/up projection)               I, O: a projection's in/out size
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Literal
+
+import torch
+from torch import Tensor
+
+from lightning_moe_overlap.overlap.runtime import CommRuntime
+
+GemmImpl = Literal["auto", "grouped_mm", "loop"]
+GEMM_IMPLS: tuple[str, ...] = ("auto", "grouped_mm", "loop")
+_GROUPED_MM_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def grouped_mm_supported(x_RI: Tensor, weight_eOI: Tensor) -> bool:
+    """Whether ``torch._grouped_mm`` can run this projection (and its backward) in this torch build."""
+    if not hasattr(torch, "_grouped_mm") or x_RI.shape[0] == 0 or weight_eOI.dtype != x_RI.dtype:
+        return False
+    device = weight_eOI.device
+    if device.type == "cpu":
+        if torch.__version__ < "2.9" or x_RI.dtype not in _GROUPED_MM_DTYPES:  # no CPU kernel before 2.9
+            return False
+    elif device.type == "cuda":
+        capability = torch.cuda.get_device_capability(device)
+        if x_RI.dtype != torch.bfloat16:
+            return False
+        if not (capability >= (8, 0) if torch.__version__ >= "2.9" else capability[0] == 9):
+            return False
+    else:
+        return False
+    per_16_bytes = 16 // x_RI.element_size()
+    return weight_eOI.data_ptr() % 16 == 0 and all(size % per_16_bytes == 0 for size in weight_eOI.shape[1:])
+
+
+def _aligned(t: Tensor) -> Tensor:
+    """Contiguous with a 16-byte aligned start, as the grouped kernel requires."""
+    t = t.contiguous()
+    return t if t.data_ptr() % 16 == 0 else t.clone()
+
+
+def _offsets(splits: Sequence[int], device: torch.device) -> Tensor:
+    return torch.cumsum(torch.tensor(splits, dtype=torch.int64), 0).to(device=device, dtype=torch.int32)
+
+
+def _use_grouped_mm(impl: str, x_RI: Tensor, weight: Tensor) -> bool:
+    return impl != "loop" and grouped_mm_supported(x_RI, weight)
+
+
+def _forward(x_RI: Tensor, weight: Tensor, splits: Sequence[int], transposed: bool, grouped: bool) -> Tensor:
+    """``y_e = x_e @ W_e^T`` for weights stored ``[e, O, I]``; ``y_e = x_e @ W_e`` for ``[e, I, O]``."""
+    w = weight if transposed else weight.transpose(-2, -1)  # [e, I, O]
+    if grouped:
+        return torch._grouped_mm(x_RI, w, offs=_offsets(splits, x_RI.device))
+    pieces = [x_e @ w_e for x_e, w_e in zip(x_RI.split(list(splits)), w)]
+    return torch.cat(pieces) if pieces else x_RI.new_zeros(0, w.shape[-1])
+
+
+def _dgrad(g_RO: Tensor, weight: Tensor, splits: Sequence[int], transposed: bool, grouped: bool) -> Tensor:
+    w = weight.transpose(-2, -1) if transposed else weight  # [e, O, I]
+    if grouped:
+        return torch._grouped_mm(g_RO, w, offs=_offsets(splits, g_RO.device))
+    pieces = [g_e @ w_e for g_e, w_e in zip(g_RO.split(list(splits)), w)]
+    return torch.cat(pieces) if pieces else g_RO.new_zeros(0, w.shape[-1])
+
+
+def _wgrad(x_RI: Tensor, g_RO: Tensor, splits: Sequence[int], transposed: bool, grouped: bool) -> Tensor:
+    """``dW_e = g_e^T x_e`` (``[e, O, I]``) or ``x_e^T g_e`` (``[e, I, O]``); zero for experts with no rows."""
+    a, b = (x_RI, g_RO) if transposed else (g_RO, x_RI)
+    if grouped:
+        return torch._grouped_mm(a.t(), b, offs=_offsets(splits, a.device))
+    return torch.stack([a_e.t() @ b_e for a_e, b_e in zip(a.split(list(splits)), b.split(list(splits)))])
+
+
+class GroupedLinear(torch.autograd.Function):
+    """One bias-free projection per expert over rows sorted by expert, with a deferrable weight gradient."""
+
+    @staticmethod
+    def forward(  # type: ignore[override]
+        ctx,
+        x_RI: Tensor,
+        weight: Tensor,
+        splits: tuple[int, ...],
+        transposed: bool,
+        impl: str,
+        runtime: CommRuntime | None,
+    ) -> Tensor:
+        grouped = _use_grouped_mm(impl, x_RI, weight)
+        if grouped:
+            x_RI = _aligned(x_RI)
+        ctx.save_for_backward(x_RI, weight)
+        ctx.splits, ctx.transposed, ctx.grouped, ctx.runtime = splits, transposed, grouped, runtime
+        # The accumulation target of a deferred wgrad. Not taken from `saved_tensors`: under non-reentrant
+        # checkpointing those are detached recomputed aliases, whose `.grad` is not the parameter's.
+        ctx.leaf_weight = weight if weight.is_leaf and weight.requires_grad else None
+        return _forward(x_RI, weight, splits, transposed, grouped)
+
+    @staticmethod
+    def backward(ctx, g_RO: Tensor) -> tuple[Tensor | None, ...]:  # type: ignore[override]
+        x_RI, weight = ctx.saved_tensors
+        splits, transposed, grouped = ctx.splits, ctx.transposed, ctx.grouped
+        g_RO = _aligned(g_RO) if grouped else g_RO.contiguous()
+        dx = _dgrad(g_RO, weight, splits, transposed, grouped) if ctx.needs_input_grad[0] else None
+        if not ctx.needs_input_grad[1]:
+            return dx, None, None, None, None, None
+
+        target: Tensor | None = ctx.leaf_weight
+
+        @torch.no_grad()  # it may run at a comm point where the caller's grad mode is on
+        def accumulate() -> None:
+            dw = _wgrad(x_RI, g_RO, splits, transposed, grouped)
+            if target.grad is None:
+                target.grad = dw
+            else:
+                target.grad.add_(dw)
+
+        # Only a leaf weight has a `.grad` the closure may write; a non-leaf (a view, a cast) takes the inline path.
+        runtime: CommRuntime | None = ctx.runtime
+        if target is not None and runtime is not None and runtime.defer_wgrad(accumulate):
+            return dx, None, None, None, None, None
+        return dx, _wgrad(x_RI, g_RO, splits, transposed, grouped), None, None, None, None
+
+
+def grouped_linear(
+    x_RI: Tensor,
+    weight: Tensor,
+    tokens_per_expert: Sequence[int],
+    *,
+    transposed: bool = False,
+    runtime: CommRuntime | None = None,
+    impl: GemmImpl = "auto",
+) -> Tensor:
+    """Apply expert ``e``'s weight to its ``tokens_per_expert[e]`` rows; see :class:`GroupedLinear`."""
+    return GroupedLinear.apply(x_RI, weight, tuple(int(n) for n in tokens_per_expert), transposed, impl, runtime)
+
+
+def _rows_bias(bias_eO: Tensor, splits: Sequence[int], num_rows: int) -> Tensor:
+    repeats = torch.tensor(list(splits), dtype=torch.long, device=bias_eO.device)
+    return torch.repeat_interleave(bias_eO, repeats, dim=0, output_size=num_rows)
+
+
+def gated_activation(h_RF2: Tensor, act_fn: Callable[[Tensor], Tensor]) -> Tensor:
+    """``act(gate) * up`` with the fused projection laid out ``[gate; up]`` along the last dim."""
+    gate, up = h_RF2.chunk(2, dim=-1)
+    return act_fn(gate) * up
+
+
+def grouped_mlp(
+    x_RD: Tensor,
+    tokens_per_expert: Sequence[int],
+    gate_up_eFD: Tensor,
+    down_eDF: Tensor,
+    act_fn: Callable[[Tensor], Tensor] | None,
+    runtime: CommRuntime | None = None,
+    *,
+    transposed: bool = False,
+    gate_up_bias: Tensor | None = None,
+    down_bias: Tensor | None = None,
+    gate_fn: Callable[[Tensor], Tensor] | None = None,
+    gated: bool = True,
+    impl: GemmImpl = "auto",
+) -> Tensor:
+    """Expert MLP ``down(act(gate) * up)`` over rows already sorted by (local) expert.
+
+    Args:
+        x_RD: rows sorted by expert.
+        tokens_per_expert: host-side row count per expert (``sum == R``), one entry per weight slice.
+        gate_up_eFD: fused gate/up weights ``[e, 2F, D]`` (or ``[e, D, 2F]`` with ``transposed``); with
+            ``gated=False`` the plain up projection ``[e, F, D]``.
+        down_eDF: down projection ``[e, D, F]`` (or ``[e, F, D]`` with ``transposed``).
+        act_fn: element-wise activation (unused when ``gate_fn`` is given).
+        runtime: receives the deferred weight-gradient GEMMs; ``None`` computes them inline.
+        transposed: weights stored ``[e, in, out]`` instead of ``[e, out, in]``.
+        gate_up_bias: optional ``[e, 2F]`` bias of the first projection.
+        down_bias: optional ``[e, D]`` bias of the down projection.
+        gate_fn: replaces the default gating ``act(gate) * up`` (e.g. an interleaved or clamped variant); maps
+            the first projection's output ``[R, 2F]`` to ``[R, F]``.
+        gated: ``False`` for experts without a gate: ``down(act(up(x)))``.
+        impl: ``"auto"`` (grouped GEMM where supported, else the loop), ``"grouped_mm"`` (same fallback), or
+            ``"loop"`` (one matmul per expert; the reference).
+
+    Returns:
+        ``y_RD``, rows in the same order as ``x_RD``.
+    """
+    if impl not in GEMM_IMPLS:
+        raise ValueError(f"`grouped_mlp`: impl={impl!r} is not one of {list(GEMM_IMPLS)}; pick one of those.")
+    splits = tuple(int(n) for n in tokens_per_expert)
+    num_rows = x_RD.shape[0]
+    if sum(splits) != num_rows or len(splits) != gate_up_eFD.shape[0]:
+        raise ValueError(
+            f"`grouped_mlp`: tokens_per_expert has {len(splits)} entries summing to {sum(splits)}, but there are "
+            f"{gate_up_eFD.shape[0]} experts and {num_rows} rows; the rule is one count per expert, summing to "
+            "the number of rows. Pass the counts the dispatcher returned with these rows."
+        )
+    h = GroupedLinear.apply(x_RD, gate_up_eFD, splits, transposed, impl, runtime)
+    if gate_up_bias is not None:
+        h = h + _rows_bias(gate_up_bias, splits, num_rows)
+    if gate_fn is not None:
+        h = gate_fn(h)
+    elif act_fn is None:
+        raise ValueError("`grouped_mlp`: act_fn=None and gate_fn=None; one of them must compute the activation.")
+    elif gated:
+        h = gated_activation(h, act_fn)
+    else:
+        h = act_fn(h)
+    y = GroupedLinear.apply(h, down_eDF, splits, transposed, impl, runtime)
+    if down_bias is not None:
+        y = y + _rows_bias(down_bias, splits, num_rows)
+    return y

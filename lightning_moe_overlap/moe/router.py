@@ -1,0 +1,244 @@
+"""Top-k router of the reference MoE layer, on megatron-core's routing math.
+
+Returns ``(router_logits_TE, weights_TK, indices_TK)`` like a Hugging Face v5 router. Scores follow
+megatron-core's ``topk_routing_with_score_function``:
+
+- ``softmax`` with ``pre_softmax=False``: top-k of the logits, then softmax over the k (weights sum to 1; equal
+  to HF's softmax -> top-k -> renormalise); with ``pre_softmax=True``: softmax over all experts, then top-k;
+- ``sigmoid``: sigmoid scores, top-k (optionally on ``score + expert_bias``), renormalised when ``k > 1``;
+- ``num_groups``/``group_topk``: DeepSeek-V3 group-limited top-k (pick ``group_topk`` groups first);
+- ``scaling_factor`` multiplies the weights.
+
+Losses are attached to the graph, megatron's ``MoEAuxLossAutoScaler`` way: the forward value is unchanged, and
+the backward adds ``aux_loss_scale * d(loss)`` as if the loss had been added to the model's loss. The
+load-balancing loss rides on the weights, the z-loss on the logits. ``aux_loss_scale`` lives on the router
+(never a process-wide global): set it to the scale of the main loss, e.g. ``1 / num_microbatches``.
+
+Aux-loss-free balancing (DeepSeek-V3): with ``enable_expert_bias`` the router counts tokens per expert in
+``local_tokens_per_expert`` during training forwards; after each optimizer step the strategy calls
+:meth:`TopKRouter.update_expert_bias` (with the data-parallel group) to nudge ``expert_bias`` by
+``± expert_bias_update_rate`` towards balance.
+
+Shape legend:
+    T: tokens    D: hidden size    E: experts    K: top-k
+"""
+
+from __future__ import annotations
+
+import warnings
+from typing import Any, Literal
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+
+ScoreFunction = Literal["softmax", "sigmoid"]
+
+
+def _mcore_moe_utils() -> Any:
+    # Imported on first use: megatron-core's import costs seconds and only the router needs it. Its import warns
+    # that TE/Apex are missing for its optimizer and grad-clip kernels and about its own internal deprecations;
+    # neither concerns the routing math used here.
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="Transformer Engine and Apex are not installed", category=UserWarning)
+        warnings.simplefilter("ignore", DeprecationWarning)
+        from megatron.core.transformer.moe import moe_utils
+    return moe_utils
+
+
+class AuxLossScaler(torch.autograd.Function):
+    """Identity on ``output``; in backward, gives ``aux_loss`` the gradient ``scale`` (megatron's auto-scaler)."""
+
+    @staticmethod
+    def forward(ctx, output: Tensor, aux_loss: Tensor, scale: float) -> Tensor:  # type: ignore[override]
+        ctx.save_for_backward(aux_loss)
+        ctx.scale = scale
+        return output.view_as(output)
+
+    @staticmethod
+    def backward(ctx, grad_output: Tensor) -> tuple[Tensor, Tensor, None]:  # type: ignore[override]
+        (aux_loss,) = ctx.saved_tensors
+        return grad_output, torch.full_like(aux_loss, ctx.scale), None
+
+
+class TopKRouter(nn.Module):
+    """Linear gate + top-k selection with optional group limit, expert bias, aux loss and z-loss.
+
+    Args:
+        hidden_size: ``D``.
+        num_experts: ``E``.
+        top_k: experts per token ``K``.
+        score_function: ``"softmax"`` or ``"sigmoid"``.
+        pre_softmax: softmax over all experts before top-k (see the module docstring).
+        num_groups: expert groups for group-limited routing (must divide ``E``); ``None`` disables it.
+        group_topk: groups kept per token with ``num_groups``.
+        scaling_factor: multiplies the routing weights (DeepSeek's ``routed_scaling_factor``).
+        enable_expert_bias: aux-loss-free balancing bias (needs ``score_function="sigmoid"``).
+        expert_bias_update_rate: step of each :meth:`update_expert_bias`.
+        aux_loss_coeff: coefficient of the switch load-balancing loss (0 disables it).
+        z_loss_coeff: coefficient of the router z-loss (0 disables it).
+        dtype: compute the logits in this dtype (e.g. ``torch.float32`` under bf16 training); ``None``: as input.
+    """
+
+    def __init__(
+        self,
+        hidden_size: int,
+        num_experts: int,
+        top_k: int,
+        *,
+        score_function: ScoreFunction = "softmax",
+        pre_softmax: bool = False,
+        num_groups: int | None = None,
+        group_topk: int | None = None,
+        scaling_factor: float | None = None,
+        enable_expert_bias: bool = False,
+        expert_bias_update_rate: float = 1e-3,
+        aux_loss_coeff: float = 0.0,
+        z_loss_coeff: float = 0.0,
+        dtype: torch.dtype | None = None,
+    ) -> None:
+        super().__init__()
+        _validate_router(num_experts, top_k, score_function, num_groups, group_topk, enable_expert_bias)
+        self.hidden_size = hidden_size
+        self.num_experts = num_experts
+        self.top_k = top_k
+        self.score_function: ScoreFunction = score_function
+        self.pre_softmax = pre_softmax
+        self.num_groups = num_groups
+        self.group_topk = group_topk
+        self.scaling_factor = scaling_factor
+        self.expert_bias_update_rate = expert_bias_update_rate
+        self.aux_loss_coeff = aux_loss_coeff
+        self.z_loss_coeff = z_loss_coeff
+        self.router_dtype = dtype
+        self.aux_loss_scale = 1.0
+        self.weight = nn.Parameter(torch.empty(num_experts, hidden_size))
+        nn.init.normal_(self.weight, std=0.02)
+        self.expert_bias: Tensor | None
+        self.local_tokens_per_expert: Tensor | None
+        if enable_expert_bias:
+            self.register_buffer("expert_bias", torch.zeros(num_experts, dtype=torch.float32))
+            self.register_buffer("local_tokens_per_expert", torch.zeros(num_experts, dtype=torch.int64))
+        else:
+            self.expert_bias = None
+            self.local_tokens_per_expert = None
+        # Detached values of the latest forward, for logging only (nothing reads them back).
+        self.metrics: dict[str, Tensor] = {}
+
+    def _apply(self, fn, recurse=True):  # type: ignore[no-untyped-def, override]
+        # Keep the expert bias in float32 through `.to(bf16)` / `.half()`: its +-1e-3 steps vanish in 16-bit.
+        module = super()._apply(fn, recurse)
+        if self.expert_bias is not None and self.expert_bias.dtype != torch.float32:
+            self.expert_bias.data = self.expert_bias.data.float()
+        return module
+
+    def forward(self, hidden_states: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """``hidden_states [..., D]`` -> ``(logits [T, E], weights [T, K], indices [T, K])``, ``T`` = all tokens."""
+        mcore = _mcore_moe_utils()
+        x_TD = hidden_states.reshape(-1, self.hidden_size)
+        weight = self.weight
+        if self.router_dtype is not None:
+            x_TD, weight = x_TD.to(self.router_dtype), weight.to(self.router_dtype)
+        logits_TE = nn.functional.linear(x_TD, weight)
+        train_losses = torch.is_grad_enabled() and self.training
+        if train_losses and self.z_loss_coeff > 0:
+            z_loss = mcore.z_loss_func(logits_TE, self.z_loss_coeff)
+            self.metrics["z_loss"] = z_loss.detach()
+            logits_TE = AuxLossScaler.apply(logits_TE, z_loss, self.aux_loss_scale)
+        probs_TE, map_TE = mcore.topk_routing_with_score_function(
+            logits_TE,
+            self.top_k,
+            use_pre_softmax=self.pre_softmax,
+            num_groups=self.num_groups,
+            group_topk=self.group_topk,
+            scaling_factor=self.scaling_factor,
+            score_function=self.score_function,
+            expert_bias=self.expert_bias,
+        )
+        # Exactly K experts per row are selected: top-k of the 0/1 map finds them without a host sync.
+        indices_TK = torch.topk(map_TE.to(logits_TE.dtype), self.top_k, dim=-1).indices.sort(dim=-1).values
+        weights_TK = probs_TE.gather(1, indices_TK)
+        if train_losses and self.aux_loss_coeff > 0:
+            aux_loss = self._load_balancing_loss(logits_TE)
+            self.metrics["load_balancing_loss"] = aux_loss.detach()
+            weights_TK = AuxLossScaler.apply(weights_TK, aux_loss, self.aux_loss_scale)
+        if self.local_tokens_per_expert is not None and torch.is_grad_enabled() and self.training:
+            with torch.no_grad():
+                self.local_tokens_per_expert += map_TE.sum(dim=0)
+        return logits_TE, weights_TK, indices_TK
+
+    def _load_balancing_loss(self, logits_TE: Tensor) -> Tensor:
+        mcore = _mcore_moe_utils()
+        map_TE, scores_TE = mcore.compute_routing_scores_for_aux_loss(logits_TE, self.top_k, self.score_function)
+        return mcore.switch_load_balancing_loss_func(
+            probs=scores_TE,
+            tokens_per_expert=map_TE.sum(dim=0),
+            total_num_tokens=logits_TE.shape[0],
+            topk=self.top_k,
+            num_experts=self.num_experts,
+            moe_aux_loss_coeff=self.aux_loss_coeff,
+        )
+
+    @torch.no_grad()
+    def update_expert_bias(self, group: dist.ProcessGroup | None = None) -> None:
+        """Move ``expert_bias`` towards balance from the counts since the last call, then reset the counts.
+
+        Collective over ``group`` when given (use the group whose ranks see different tokens: data parallel
+        times context parallel); every rank of it must call this after the same optimizer step.
+        """
+        if self.expert_bias is None or self.local_tokens_per_expert is None:
+            raise RuntimeError(
+                "`TopKRouter.update_expert_bias`: this router was built with enable_expert_bias=False, so it has "
+                "no bias to update. Build it with enable_expert_bias=True, or do not call this method."
+            )
+        counts = self.local_tokens_per_expert.to(torch.float64)
+        if group is not None and dist.get_world_size(group) > 1:
+            dist.all_reduce(counts, group=group)
+        offset = counts.mean() - counts
+        self.expert_bias += (torch.sign(offset) * self.expert_bias_update_rate).to(self.expert_bias.dtype)
+        self.local_tokens_per_expert.zero_()
+
+    def extra_repr(self) -> str:
+        return (
+            f"hidden_size={self.hidden_size}, num_experts={self.num_experts}, top_k={self.top_k}, "
+            f"score_function={self.score_function!r}, expert_bias={self.expert_bias is not None}"
+        )
+
+
+def _validate_router(
+    num_experts: int,
+    top_k: int,
+    score_function: str,
+    num_groups: int | None,
+    group_topk: int | None,
+    enable_expert_bias: bool,
+) -> None:
+    owner = "`TopKRouter`"
+    if score_function not in ("softmax", "sigmoid"):
+        raise ValueError(f"{owner}: score_function={score_function!r} is not 'softmax' or 'sigmoid'; pick one.")
+    if not 1 <= top_k <= num_experts:
+        raise ValueError(
+            f"{owner}: top_k={top_k} with num_experts={num_experts}; the rule is 1 <= top_k <= num_experts. "
+            f"Choose top_k in [1, {num_experts}]."
+        )
+    if (num_groups is None) != (group_topk is None):
+        raise ValueError(
+            f"{owner}: num_groups={num_groups!r} and group_topk={group_topk!r}; group-limited routing needs both "
+            "or neither. Set both (DeepSeek-V3: n_group and topk_group) or leave both None."
+        )
+    if (
+        num_groups is not None
+        and group_topk is not None
+        and (num_experts % num_groups or not 1 <= group_topk <= num_groups or top_k % group_topk)
+    ):
+        raise ValueError(
+            f"{owner}: num_groups={num_groups}, group_topk={group_topk}, top_k={top_k}, "
+            f"num_experts={num_experts}; the rules are num_experts % num_groups == 0, "
+            "1 <= group_topk <= num_groups and top_k % group_topk == 0. Pick num_groups among the divisors of "
+            "num_experts and a group_topk that divides top_k."
+        )
+    if enable_expert_bias and score_function != "sigmoid":
+        raise NotImplementedError(
+            f"{owner}: enable_expert_bias=True with score_function={score_function!r}; megatron-core applies the "
+            "expert bias only to sigmoid scores. Use score_function='sigmoid' (DeepSeek-V3) or disable the bias."
+        )

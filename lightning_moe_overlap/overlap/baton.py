@@ -1,0 +1,157 @@
+"""One baton shared by the execution contexts of a phase: only the holder runs.
+
+A phase has one context (``F0``, ``B[M-1]``, every phase of the sequential schedule) or two (``F[i+1]|B[i]``).
+Each context runs in its own thread. At a comm point the running context calls :meth:`Baton.handoff`: it gives
+the baton to the other context and blocks until it gets it back. When a context finishes, it hands the baton over
+for good; from then on the other one runs alone and its hand-overs return at once. A phase with one context never
+blocks.
+
+The holder is identified by the baton, not by the calling thread: only the holder can be running, so whoever
+calls :meth:`Baton.handoff` is the holder. This matters on CUDA, where autograd runs backward functions (and their
+comm points) on the autograd engine's device thread rather than on the thread that called ``.backward()``.
+
+Errors: an exception in a context stops the phase. The other context is woken and raises :class:`BatonAborted`
+at its next hand-over (or when it would start), so it issues no further collective. Every wait has a timeout,
+a safety net against a partner that is stuck for good; hitting it raises ``RuntimeError`` naming the phase.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Sequence
+
+from lightning_moe_overlap.overlap.rng import RngState
+from lightning_moe_overlap.overlap.schedule import Role
+
+
+class BatonAborted(BaseException):
+    """Raised in a context at its next hand-over after the phase stopped.
+
+    A ``BaseException`` so that an ``except Exception`` in model code does not swallow it; the engine catches it.
+    """
+
+
+class Baton:
+    """The hand-over token of one phase.
+
+    Args:
+        roles: the contexts of the phase (one or two distinct roles).
+        phase: the phase name, used in error messages.
+        starter: the role that holds the baton first.
+        timeout_s: the longest a context waits for the baton before it raises ``RuntimeError``.
+    """
+
+    def __init__(self, roles: Sequence[Role], *, phase: str, starter: Role, timeout_s: float) -> None:
+        if not 1 <= len(roles) <= 2 or len(set(roles)) != len(roles) or starter not in roles:
+            raise ValueError(f"A baton needs one or two distinct roles including the starter, got {roles} / {starter}.")
+        self._phase = phase
+        self._timeout_s = timeout_s
+        self._cond = threading.Condition()
+        self._holder = starter
+        self._running = set(roles)
+        self._stopped = False
+        self._errors: list[BaseException] = []
+        self._progress = 0
+        self._done = threading.Event()
+        # Random streams per context, only where two contexts interleave (see rng.py).
+        start = RngState.capture() if len(roles) == 2 else None
+        self._rng = {role: start for role in roles} if start is not None else None
+
+    # -- the contexts' side ----------------------------------------------------------------------------------------
+    def run(self, role: Role, fn: Callable[[], None]) -> None:
+        """Run ``fn`` as the ``role`` context: wait for the baton, run, hand it over for good. Never raises."""
+        try:
+            with self._cond:
+                self._wait_for(role)
+            fn()
+        except BatonAborted:
+            pass
+        except BaseException as err:  # noqa: BLE001 - recorded, re-raised by the engine in the caller's thread
+            self._fail(err)
+        finally:
+            self._finish(role)
+
+    def handoff(self) -> None:
+        """Give the baton to the other context and return when it comes back (at once if there is none)."""
+        with self._cond:
+            if self._stopped:
+                raise BatonAborted(self._phase)
+            self._progress += 1
+            me = self._holder
+            if me.partner not in self._running:
+                return
+            self._swap_out(me)
+            self._holder = me.partner
+            self._cond.notify_all()
+            self._wait_for(me)
+
+    # -- the engine's side -----------------------------------------------------------------------------------------
+    def abort(self) -> None:
+        """Stop the phase: each context raises :class:`BatonAborted` at its next hand-over."""
+        with self._cond:
+            self._stopped = True
+            self._cond.notify_all()
+
+    def wait_done(self, timeout_s: float) -> bool:
+        """Wait until every context has finished; False on timeout."""
+        return self._done.wait(timeout_s)
+
+    def continue_rng_from(self, role: Role) -> None:
+        """After a pair, let the process's random stream continue from ``role``'s (the forward's: backward only
+        replays the masks its forward drew)."""
+        if self._rng is not None:
+            self._rng[role].restore()
+
+    @property
+    def errors(self) -> list[BaseException]:
+        """Exceptions raised by the contexts, first one first (aborts excluded)."""
+        return list(self._errors)
+
+    @property
+    def stopped(self) -> bool:
+        return self._stopped
+
+    @property
+    def progress(self) -> int:
+        """Hand-overs and finished contexts so far; the engine's stall detector watches it."""
+        return self._progress
+
+    # -- internals (called with the condition held) ----------------------------------------------------------------
+    def _wait_for(self, role: Role) -> None:
+        got = self._cond.wait_for(lambda: self._stopped or self._holder is role, self._timeout_s)
+        if self._stopped:
+            raise BatonAborted(self._phase)
+        if not got:
+            raise RuntimeError(
+                f"Phase {self._phase}: the {role.value} context waited {self._timeout_s:g} s for the baton, which "
+                f"the {role.partner.value} context still holds: it is stuck (a collective that never completes, or a "
+                "deadlock). If compute between two comm points can legitimately take this long, raise `timeout_s` "
+                "(keep it above the process-group timeout)."
+            )
+        self._swap_in(role)
+
+    def _swap_out(self, role: Role) -> None:
+        if self._rng is not None:
+            self._rng[role] = RngState.capture()
+
+    def _swap_in(self, role: Role) -> None:
+        if self._rng is not None:
+            self._rng[role].restore()
+
+    def _fail(self, err: BaseException) -> None:
+        with self._cond:
+            self._errors.append(err)
+            self._stopped = True
+            self._cond.notify_all()
+
+    def _finish(self, role: Role) -> None:
+        with self._cond:
+            self._progress += 1
+            self._running.discard(role)
+            if self._holder is role:
+                self._swap_out(role)
+                if role.partner in self._running:
+                    self._holder = role.partner  # for good
+                    self._cond.notify_all()
+            if not self._running:
+                self._done.set()

@@ -1,0 +1,238 @@
+"""The overlap engine: runs one optimizer step's micro-batch schedule as phases of one or two contexts.
+
+Two worker threads ("lanes") live for one step: the forward lane runs ``F0, F1, ...`` and the backward lane
+``B0, B1, ...``, one task per phase, in schedule order. Each phase has its own :class:`Baton`, installed in the
+:class:`CommRuntime` so that every comm point of the model hands over through it. The calling thread supervises:
+it hands the tasks of a phase to the lanes, waits for them, reads other ranks' failure reports meanwhile, and
+re-raises the first error in its own thread.
+
+Both schedules (overlapped and sequential) run through the same lanes, thread-local state and context factory,
+so the sequential run is a faithful oracle: the only difference is which tasks share a phase.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+import warnings
+from collections.abc import Callable, Iterable
+from contextlib import AbstractContextManager, nullcontext
+from dataclasses import dataclass
+from functools import partial
+from typing import Any
+
+from lightning_moe_overlap.overlap.baton import Baton
+from lightning_moe_overlap.overlap.failures import FailureBoard, FailureWatch
+from lightning_moe_overlap.overlap.runtime import CommRuntime
+from lightning_moe_overlap.overlap.schedule import Phase, Role, Task, build_schedule
+from lightning_moe_overlap.overlap.streams import device_max_connections_warning
+from lightning_moe_overlap.overlap.thread_state import ThreadState
+
+ForwardFn = Callable[[int], Any]
+BackwardFn = Callable[[int, Any], None]
+ContextFactory = Callable[[Task], AbstractContextManager[Any]]
+
+DEFAULT_TIMEOUT_S = 1800.0  # torch.distributed's default process-group timeout
+STALL_FACTOR = 2.0  # a phase without progress for this many `timeout_s` is stuck
+LANE_JOIN_S = 5.0  # idle lanes end at once; the bound only guards against a lane stuck in a blocking call
+
+
+def _no_context(task: Task) -> AbstractContextManager[Any]:
+    return nullcontext()
+
+
+class OverlapEngine:
+    """Runs the micro-batch schedule of each optimizer step; keep one per training run.
+
+    Args:
+        runtime: the :class:`CommRuntime` the model's comm points call ``handoff()`` on.
+        overlap: pair the forward of micro-batch ``i+1`` with the backward of ``i``; else ``F0, B0, F1, B1, ...``.
+        context_factory: called with each :class:`Task`; the context manager it returns is entered around that
+            task, in the thread that runs it, while the task holds the baton. For thread-local state beyond the
+            defaults of ``thread_state.py``, e.g. saved-tensor hooks (``task.role`` tells forward from backward).
+        timeout_s: safety net of the internal waits: a context that waits this long for the baton raises
+            ``RuntimeError`` naming the phase, and so does a phase without any hand-over for twice as long (a
+            single context stuck, with nobody waiting for it). Keep it above the process-group timeout.
+        failure_poll_s: how often the engine reads other ranks' failure reports from the c10d store during a step.
+        namespace: c10d-store key prefix for failure reports; identical on every rank of a run.
+    """
+
+    def __init__(
+        self,
+        runtime: CommRuntime,
+        *,
+        overlap: bool = True,
+        context_factory: ContextFactory | None = None,
+        timeout_s: float = DEFAULT_TIMEOUT_S,
+        failure_poll_s: float = 1.0,
+        namespace: str = "lightning_moe_overlap",
+    ) -> None:
+        for name, value in (("timeout_s", timeout_s), ("failure_poll_s", failure_poll_s)):
+            if not value > 0:
+                raise ValueError(f"`OverlapEngine({name}={value})`: must be > 0 seconds.")
+        self.runtime = runtime
+        self.overlap = overlap
+        self.context_factory = context_factory or _no_context
+        self.timeout_s = float(timeout_s)
+        self.failure_poll_s = float(failure_poll_s)
+        self.namespace = namespace
+        self._steps = 0
+        self._board: FailureBoard | None = None
+
+    def run(self, forward_fn: ForwardFn, backward_fn: BackwardFn, num_microbatches: int) -> list[Any]:
+        """Run one step: every micro-batch's forward and backward, overlapped or not.
+
+        Args:
+            forward_fn: ``forward_fn(i)`` runs micro-batch ``i``'s forward and returns its output (e.g. the loss).
+            backward_fn: ``backward_fn(i, output)`` runs its backward (e.g. ``output.backward()``).
+            num_microbatches: ``M >= 1``.
+
+        Returns:
+            The outputs of ``forward_fn``, in micro-batch order. Every delayed weight gradient has landed in
+            ``.grad`` (flushed after each backward, in micro-batch order).
+
+        Raises:
+            The original exception of a failed task, with its traceback; :class:`PeerFailure` when another rank
+            failed first; ``RuntimeError`` when a safety-net timeout expires.
+        """
+        phases = build_schedule(num_microbatches, overlap=self.overlap)
+        self._warn_if_overlap_cannot_work()
+        watch = self._next_watch()
+        outputs: list[Any] = [None] * num_microbatches
+        step = _StepTasks(forward_fn, backward_fn, self.runtime, self.context_factory, ThreadState.capture(), outputs)
+        lanes = {role: _Lane(role) for role in Role}
+        try:
+            for phase in phases:
+                self._run_phase(phase, step, lanes, watch)
+        except BaseException as err:
+            raise watch.explain(err)  # noqa: B904 - `explain` returns `err` itself or a PeerFailure chained from it
+        finally:
+            _close(list(lanes.values()), LANE_JOIN_S if step.settled else 0.0)
+        return step.outputs
+
+    # -- one phase ---------------------------------------------------------------------------------------------------
+    def _run_phase(self, phase: Phase, step: _StepTasks, lanes: dict[Role, _Lane], watch: FailureWatch) -> None:
+        baton = Baton(phase.roles, phase=phase.name, starter=phase.starter, timeout_s=self.timeout_s)
+        with self.runtime.overlapping(baton):
+            for task in phase.tasks:
+                lanes[task.role].submit(partial(baton.run, task.role, partial(step.execute, task)))
+            done = False
+            try:
+                done = self._supervise(baton, watch)
+            finally:
+                if not done:  # stalled, or KeyboardInterrupt in this thread: stop the contexts before unbinding
+                    baton.abort()
+                    step.settled = baton.wait_done(min(LANE_JOIN_S, self.timeout_s))
+        if baton.errors:
+            raise baton.errors[0]
+        if not done:
+            raise RuntimeError(
+                f"Phase {phase.name} made no progress (no hand-over) for {STALL_FACTOR * self.timeout_s:g} s; a "
+                "context is stuck. If one compute segment between two comm points can take this long, raise "
+                "`timeout_s`."
+            )
+        if baton.stopped:
+            raise watch.peer_failure()
+        baton.continue_rng_from(Role.FORWARD)
+
+    def _supervise(self, baton: Baton, watch: FailureWatch) -> bool:
+        """Wait until the phase's contexts finished (True); stop them when another rank failed; return False when
+        the phase made no progress for ``STALL_FACTOR * timeout_s`` (later than a waiting context's own timeout,
+        which names the stuck context more precisely)."""
+        progress, since = baton.progress, time.monotonic()
+        while not baton.wait_done(min(self.failure_poll_s, self.timeout_s)):
+            if watch.poll() is not None:
+                baton.abort()
+            now = time.monotonic()
+            if baton.progress != progress:
+                progress, since = baton.progress, now
+            elif now - since > STALL_FACTOR * self.timeout_s:
+                return False
+        return True
+
+    # -- helpers -----------------------------------------------------------------------------------------------------
+    def _next_watch(self) -> FailureWatch:
+        if self._board is None:
+            self._board = FailureBoard.for_default_group(self.namespace, poll_s=self.failure_poll_s)
+        self._steps += 1
+        return FailureWatch(self._board, self._steps)
+
+    def _warn_if_overlap_cannot_work(self) -> None:
+        message = device_max_connections_warning() if self.overlap else None
+        if message is not None:
+            warnings.warn(message, RuntimeWarning, stacklevel=3)
+
+
+def run_schedule(
+    forward_fn: ForwardFn,
+    backward_fn: BackwardFn,
+    num_microbatches: int,
+    runtime: CommRuntime,
+    *,
+    overlap: bool,
+    context_factory: ContextFactory | None = None,
+    timeout_s: float = DEFAULT_TIMEOUT_S,
+) -> list[Any]:
+    """One step with a one-off :class:`OverlapEngine` (see :meth:`OverlapEngine.run`).
+
+    A training loop should keep one engine instead: its failure reports are keyed by step, while one-off engines
+    all use step 1, so a report left by an earlier failed step in the same process group would be read again.
+    """
+    engine = OverlapEngine(runtime, overlap=overlap, context_factory=context_factory, timeout_s=timeout_s)
+    return engine.run(forward_fn, backward_fn, num_microbatches)
+
+
+@dataclass
+class _StepTasks:
+    """What one step's tasks run, and where forward outputs wait for their backward."""
+
+    forward_fn: ForwardFn
+    backward_fn: BackwardFn
+    runtime: CommRuntime
+    context_factory: ContextFactory
+    state: ThreadState
+    outputs: list[Any]
+    settled: bool = True  # False once a phase stalled: its lanes may be stuck
+
+    def execute(self, task: Task) -> None:
+        with self.state.applied(), self.context_factory(task):
+            i = task.microbatch
+            if task.role is Role.FORWARD:
+                self.outputs[i] = self.forward_fn(i)
+            else:
+                self.backward_fn(i, self.outputs[i])
+                self.runtime.flush_wgrad()  # this micro-batch's weight gradients land before the next backward
+
+
+def _close(lanes: Iterable[_Lane], timeout_s: float) -> None:
+    """Stop and join the lanes. One stuck in a blocking call (a stalled phase) is a daemon thread left behind: the
+    runtime is unbound by then, so if that call ever returns, the context finishes its task without hand-overs."""
+    for lane in lanes:
+        lane.stop()
+    deadline = time.monotonic() + timeout_s
+    for lane in lanes:
+        lane.join(deadline - time.monotonic())
+
+
+class _Lane:
+    """A worker thread that runs one role's tasks of a step, in order. Jobs never raise (the baton catches)."""
+
+    def __init__(self, role: Role) -> None:
+        self._jobs: queue.SimpleQueue[Callable[[], None] | None] = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._loop, name=f"moe-overlap-{role.value}", daemon=True)
+        self._thread.start()
+
+    def submit(self, job: Callable[[], None]) -> None:
+        self._jobs.put(job)
+
+    def stop(self) -> None:
+        """End after the queued jobs."""
+        self._jobs.put(None)
+
+    def join(self, timeout_s: float) -> None:
+        self._thread.join(max(0.0, timeout_s))
+
+    def _loop(self) -> None:
+        while (job := self._jobs.get()) is not None:
+            job()

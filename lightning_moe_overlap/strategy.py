@@ -1,0 +1,368 @@
+"""``MoEOverlapStrategy``: a thin Lightning strategy that delegates to the parallel, moe, overlap and loop layers."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from datetime import timedelta
+from typing import Any, Literal
+
+import torch
+import torch.distributed as dist
+from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
+from lightning.fabric.strategies import _StrategyRegistry
+from lightning.fabric.utilities.types import ReduceOp
+from lightning.pytorch import Trainer
+from lightning.pytorch.accelerators import Accelerator
+from lightning.pytorch.plugins.precision import Precision
+from lightning.pytorch.strategies.parallel import ParallelStrategy
+from lightning.pytorch.strategies.strategy import TBroadcast
+from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.utilities.rank_zero import rank_zero_only
+from torch import Tensor
+from torch.nn import Module
+from typing_extensions import override
+
+from lightning_moe_overlap import _compat
+from lightning_moe_overlap.config import OverlapConfig
+from lightning_moe_overlap.grads import clip_grad_norm, global_grad_norm
+from lightning_moe_overlap.loop import MicroBatchLoop
+from lightning_moe_overlap.overlap.engine import OverlapEngine
+from lightning_moe_overlap.overlap.runtime import CommRuntime
+from lightning_moe_overlap.parallel import ParallelDims, ParallelGroups, build_groups
+from lightning_moe_overlap.validation import (
+    build_dims,
+    check_config,
+    check_machine,
+    check_model,
+    check_trainer,
+    check_world,
+    raise_problems,
+)
+from lightning_moe_overlap.wrap import ExpertParallelModel
+
+log = logging.getLogger(__name__)
+
+
+class MoEOverlapStrategy(ParallelStrategy):
+    """Expert-parallel Mixture-of-Experts training with the all-to-all hidden behind compute.
+
+    The strategy builds the process groups (dp, ep, edp, tp, cp, pp), hands them to the LightningModule before
+    ``configure_model`` as ``self.parallel_groups``, makes every MoE experts module of the model expert-parallel,
+    splits each batch into micro-batches and runs them as an overlapped schedule inside one optimizer step.
+
+    Args:
+        ep: Expert-parallel size: experts are sharded over ``ep`` ranks and tokens exchanged by all-to-all.
+            Must divide ``dp * cp`` and every MoE block's number of experts.
+        tp: Tensor-parallel size (groups are built; execution supports 1 in this version).
+        pp: Pipeline-parallel size (groups are built; execution supports 1 in this version).
+        vpp: Virtual pipeline stages per rank; needed when ``pp > 1`` with ``overlap``; ignored (warning) at ``pp=1``.
+        cp: Context-parallel size (groups are built; execution supports 1 in this version).
+        dispatcher: Token dispatcher: ``"alltoall"`` (uneven all-to-all, any backend), ``"allgather"`` (gather
+            over ep, reduce-scatter back; small ep), ``"flex"`` (DeepEP kernels; CUDA only).
+        flex_backend: Backend of the flex dispatcher (``"deepep"``); only valid with ``dispatcher="flex"``.
+        overlap: Run the forward of micro-batch ``i+1`` and the backward of micro-batch ``i`` as two contexts that
+            hand over at every all-to-all, so one's communication hides behind the other's compute.
+        delay_wgrad: Queue expert weight-gradient GEMMs during backward and run them while the next all-to-all
+            is in flight.
+        num_microbatches: Micro-batches per optimizer step; each batch from the dataloader is split evenly along
+            its first dimension.
+        capacity_factor: Expert capacity as a multiple of the even share of tokens; None is dropless.
+        token_drop_policy: Which assignments an over-capacity expert drops: ``"probs"`` (lowest probability) or
+            ``"position"`` (latest tokens).
+        shared_expert_overlap: Run shared experts while the dispatch all-to-all is in flight (``overlap=False``).
+        deepep_num_sms: Streaming multiprocessors the DeepEP kernels may use (even).
+        process_group_backend: ``"gloo"`` or ``"nccl"``; None picks the default for the device.
+        timeout: Seconds (or a ``timedelta``) a collective may wait before the run fails; None is Lightning's
+            default of 30 minutes.
+        start_method: How processes are launched: ``"popen"`` re-runs the script (scripts and the CLI),
+            ``"spawn"``/``"fork"``/``"forkserver"`` use multiprocessing.
+    """
+
+    strategy_name = "moe_overlap"
+
+    def __init__(
+        self,
+        ep: int = 1,
+        tp: int = 1,
+        pp: int = 1,
+        vpp: int | None = None,
+        cp: int = 1,
+        dispatcher: Literal["alltoall", "allgather", "flex"] = "alltoall",
+        flex_backend: Literal["deepep"] | None = None,
+        overlap: bool = True,
+        delay_wgrad: bool = False,
+        num_microbatches: int = 1,
+        capacity_factor: float | None = None,
+        token_drop_policy: Literal["probs", "position"] = "probs",
+        shared_expert_overlap: bool = False,
+        deepep_num_sms: int = 20,
+        process_group_backend: str | None = None,
+        timeout: float | timedelta | None = None,
+        start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
+        accelerator: Accelerator | None = None,
+        parallel_devices: list[torch.device] | None = None,
+        cluster_environment: ClusterEnvironment | None = None,
+        checkpoint_io: CheckpointIO | None = None,
+        precision_plugin: Precision | None = None,
+    ) -> None:
+        super().__init__(
+            accelerator=accelerator,
+            parallel_devices=parallel_devices,
+            cluster_environment=cluster_environment,
+            checkpoint_io=checkpoint_io,
+            precision_plugin=precision_plugin,
+        )
+        self.config = OverlapConfig(
+            ep=ep,
+            tp=tp,
+            pp=pp,
+            vpp=vpp,
+            cp=cp,
+            dispatcher=dispatcher,
+            flex_backend=flex_backend,
+            overlap=overlap,
+            delay_wgrad=delay_wgrad,
+            num_microbatches=num_microbatches,
+            capacity_factor=capacity_factor,
+            token_drop_policy=token_drop_policy,
+            shared_expert_overlap=shared_expert_overlap,
+            deepep_num_sms=deepep_num_sms,
+            process_group_backend=process_group_backend,
+            start_method=start_method,
+        )
+        raise_problems(check_config(self.config))
+        self._timeout = _as_timedelta(timeout)
+        self._num_nodes = 1
+        self._dims: ParallelDims | None = None
+        self._groups: ParallelGroups | None = None
+        self.runtime = CommRuntime(delay_wgrad=delay_wgrad)
+        self._ep_model: ExpertParallelModel | None = None
+        self._loop: MicroBatchLoop | None = None
+
+    # -- sizes and groups ------------------------------------------------------------------------------------
+    @property
+    def num_nodes(self) -> int:
+        return self._num_nodes
+
+    @num_nodes.setter
+    def num_nodes(self, num_nodes: int) -> None:
+        self._num_nodes = num_nodes
+
+    @property
+    def num_processes(self) -> int:
+        return len(self.parallel_devices) if self.parallel_devices is not None else 0
+
+    @property
+    def dims(self) -> ParallelDims:
+        """The parallel sizes, known once the world size is (after the Trainer picked devices)."""
+        if self._dims is None:
+            self._dims = build_dims(self.config, self.num_nodes * self.num_processes)
+        return self._dims
+
+    @property
+    def parallel_groups(self) -> ParallelGroups:
+        if self._groups is None:
+            raise RuntimeError(
+                "`MoEOverlapStrategy.parallel_groups` is only available after the processes have initialised "
+                "(from `configure_model` on); it was accessed before."
+            )
+        return self._groups
+
+    @property
+    def is_distributed(self) -> bool:
+        return True
+
+    @property
+    @override
+    def root_device(self) -> torch.device:
+        assert self.parallel_devices is not None
+        return self.parallel_devices[self.local_rank]
+
+    @property
+    @override
+    def distributed_sampler_kwargs(self) -> dict[str, Any]:
+        """Samples are split over the data-parallel group only: tp/cp/pp peers read the same samples."""
+        coords = self.dims.coords(self.global_rank)
+        return {"num_replicas": self.dims.dp, "rank": coords.dp}
+
+    @property
+    def process_group_backend(self) -> str | None:
+        return self.config.process_group_backend
+
+    # -- launch and process groups ---------------------------------------------------------------------------
+    @override
+    def _configure_launcher(self) -> None:
+        assert self.cluster_environment is not None
+        world_size = self.num_nodes * self.num_processes
+        device_type = self.parallel_devices[0].type if self.parallel_devices else "cpu"
+        raise_problems(check_world(self.config, world_size) + check_machine(self.config, device_type))
+        if self.config.start_method == "popen":
+            self._launcher = _compat._SubprocessScriptLauncher(
+                self.cluster_environment, self.num_processes, self.num_nodes
+            )
+        else:
+            self._launcher = _compat._MultiProcessingLauncher(self, start_method=self.config.start_method)
+
+    @override
+    def setup_environment(self) -> None:
+        super().setup_environment()
+        self._setup_distributed()
+        self._groups = build_groups(
+            self.dims, self.global_rank, backend=self._backend(), timeout=self._timeout
+        )
+        pl_module = self.lightning_module
+        if pl_module is not None:  # read by model code in `configure_model` (Lightning issue #20632)
+            pl_module.parallel_groups = self._groups
+        log.debug("%s: %s", type(self).__name__, self.dims.describe())
+
+    def _backend(self) -> str:
+        return self.config.process_group_backend or _compat._get_default_process_group_backend_for_device(
+            self.root_device
+        )
+
+    def _setup_distributed(self) -> None:
+        _compat.reset_seed()
+        self.set_world_ranks()
+        assert self.cluster_environment is not None
+        device_id = self.root_device if self.root_device.type != "cpu" else None
+        _compat._init_dist_connection(
+            self.cluster_environment, self._backend(), timeout=self._timeout, device_id=device_id
+        )
+
+    def set_world_ranks(self) -> None:
+        if self.cluster_environment is not None:
+            self.cluster_environment.set_global_rank(self.node_rank * self.num_processes + self.local_rank)
+            self.cluster_environment.set_world_size(self.num_nodes * self.num_processes)
+        rank_zero_only.rank = self.global_rank
+
+    # -- model -----------------------------------------------------------------------------------------------
+    @override
+    def setup(self, trainer: Trainer) -> None:
+        assert self.accelerator is not None and self.model is not None
+        self.accelerator.setup(trainer)
+        fitting = trainer.state.fn == TrainerFn.FITTING
+        if fitting:
+            raise_problems(
+                check_trainer(
+                    self.config,
+                    accumulate_grad_batches=trainer.accumulate_grad_batches,
+                    automatic_optimization=self.lightning_module.automatic_optimization,
+                )
+            )
+        if self._ep_model is None:
+            self._ep_model = ExpertParallelModel(self.model)
+            raise_problems(check_model(self.config, self._ep_model.experts_per_block()))
+            self._ep_model.apply(self.config, self.parallel_groups, self.runtime)
+            self._ep_model.set_aux_loss_scale(1.0 / self.config.num_microbatches)
+        self.precision_plugin.convert_module(self.model)
+        self.model_to_device()
+        self._ep_model.broadcast_replicas(self.parallel_groups)
+        if fitting:
+            self.setup_optimizers(trainer)
+        self.setup_precision_plugin()
+        if fitting:
+            _compat._optimizers_to_device(self.optimizers, self.root_device)
+            engine = OverlapEngine(
+                self.runtime, overlap=self.config.overlap, timeout_s=self._timeout.total_seconds() + 60.0
+            )
+            self._loop = MicroBatchLoop(self, trainer, engine)
+            self._loop.install()
+            self.precision_plugin.clip_grad_by_norm = self._clip_grad_by_norm  # type: ignore[method-assign]
+
+    @override
+    def optimizer_step(
+        self,
+        optimizer: torch.optim.Optimizer,
+        closure: Callable[[], Any],
+        model: Module | None = None,
+        **kwargs: Any,
+    ) -> Any:
+        output = super().optimizer_step(optimizer, closure, model, **kwargs)
+        assert self._ep_model is not None
+        self._ep_model.update_expert_bias(self.parallel_groups.dp_cp)
+        return output
+
+    @override
+    def model_to_device(self) -> None:
+        assert self.model is not None
+        self.model.to(self.root_device)
+
+    @override
+    def training_step(self, *args: Any, **kwargs: Any) -> Any:
+        if self._loop is None:
+            return super().training_step(*args, **kwargs)
+        return self._loop.step(*args, **kwargs)
+
+    def sync_gradients(self) -> None:
+        """Average gradients over the data-parallel groups (called once per step, after the last micro-batch)."""
+        assert self._ep_model is not None
+        self._ep_model.sync_gradients(self.parallel_groups)
+
+    def global_grad_norm(self) -> Tensor:
+        """The L2 norm of all gradients of the model across every rank (float64, same on every rank)."""
+        assert self._ep_model is not None
+        dense, expert = self._ep_model.partition_parameters()
+        return global_grad_norm(dense, expert, ep_group=self.parallel_groups.ep)
+
+    def _clip_grad_by_norm(self, optimizer: torch.optim.Optimizer, clip_val: int | float) -> None:
+        assert self._ep_model is not None
+        dense, expert = self._ep_model.partition_parameters(optimizer)
+        clip_grad_norm(dense, expert, float(clip_val), ep_group=self.parallel_groups.ep)
+
+    # -- collectives -----------------------------------------------------------------------------------------
+    @override
+    def reduce(
+        self, tensor: Tensor | Any, group: Any | None = None, reduce_op: ReduceOp | str | None = "mean"
+    ) -> Tensor | Any:
+        if isinstance(tensor, Tensor):
+            return _compat._sync_ddp_if_available(tensor, group, reduce_op=reduce_op)
+        return tensor
+
+    @override
+    def barrier(self, name: str | None = None) -> None:
+        if not _compat._distributed_is_initialized():
+            return
+        if dist.get_backend() == "nccl":
+            dist.barrier(device_ids=[self.root_device.index])
+        else:
+            dist.barrier()
+
+    @override
+    def broadcast(self, obj: TBroadcast, src: int = 0) -> TBroadcast:
+        if not _compat._distributed_is_initialized():
+            return obj
+        holder = [obj]
+        dist.broadcast_object_list(holder, src)
+        return holder[0]
+
+    @override
+    def teardown(self) -> None:
+        if self._loop is not None:
+            self._loop.uninstall()
+            self._loop = None
+        super().teardown()
+
+    @classmethod
+    @override
+    def register_strategies(cls, strategy_registry: _StrategyRegistry) -> None:
+        for name, start_method in (("moe_overlap", "popen"), ("moe_overlap_spawn", "spawn")):
+            if name not in strategy_registry:
+                strategy_registry.register(
+                    name,
+                    cls,
+                    description=f"MoE expert-parallel all-to-all overlap, processes started with '{start_method}'",
+                    start_method=start_method,
+                )
+
+
+def _as_timedelta(timeout: float | timedelta | None) -> timedelta:
+    if timeout is None:
+        return _compat.default_pg_timeout
+    if isinstance(timeout, timedelta):
+        return timeout
+    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or timeout <= 0:
+        raise ValueError(
+            f"`MoEOverlapStrategy`: `timeout={timeout!r}` must be a positive number of seconds or a timedelta."
+        )
+    return timedelta(seconds=float(timeout))

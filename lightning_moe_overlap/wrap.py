@@ -1,0 +1,100 @@
+"""What the strategy does to a user's model: make its experts expert-parallel, keep replicas equal, sync grads."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from lightning_moe_overlap.config import OverlapConfig
+from lightning_moe_overlap.grads import sync_gradients
+from lightning_moe_overlap.moe.adapters import apply_expert_parallel, find_experts
+from lightning_moe_overlap.moe.ep import ExpertParallelExperts
+from lightning_moe_overlap.moe.router import TopKRouter
+from lightning_moe_overlap.overlap.runtime import CommRuntime
+from lightning_moe_overlap.parallel import ParallelGroups
+
+
+class ExpertParallelModel:
+    """The strategy's view of the model: which parameters are experts, and the per-step gradient work."""
+
+    def __init__(self, model: nn.Module) -> None:
+        self.model = model
+        self._ep_modules: list[ExpertParallelExperts] = []
+
+    def experts_per_block(self) -> Mapping[str, int]:
+        """``{module name: num_experts}`` for every experts module found (for validation before wrapping)."""
+        return {name: found.num_experts for name, found in find_experts(self.model).items()}
+
+    def apply(self, config: OverlapConfig, groups: ParallelGroups, runtime: CommRuntime) -> None:
+        """Replace every experts module by its expert-parallel version holding only this rank's experts."""
+        self._ep_modules = apply_expert_parallel(
+            self.model,
+            groups.ep,
+            dispatcher=config.dispatcher,
+            runtime=runtime,
+            capacity_factor=config.capacity_factor,
+            token_drop_policy=config.token_drop_policy,
+            deepep_num_sms=config.deepep_num_sms,
+        )
+
+    @property
+    def ep_modules(self) -> list[ExpertParallelExperts]:
+        return self._ep_modules
+
+    def routers(self) -> list[TopKRouter]:
+        return [m for m in self.model.modules() if isinstance(m, TopKRouter)]
+
+    def set_aux_loss_scale(self, scale: float) -> None:
+        """Scale the routers' aux / z losses like the main loss (each micro-batch backpropagates ``loss / M``)."""
+        for router in self.routers():
+            router.aux_loss_scale = scale
+
+    def update_expert_bias(self, group: dist.ProcessGroup) -> None:
+        """Aux-loss-free balancing: move each router's expert bias from the token counts of the step (collective)."""
+        for router in self.routers():
+            if router.expert_bias is not None:
+                router.update_expert_bias(group)
+
+    def _expert_ids(self) -> set[int]:
+        return {id(p) for m in self._ep_modules for p in m.parameters()}
+
+    def partition_parameters(
+        self, optimizer: torch.optim.Optimizer | None = None
+    ) -> tuple[list[nn.Parameter], list[nn.Parameter]]:
+        """(dense, expert) trainable parameters, in model order (the same order on every rank)."""
+        params = [p for p in self.model.parameters() if p.requires_grad]
+        if optimizer is not None:
+            in_opt = {id(p) for group in optimizer.param_groups for p in group["params"]}
+            params = [p for p in params if id(p) in in_opt]
+        experts = self._expert_ids()
+        return [p for p in params if id(p) not in experts], [p for p in params if id(p) in experts]
+
+    def broadcast_replicas(self, groups: ParallelGroups) -> None:
+        """Make replicas equal, as DDP does at start: dense state from the first rank of each dp*cp group,
+        expert state from the first rank of each edp group."""
+        expert = [t for m in self._ep_modules for t in _state_tensors(m)]
+        expert_ids = {id(t) for t in expert}
+        dense = [t for t in _state_tensors(self.model) if id(t) not in expert_ids]
+        _broadcast_from_first(dense, groups.dp_cp)
+        _broadcast_from_first(expert, groups.edp)
+
+    def sync_gradients(self, groups: ParallelGroups) -> None:
+        dense, expert = self.partition_parameters()
+        dims = groups.dims
+        sync_gradients(dense, expert, dp_cp_group=groups.dp_cp, edp_group=groups.edp, dp_cp_size=dims.dp * dims.cp)
+
+
+def _state_tensors(module: nn.Module) -> list[torch.Tensor]:
+    return [*module.parameters(), *module.buffers()]
+
+
+def _broadcast_from_first(tensors: list[torch.Tensor], group: dist.ProcessGroup) -> None:
+    if dist.get_world_size(group) == 1:
+        return
+    src = dist.get_global_rank(group, 0)
+    with torch.no_grad():
+        for t in tensors:
+            dist.broadcast(t.data, src=src, group=group)
