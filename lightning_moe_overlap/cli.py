@@ -85,16 +85,23 @@ def _world_size(trainer: dict[str, Any], override: int | None) -> int:
     return devices * int(trainer.get("num_nodes", 1))
 
 
-def collect_problems(config: dict[str, Any], world_size: int | None = None) -> list[Problem]:
-    """Every validation problem of a LightningCLI config dict, for ``world_size`` processes."""
+def collect_problems(
+    config: dict[str, Any], world_size: int | None = None, *, machine_checks: bool = True
+) -> list[Problem]:
+    """Every validation problem of a LightningCLI config dict, for ``world_size`` processes.
+
+    ``machine_checks=False`` skips the rules about this machine (installed DeepEP, CUDA), to check a GPU job's
+    config from another machine.
+    """
     trainer = config.get("trainer") or {}
     cfg = _strategy_config(trainer.get("strategy", "auto"))
     if cfg is None:
         return [Problem("strategy", "`check`: trainer.strategy is not `MoEOverlapStrategy` (or `moe_overlap`).")]
     problems = check_config(cfg)
     problems += check_world(cfg, _world_size(trainer, world_size))
-    accelerator = trainer.get("accelerator", "auto")
-    problems += check_machine(cfg, "cuda" if accelerator in ("gpu", "cuda") else "cpu")
+    if machine_checks:
+        accelerator = trainer.get("accelerator", "auto")
+        problems += check_machine(cfg, "cuda" if accelerator in ("gpu", "cuda") else "cpu")
     automatic = True
     model_spec = config.get("model")
     if isinstance(model_spec, dict) and "class_path" in model_spec:
@@ -112,11 +119,14 @@ def check_main(argv: Sequence[str]) -> int:
     parser = argparse.ArgumentParser(prog="lightning-moe-overlap check", description=__doc__.split("\n\n")[-1])
     parser.add_argument("--config", required=True, action="append", help="YAML config file(s), merged in order")
     parser.add_argument("--world-size", type=int, default=None, help="processes (default: devices x num_nodes)")
+    parser.add_argument(
+        "--no-machine-checks", action="store_true", help="skip the rules about this machine (DeepEP, CUDA installed)"
+    )
     args = parser.parse_args(argv)
     config: dict[str, Any] = {}
     for path in args.config:
         _merge(config, _load(path))
-    problems = collect_problems(config, args.world_size)
+    problems = collect_problems(config, args.world_size, machine_checks=not args.no_machine_checks)
     errors = [p for p in problems if p.is_error]
     for p in problems:
         print(p)

@@ -1,0 +1,78 @@
+"""The console script end to end, in subprocesses: fit from each CPU YAML, both strategy forms, print_config, check."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+CONFIGS = ROOT / "examples" / "configs"
+SHORT = ["--trainer.max_steps=3", "--trainer.devices=2", "--trainer.val_check_interval=3"]
+
+
+@pytest.fixture(autouse=True)
+def _run_in_tmp(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)  # LightningCLI saves the run's config.yaml into the working directory
+
+
+def _run(*args: str, timeout: float = 240) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "lightning_moe_overlap", *args], capture_output=True, text=True, timeout=timeout
+    )
+
+
+def _console(*args: str, timeout: float = 240) -> subprocess.CompletedProcess:
+    script = Path(sys.executable).with_name("lightning-moe-overlap")
+    return subprocess.run([str(script), *args], capture_output=True, text=True, timeout=timeout)
+
+
+def test_cli_fit_cpu_yaml_class_path_form():
+    out = _console("fit", "--config", str(CONFIGS / "cpu.yaml"), *SHORT)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "`Trainer.fit` stopped: `max_steps=3` reached." in out.stderr + out.stdout
+
+
+def test_cli_fit_hf_yaml_with_registered_strategy_name():
+    out = _run(
+        "fit", "--config", str(CONFIGS / "cpu_hf_qwen3.yaml"), "--trainer.strategy=moe_overlap",
+        "--trainer.max_steps=2", "--trainer.devices=2",
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "`Trainer.fit` stopped: `max_steps=2` reached." in out.stderr + out.stdout
+
+
+@pytest.mark.parametrize("name", ["cpu.yaml", "cpu_hf_qwen3.yaml", "gpu.yaml", "gpu_multinode.yaml"])
+def test_cli_print_config_resolves_the_strategy(name):
+    out = _run("fit", "--config", str(CONFIGS / name), "--print_config", timeout=120)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "class_path: lightning_moe_overlap.MoEOverlapStrategy" in out.stdout
+    assert "num_microbatches:" in out.stdout and "dispatcher:" in out.stdout
+
+
+def test_cli_check_valid_config_exits_zero():
+    out = _run("check", "--config", str(CONFIGS / "cpu.yaml"), timeout=120)
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert out.stdout.strip().endswith("0 error(s), 0 warning(s)")
+
+
+def test_cli_check_multinode_config_for_64_ranks_without_machine_checks():
+    out = _run(
+        "check", "--config", str(CONFIGS / "gpu_multinode.yaml"), "--world-size", "64", "--no-machine-checks",
+        timeout=120,
+    )
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "[vpp-without-pp] warning" in out.stdout and "0 error(s), 1 warning(s)" in out.stdout
+
+
+def test_cli_check_invalid_config_lists_every_problem_and_fails():
+    out = _run("check", "--config", str(ROOT / "tests" / "data" / "invalid.yaml"), timeout=120)
+    assert out.returncode == 1
+    for rule in (
+        "flex-backend-without-flex", "shared-expert-overlap", "ep-divides-dp-cp", "experts-divisible-by-ep",
+        "accumulate-grad-batches",
+    ):
+        assert f"[{rule}]" in out.stdout, rule
+    assert "5 error(s)" in out.stdout
