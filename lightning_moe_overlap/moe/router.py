@@ -61,6 +61,13 @@ class AuxLossScaler(torch.autograd.Function):
         return grad_output, torch.full_like(aux_loss, ctx.scale), None
 
 
+def _in_training_forward() -> bool:
+    """False inside a backward pass, where a checkpoint's recompute runs the router again: counting its tokens
+    there would double the counts of the expert-bias update. (Grad mode is no guide: reentrant checkpointing runs
+    the first forward under ``no_grad``.)"""
+    return torch._C._current_graph_task_id() == -1
+
+
 class TopKRouter(nn.Module):
     """Linear gate + top-k selection with optional group limit, expert bias, aux loss and z-loss.
 
@@ -162,7 +169,7 @@ class TopKRouter(nn.Module):
             aux_loss = self._load_balancing_loss(logits_TE)
             self.metrics["load_balancing_loss"] = aux_loss.detach()
             weights_TK = AuxLossScaler.apply(weights_TK, aux_loss, self.aux_loss_scale)
-        if self.local_tokens_per_expert is not None and torch.is_grad_enabled() and self.training:
+        if self.local_tokens_per_expert is not None and self.training and _in_training_forward():
             with torch.no_grad():
                 self.local_tokens_per_expert += map_TE.sum(dim=0)
         return logits_TE, weights_TK, indices_TK

@@ -157,3 +157,23 @@ def test_router_validation(kwargs: dict, error: type[Exception], match: str) -> 
     top_k = kwargs.pop("top_k", 2)
     with pytest.raises(error, match=match):
         TopKRouter(D, E, top_k, **kwargs)
+
+
+def test_router_expert_bias_counts_once_under_activation_checkpointing():
+    from torch.utils.checkpoint import checkpoint
+
+    from lightning_moe_overlap.moe.layer import MoELayer
+
+    torch.manual_seed(0)
+    layer = MoELayer(
+        hidden_size=8, ffn_hidden_size=8, num_experts=4, top_k=2, enable_expert_bias=True, score_function="sigmoid"
+    )
+    x = torch.randn(10, 8, requires_grad=True)
+    layer(x).sum().backward()
+    plain = layer.gate.local_tokens_per_expert.clone()
+    layer.gate.local_tokens_per_expert.zero_()
+    for reentrant in (False, True):  # the recompute runs the router again, inside backward
+        checkpoint(layer, x, use_reentrant=reentrant).sum().backward()
+        assert torch.equal(layer.gate.local_tokens_per_expert, plain)
+        layer.gate.local_tokens_per_expert.zero_()
+    assert int(plain.sum()) == 10 * 2
