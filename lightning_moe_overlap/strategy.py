@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+import os
+from collections.abc import Callable, Mapping
 from datetime import timedelta
 from typing import Any, Literal
 
@@ -24,8 +25,12 @@ from torch.nn import Module
 from typing_extensions import override
 
 from lightning_moe_overlap import _compat
+from lightning_moe_overlap.checkpoint import checkpointer
+from lightning_moe_overlap.checkpoint.consolidated import gather_full
+from lightning_moe_overlap.checkpoint.target import LoadTarget
 from lightning_moe_overlap.config import OverlapConfig
 from lightning_moe_overlap.grads import clip_grad_norm, global_grad_norm
+from lightning_moe_overlap.launcher import ExpertParallelSpawnLauncher
 from lightning_moe_overlap.loop import MicroBatchLoop
 from lightning_moe_overlap.overlap.engine import OverlapEngine
 from lightning_moe_overlap.overlap.runtime import CommRuntime
@@ -77,6 +82,10 @@ class MoEOverlapStrategy(ParallelStrategy):
             default of 30 minutes.
         start_method: How processes are launched: ``"popen"`` re-runs the script (scripts and the CLI),
             ``"spawn"``/``"fork"``/``"forkserver"`` use multiprocessing.
+        checkpoint_format: How ``Trainer.save_checkpoint`` writes: ``"sharded"`` (default; a directory where each
+            rank writes its own experts and a share of the rest, loadable at any ep/dp layout) or
+            ``"consolidated"`` (one file with the full experts, as an unsharded run writes it; for inference and
+            export). Both are committed atomically; loading reads either (docs/checkpoints.md).
     """
 
     strategy_name = "moe_overlap"
@@ -100,6 +109,7 @@ class MoEOverlapStrategy(ParallelStrategy):
         process_group_backend: str | None = None,
         timeout: float | timedelta | None = None,
         start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
+        checkpoint_format: Literal["sharded", "consolidated"] = "sharded",
         accelerator: Accelerator | None = None,
         parallel_devices: list[torch.device] | None = None,
         cluster_environment: ClusterEnvironment | None = None,
@@ -139,6 +149,7 @@ class MoEOverlapStrategy(ParallelStrategy):
         self.runtime = CommRuntime(delay_wgrad=delay_wgrad)
         self._ep_model: ExpertParallelModel | None = None
         self._loop: MicroBatchLoop | None = None
+        self.checkpoint_format = checkpointer.check_format(checkpoint_format)
 
     # -- sizes and groups ------------------------------------------------------------------------------------
     @property
@@ -202,7 +213,7 @@ class MoEOverlapStrategy(ParallelStrategy):
                 self.cluster_environment, self.num_processes, self.num_nodes
             )
         else:
-            self._launcher = _compat._MultiProcessingLauncher(self, start_method=self.config.start_method)
+            self._launcher = ExpertParallelSpawnLauncher(self, start_method=self.config.start_method)
 
     @override
     def setup_environment(self) -> None:
@@ -309,6 +320,75 @@ class MoEOverlapStrategy(ParallelStrategy):
         assert self._ep_model is not None
         dense, expert = self._ep_model.partition_parameters(optimizer)
         clip_grad_norm(dense, expert, float(clip_val), ep_group=self.parallel_groups.ep)
+
+    # -- checkpoints (docs/checkpoints.md): layout-free state, sharded or consolidated, committed atomically ------
+    @property
+    @override
+    def restore_checkpoint_after_setup(self) -> bool:
+        """Restore once the experts are sharded, so each rank reads exactly the experts it holds now."""
+        return True
+
+    @override
+    def lightning_module_state_dict(self) -> dict[str, Any]:
+        """This rank's module state, its experts under global per-expert keys (``name[e]``)."""
+        return checkpointer.module_state(self.lightning_module)
+
+    @override
+    def optimizer_state(self, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+        """This rank's optimizer state keyed by parameter name, its experts' state per expert."""
+        return checkpointer.optimizer_state(optimizer, self.lightning_module)
+
+    @override
+    def save_checkpoint(
+        self, checkpoint: dict[str, Any], filepath: str | os.PathLike, storage_options: Any | None = None
+    ) -> None:
+        """Collective: every rank writes its part (``checkpoint_format``); committed only when all have written."""
+        if storage_options is not None:
+            raise TypeError(
+                f"`MoEOverlapStrategy.save_checkpoint`: `storage_options={storage_options!r}` is not supported; the "
+                "strategy writes its checkpoints itself (no `CheckpointIO`). Pass no storage options and choose the "
+                "format with `checkpoint_format`."
+            )
+        target = self._checkpoint_target()
+        checkpointer.save(checkpoint, filepath, self.checkpoint_format, target, self._groups)
+
+    @override
+    def load_checkpoint(self, checkpoint_path: str | os.PathLike, weights_only: bool | None = None) -> dict[str, Any]:
+        """This rank's part of a sharded directory or consolidated file, for the experts it holds now (any layout).
+
+        ``weights_only`` is not used: checkpoints are trusted input (their metadata is unpickled).
+        """
+        trainer = getattr(self.lightning_module, "_trainer", None)
+        fitting = trainer is not None and trainer.state.fn == TrainerFn.FITTING
+        return checkpointer.load(checkpoint_path, self._checkpoint_target(), restore_rng_state=fitting)
+
+    @override
+    def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
+        checkpointer.load_module_state(self.lightning_module, dict(checkpoint), strict=strict)
+
+    @override
+    def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
+        checkpointer.load_optimizer_states(self.optimizers, self.lightning_module, dict(checkpoint))
+
+    @override
+    def remove_checkpoint(self, filepath: str | os.PathLike) -> None:
+        checkpointer.remove(filepath, self.global_rank)
+
+    def full_state_dict(self) -> dict[str, Any] | None:
+        """The unsharded module state (every expert in the full ``[E, ...]`` layout) on global rank 0, None elsewhere.
+
+        Collective: every rank must call it. Loads into the model as built before the strategy sharded it.
+        """
+        checkpoint = {"state_dict": checkpointer.module_state(self.lightning_module)}
+        full = gather_full(checkpoint, self._checkpoint_target(), self.parallel_groups.ep, rng_state=b"")
+        return None if full is None else full["state_dict"]
+
+    def _checkpoint_target(self) -> LoadTarget:
+        module = self.lightning_module
+        assert module is not None
+        return LoadTarget.of(
+            module, self.optimizers, rank=self.global_rank, world_size=self.world_size, strict=module.strict_loading
+        )
 
     # -- collectives -----------------------------------------------------------------------------------------
     @override

@@ -1,0 +1,159 @@
+"""What ``MoEOverlapStrategy``'s checkpoint hooks do: layout-free state, the chosen format, atomic commit.
+
+Lightning builds the checkpoint dict on every rank from ``lightning_module_state_dict`` and ``optimizer_state``
+(here in the canonical form of :mod:`.keys` / :mod:`.optimizer`: this rank's experts under global keys), then calls
+``save_checkpoint`` on every rank. Loading reverses it: ``load_checkpoint`` reads this rank's part of either format
+in canonical form (after setup, so the experts this rank now holds are known), then ``load_model_state_dict`` /
+``load_optimizer_state_dict`` stack it back into the local layout.
+"""
+
+from __future__ import annotations
+
+import os
+import uuid
+from typing import Any, Literal, get_args
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from lightning_moe_overlap.checkpoint import atomic
+from lightning_moe_overlap.checkpoint.consolidated import gather_full, read_consolidated, write_file
+from lightning_moe_overlap.checkpoint.keys import expert_shards, from_canonical, to_canonical
+from lightning_moe_overlap.checkpoint.optimizer import optimizer_from_canonical, optimizer_to_canonical, param_names
+from lightning_moe_overlap.checkpoint.rng import capture_rng, restore_rng
+from lightning_moe_overlap.checkpoint.sharded import read_sharded, write_sharded
+from lightning_moe_overlap.checkpoint.target import LoadTarget
+from lightning_moe_overlap.parallel import ParallelGroups
+
+CheckpointFormat = Literal["sharded", "consolidated"]
+FORMATS: tuple[str, ...] = get_args(CheckpointFormat)
+FORMAT_VERSION = 1
+_OWNER = "`MoEOverlapStrategy`"
+
+
+def check_format(checkpoint_format: Any) -> CheckpointFormat:
+    if checkpoint_format not in FORMATS:
+        raise ValueError(
+            f"{_OWNER}: `checkpoint_format={checkpoint_format!r}` is not one of {list(FORMATS)}. Use 'sharded' "
+            "(each rank writes its part; the default) or 'consolidated' (one file with the full experts)."
+        )
+    return checkpoint_format
+
+
+def module_state(module: nn.Module) -> dict[str, Any]:
+    """The module's state dict with this rank's experts under global per-expert keys."""
+    return to_canonical(module.state_dict(), expert_shards(module))
+
+
+def optimizer_state(optimizer: torch.optim.Optimizer, module: nn.Module) -> dict[str, Any]:
+    """The optimizer's state dict keyed by parameter name, this rank's experts under global per-expert keys."""
+    optimizer = getattr(optimizer, "_optimizer", optimizer)  # a LightningOptimizer wraps the optimizer
+    return optimizer_to_canonical(optimizer.state_dict(), param_names(optimizer, module), expert_shards(module))
+
+
+def save(
+    checkpoint: dict[str, Any],
+    path: str | os.PathLike,
+    checkpoint_format: str,
+    target: LoadTarget,
+    groups: ParallelGroups | None,
+) -> None:
+    """Write a canonical checkpoint (every rank calls it): sharded directory or consolidated file, committed last."""
+    fmt = check_format(checkpoint_format)
+    final, token = _broadcast((atomic.local_path(path, f"{_OWNER}.save_checkpoint"), uuid.uuid4().hex[:8]))
+    rng_state = capture_rng()
+    if fmt == "consolidated":
+        full = gather_full(checkpoint, target, groups.ep if groups is not None else None, rng_state)
+        if full is not None:
+            write_file(full, final, token)
+        _barrier()
+        return
+    staging = atomic.staging_path(final, token)
+    if target.rank == 0:
+        staging.mkdir(parents=True)
+    _barrier()
+    write_sharded(staging, checkpoint, rank=target.rank, rng_state=rng_state)
+    _barrier()  # every rank's files are on disk before the commit
+    if target.rank == 0:
+        atomic.write_marker(staging, _marker(target, groups))
+        atomic.publish(staging, final, token)
+    _barrier()
+
+
+def load(path: str | os.PathLike, target: LoadTarget, *, restore_rng_state: bool) -> dict[str, Any]:
+    """This rank's part of a checkpoint in canonical form (every rank calls it); restores this rank's RNG state.
+
+    Raises:
+        FileNotFoundError: nothing at ``path``.
+        RuntimeError: an incomplete checkpoint (no commit marker, staging name, truncated file).
+        ValueError: a checkpoint that does not fit the model (the message says which rule and how to fix it).
+    """
+    src = atomic.local_path(path, f"{_OWNER}.load_checkpoint")
+    if src.is_dir():
+        checkpoint, rng_state = read_sharded(src, target)
+    elif src.exists():
+        checkpoint, rng_state = read_consolidated(src, target)
+    else:
+        raise FileNotFoundError(f"{_OWNER}.load_checkpoint: no checkpoint at {src}. Check the path.")
+    if restore_rng_state and rng_state is not None:
+        restore_rng(rng_state)
+    return checkpoint
+
+
+def load_module_state(module: nn.Module, checkpoint: dict[str, Any], *, strict: bool) -> None:
+    """Stack this rank's experts of a canonical ``checkpoint["state_dict"]`` and load it into ``module``."""
+    module.load_state_dict(from_canonical(checkpoint["state_dict"], expert_shards(module)), strict=strict)
+
+
+def load_optimizer_states(
+    optimizers: list[torch.optim.Optimizer], module: nn.Module, checkpoint: dict[str, Any]
+) -> None:
+    """Load canonical ``checkpoint["optimizer_states"]`` into the live optimizers (this rank's experts)."""
+    shards = expert_shards(module)
+    for optimizer, state in zip(optimizers, checkpoint["optimizer_states"]):
+        optimizer = getattr(optimizer, "_optimizer", optimizer)
+        names = param_names(optimizer, module)
+        optimizer.load_state_dict(optimizer_from_canonical(state, names, shards, "the checkpoint"))
+
+
+def remove(path: str | os.PathLike, rank: int) -> None:
+    """Delete a checkpoint file or directory (rank 0)."""
+    if rank == 0:
+        atomic.remove(atomic.local_path(path, f"{_OWNER}.remove_checkpoint"))
+
+
+def _marker(target: LoadTarget, groups: ParallelGroups | None) -> dict[str, Any]:
+    experts: dict[str, int] = {}
+    for name, shard in target.shards.items():
+        experts[name.rsplit(".", 1)[0]] = shard.num_experts
+    return {
+        "format": "sharded",
+        "version": FORMAT_VERSION,
+        "world_size": target.world_size,
+        "ep": groups.dims.ep if groups is not None else 1,
+        "dp": groups.dims.dp if groups is not None else 1,
+        "experts": experts,
+    }
+
+
+def _distributed() -> bool:
+    return dist.is_available() and dist.is_initialized()
+
+
+def _broadcast(obj: Any) -> Any:
+    if not _distributed():
+        return obj
+    holder = [obj]
+    dist.broadcast_object_list(holder, src=0)
+    return holder[0]
+
+
+def _barrier() -> None:
+    if not _distributed():
+        return
+    if dist.get_backend() == "nccl":
+        dist.barrier(device_ids=[torch.cuda.current_device()])
+    else:
+        dist.barrier()
+

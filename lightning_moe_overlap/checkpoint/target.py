@@ -1,0 +1,54 @@
+"""What one rank holds, so a loader reads exactly its part of a checkpoint, whatever layout wrote it."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from lightning_moe_overlap.checkpoint.keys import expert_shards, shapes_of, to_canonical
+from lightning_moe_overlap.checkpoint.optimizer import param_names
+from lightning_moe_overlap.moe.ep import ExpertShard
+
+
+@dataclass(frozen=True)
+class LoadTarget:
+    """One rank's view of the live model and optimizers.
+
+    Attributes:
+        model: canonical state-dict keys of the module on this rank (dense keys, and ``name[e]`` for the experts
+            held here) with their shapes (``None``: not a tensor).
+        shards: which experts each per-expert tensor holds here.
+        optimizers: for each optimizer, the parameter name of each state index.
+        rank: global rank.
+        world_size: number of ranks.
+        strict: refuse keys the model and the checkpoint do not share (``LightningModule.strict_loading``).
+    """
+
+    model: dict[str, torch.Size | None]
+    shards: dict[str, ExpertShard]
+    optimizers: list[list[str]]
+    rank: int = 0
+    world_size: int = 1
+    strict: bool = True
+
+    @classmethod
+    def of(
+        cls,
+        module: nn.Module,
+        optimizers: list[torch.optim.Optimizer] = (),  # type: ignore[assignment]
+        *,
+        rank: int = 0,
+        world_size: int = 1,
+        strict: bool = True,
+    ) -> LoadTarget:
+        shards = expert_shards(module)
+        return cls(
+            model=shapes_of(to_canonical(module.state_dict(), shards)),
+            shards=shards,
+            optimizers=[param_names(opt, module) for opt in optimizers],
+            rank=rank,
+            world_size=world_size,
+            strict=strict,
+        )
