@@ -6,6 +6,7 @@ Importing the package registers the strategy under the names ``moe_overlap`` and
 
 from lightning.pytorch.strategies import StrategyRegistry
 
+from lightning_moe_overlap.callbacks import ActivationOffload, SelectiveRecompute
 from lightning_moe_overlap.config import OverlapConfig
 from lightning_moe_overlap.parallel import ParallelDims, ParallelGroups
 from lightning_moe_overlap.strategy import MoEOverlapStrategy
@@ -14,4 +15,12 @@ __version__ = "0.1.0"
 
 MoEOverlapStrategy.register_strategies(StrategyRegistry)  # idempotent: skips names already registered
 
-__all__ = ["MoEOverlapStrategy", "OverlapConfig", "ParallelDims", "ParallelGroups", "__version__"]
+__all__ = [
+    "ActivationOffload",
+    "MoEOverlapStrategy",
+    "OverlapConfig",
+    "ParallelDims",
+    "ParallelGroups",
+    "SelectiveRecompute",
+    "__version__",
+]

@@ -1,0 +1,39 @@
+"""Memory callbacks: selective / full activation recompute and fine-grained activation offload.
+
+Both act on the model's own decoder layers through a name map (:func:`register_layer_names`), compose with the
+overlap schedule, and can be listed in ``trainer.callbacks`` or in a LightningCLI config by class path
+(``lightning_moe_overlap.callbacks.SelectiveRecompute``). See docs/memory.md.
+"""
+
+from lightning_moe_overlap.callbacks.meter import SavedActivationMeter
+from lightning_moe_overlap.callbacks.names import (
+    OFFLOAD_MODULE_NAMES,
+    OFFLOAD_TENSOR_NAMES,
+    RECOMPUTE_NAMES,
+    ExpertStage,
+    Output,
+    SDPACall,
+    find_layers,
+    register_layer_names,
+    unregister_layer_names,
+)
+from lightning_moe_overlap.callbacks.offload import ActivationOffload
+from lightning_moe_overlap.callbacks.offload_engine import OffloadEngine, OffloadStats
+from lightning_moe_overlap.callbacks.recompute import SelectiveRecompute
+
+__all__ = [
+    "OFFLOAD_MODULE_NAMES",
+    "OFFLOAD_TENSOR_NAMES",
+    "RECOMPUTE_NAMES",
+    "ActivationOffload",
+    "ExpertStage",
+    "OffloadEngine",
+    "OffloadStats",
+    "Output",
+    "SDPACall",
+    "SavedActivationMeter",
+    "SelectiveRecompute",
+    "find_layers",
+    "register_layer_names",
+    "unregister_layer_names",
+]

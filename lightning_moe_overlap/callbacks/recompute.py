@@ -1,0 +1,205 @@
+"""``SelectiveRecompute``: module-level or full-layer activation recompute as a Lightning callback.
+
+Megatron's ``--recompute-granularity selective --recompute-modules ...`` and ``--recompute-granularity full
+--recompute-method uniform|block --recompute-num-layers N``, applied to the model's own layers without changing
+its code: each named sub-module's ``forward`` (or each layer's) is replaced on the instance by a non-reentrant
+``torch.utils.checkpoint`` of itself when training starts, and restored at teardown.
+
+It composes with the overlap schedule: a recomputed segment that holds comm points re-runs its all-to-alls inside
+the backward context, which only adds hand-overs (docs/overlap.md); full-layer recompute works with ``overlap=True``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any, Literal
+
+from lightning.pytorch import Callback, LightningModule, Trainer
+from torch import nn
+from typing_extensions import override
+
+from lightning_moe_overlap.callbacks import _patch
+from lightning_moe_overlap.callbacks._checkpoint import checkpointed
+from lightning_moe_overlap.callbacks._regions import around_sdpa, wrap_gate
+from lightning_moe_overlap.callbacks._units import LayerUnits
+from lightning_moe_overlap.callbacks.names import (
+    RECOMPUTE_NAMES,
+    CallRegion,
+    Layer,
+    ModuleRegion,
+    StageRegion,
+    find_layers,
+    is_tensor_name,
+    present_names,
+    user_names,
+)
+from lightning_moe_overlap.callbacks.validation import check_names, missing_names_error, no_layers_error
+
+_EXPERT_NAMES = ("moe_act", "a2a_overlap_mlp")
+
+
+class SelectiveRecompute(Callback):
+    """Recompute activations in backward instead of keeping them: named sub-modules or whole layers.
+
+    Args:
+        modules: with ``granularity="selective"``, the sub-modules to recompute in every layer: ``core_attn``
+            (the attention kernel), ``mlp`` (the feed-forward block, dense or MoE), ``moe`` (MoE blocks only),
+            ``moe_act`` (the routed experts' activation), ``shared_experts``, ``routed_experts`` (dispatch, experts
+            and combine), ``layernorm`` (both norms), ``mla_up_proj`` (MLA's q/kv up projections),
+            ``a2a_overlap_attn`` (attention norm + attention: the compute before the layer's first comm point),
+            ``a2a_overlap_post_attn`` (pre-MLP norm + router), ``a2a_overlap_mlp`` (the expert MLP between dispatch
+            and combine), or names added with ``register_layer_names``. See docs/memory.md for the mapping.
+        granularity: ``"selective"`` (the listed sub-modules) or ``"full"`` (whole layers).
+        method: with ``"full"`` only: ``"uniform"`` checkpoints units of ``num_layers`` consecutive layers (only
+            each unit's input is kept); ``"block"`` checkpoints each of the first ``num_layers`` layers. Default
+            ``"uniform"``.
+        num_layers: with ``"full"`` only: layers per unit (``uniform``, default 1) or layers recomputed
+            (``block``, default all).
+
+    Raises:
+        ValueError: an unknown name, ``modules`` with ``"full"``, ``method``/``num_layers`` with ``"selective"``,
+            a bad ``num_layers``; at fit start, names the model does not have.
+        TypeError: ``modules`` is not a list of strings.
+    """
+
+    def __init__(
+        self,
+        modules: list[str] | None = None,
+        granularity: Literal["selective", "full"] = "selective",
+        method: Literal["uniform", "block"] | None = None,
+        num_layers: int | None = None,
+    ) -> None:
+        super().__init__()
+        owner = "`SelectiveRecompute`"
+        if granularity not in ("selective", "full"):
+            raise ValueError(
+                f"{owner}: granularity={granularity!r} is not 'selective' or 'full'. Use 'selective' with `modules`, "
+                "or 'full' to recompute whole layers."
+            )
+        if granularity == "full":
+            _check_full(modules, method, num_layers)
+            self.modules: tuple[str, ...] = ()
+        else:
+            if method is not None or num_layers is not None:
+                raise ValueError(
+                    f"{owner}: method={method!r}, num_layers={num_layers!r} with granularity='selective'; method and "
+                    "num_layers choose which whole layers to recompute, so they only apply to granularity='full'. "
+                    "Drop them, or set granularity='full' (and no modules)."
+                )
+            self.modules = check_names(owner, "modules", modules, (*RECOMPUTE_NAMES, *sorted(user_names())))
+        self.granularity = granularity
+        self.method: Literal["uniform", "block"] = method or "uniform"
+        self.num_layers = num_layers
+        self._handles: list[_patch.PatchHandle] = []
+
+    # -- Lightning hooks ----------------------------------------------------------------------------------------
+    @override
+    def on_fit_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        self.apply(pl_module)
+
+    @override
+    def teardown(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
+        self.remove()
+
+    # -- plain PyTorch ------------------------------------------------------------------------------------------
+    def apply(self, model: nn.Module) -> None:
+        """Install the recompute on ``model`` (after expert parallelism was applied, for the expert names).
+
+        Raises:
+            ValueError: no decoder layer recognised, names absent from the model, or ``block`` with more layers
+                than the model has.
+        """
+        self.remove()
+        layers = find_layers(model)
+        if not layers:
+            raise no_layers_error("`SelectiveRecompute`", model)
+        if self.granularity == "full":
+            self._apply_full(layers)
+        else:
+            self._apply_selective(model, layers)
+
+    def remove(self) -> None:
+        """Restore every wrapped ``forward``."""
+        for handle in reversed(self._handles):
+            handle.remove()
+        self._handles = []
+
+    def _apply_selective(self, model: nn.Module, layers: list[Layer]) -> None:
+        tensors = [n for n in self.modules if is_tensor_name(layers, n)]
+        if tensors:
+            raise ValueError(
+                f"`SelectiveRecompute`: {tensors} name tensors, not modules, in this model; recompute acts on modules. "
+                "Offload tensors with `ActivationOffload(tensors=...)`, or map the name onto a module."
+            )
+        present = present_names(layers, self.modules)
+        missing = [n for n in self.modules if n not in present]
+        if missing:
+            valid = present_names(layers, (*RECOMPUTE_NAMES, *sorted(user_names())))
+            raise missing_names_error("`SelectiveRecompute`", "modules", missing, valid, model, _EXPERT_NAMES)
+        done: set[tuple[str, int]] = set()
+        for layer in layers:
+            for name in self.modules:
+                for region in layer.resolve(name):
+                    self._install(region, done)
+
+    def _install(self, region: Any, done: set[tuple[str, int]]) -> None:
+        if isinstance(region, ModuleRegion):
+            key, obj, attr, order = ("forward", id(region.module)), region.module, "forward", _patch.CHECKPOINT
+            wrap = checkpointed([region.module])
+        elif isinstance(region, CallRegion):
+            key, obj, attr, order = ("sdpa", id(region.module)), region.module, "forward", _patch.INNER
+            wrap = around_sdpa(lambda func, args, kwargs: checkpointed()(func)(*args, **kwargs))
+        elif isinstance(region, StageRegion) and region.stage == "local":
+            key, obj, attr, order = ("local", id(region.experts)), region.experts, "local_experts", _patch.CHECKPOINT
+            wrap = checkpointed()
+        elif isinstance(region, StageRegion) and region.stage == "act":
+            key, obj, attr, order = ("act", id(region.experts)), region.experts, "layout", _patch.CHECKPOINT
+            wrap = wrap_gate(checkpointed())
+        else:
+            raise ValueError(
+                f"`SelectiveRecompute`: {region} is not something that can be recomputed (a module, the core "
+                "attention call, or the 'local'/'act' stage of the experts). Map the name onto a module."
+            )
+        if key in done:  # two names sharing a module (layernorm and a2a_overlap_attn): one checkpoint
+            return
+        done.add(key)
+        self._handles.append(_patch.patch(obj, attr, wrap, order=order))
+
+    def _apply_full(self, layers: list[Layer]) -> None:
+        count = len(layers)
+        n = self.num_layers
+        if self.method == "block":
+            n = count if n is None else n
+            if n > count:
+                raise ValueError(
+                    f"`SelectiveRecompute`: method='block' with num_layers={n}, but the model has {count} decoder "
+                    f"layers; block recompute checkpoints the first num_layers layers. Use num_layers <= {count}."
+                )
+            units = [[i] for i in range(n)]
+        else:
+            n = 1 if n is None else n
+            units = [list(range(i, min(i + n, count))) for i in range(0, count, n)]
+        modules = [layer.module for layer in layers]
+        for module, wrap in LayerUnits(modules, units).wrappers():
+            self._handles.append(_patch.patch(module, "forward", wrap, order=_patch.UNIT))
+
+    def __repr__(self) -> str:
+        if self.granularity == "full":
+            return f"SelectiveRecompute(granularity='full', method={self.method!r}, num_layers={self.num_layers})"
+        return f"SelectiveRecompute(modules={list(self.modules)})"
+
+
+def _check_full(modules: Sequence[str] | None, method: str | None, num_layers: int | None) -> None:
+    owner = "`SelectiveRecompute`"
+    if modules:
+        raise ValueError(
+            f"{owner}: modules={list(modules)} with granularity='full'; full recompute checkpoints whole layers, so a "
+            "module list has no meaning there. Drop `modules`, or use granularity='selective'."
+        )
+    if method not in (None, "uniform", "block"):
+        raise ValueError(f"{owner}: method={method!r} is not 'uniform' or 'block' (Megatron's --recompute-method).")
+    if num_layers is not None and (isinstance(num_layers, bool) or not isinstance(num_layers, int) or num_layers < 1):
+        raise ValueError(
+            f"{owner}: num_layers={num_layers!r} must be a positive integer (layers per unit for 'uniform', layers "
+            "recomputed for 'block'), or None for the default."
+        )
