@@ -96,12 +96,7 @@ def optimizer_from_canonical(
         for key in pieces[0]:
             entry[key] = torch.stack([p[key] for p in pieces])
         state[index] = entry
-    groups, start = [], 0
-    for group in canonical["param_groups"]:
-        count = len(group["params"])
-        groups.append({**group, "params": list(range(start, start + count))})
-        start += count
-    return {"state": state, "param_groups": groups}
+    return {"state": state, "param_groups": _indexed_groups(canonical["param_groups"])}
 
 
 def full_optimizer_to_canonical(
@@ -152,12 +147,7 @@ def canonical_optimizer_to_full(canonical: Mapping[str, Any]) -> dict[str, Any]:
                 entry[key] = torch.stack([pieces[e][key] for e in range(len(pieces))])
         if entry:
             state[index] = entry
-    groups, start = [], 0
-    for group in canonical["param_groups"]:
-        count = len(group["params"])
-        groups.append({**group, "params": list(range(start, start + count))})
-        start += count
-    return {"state": state, "param_groups": groups}
+    return {"state": state, "param_groups": _indexed_groups(canonical["param_groups"])}
 
 
 def _split_entry(name: str, entry: Mapping[str, Any], count: int, what: str) -> tuple[dict, dict]:
@@ -191,3 +181,13 @@ def check_groups(groups: Sequence[Mapping[str, Any]], names: Sequence[str], wher
             f"not in it {missing[:5]}, {len(unexpected)} saved ones are not in the optimizer {unexpected[:5]} "
             "(or the order differs). Optimizer state loads only into the same model and `configure_optimizers`."
         )
+
+
+def _indexed_groups(groups: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
+    """Param groups with their parameters numbered consecutively, as ``torch.optim.Optimizer.state_dict`` does."""
+    out, start = [], 0
+    for group in groups:
+        count = len(group["params"])
+        out.append({**group, "params": list(range(start, start + count))})
+        start += count
+    return out
