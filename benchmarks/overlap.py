@@ -11,7 +11,8 @@ The model is a stack of blocks ``x + MoE(x + MLP(x))``: a dense GELU MLP (the co
 an expert-parallel :class:`MoELayer`, trained with the engine, ``sync_gradients`` and SGD. Every all-to-all
 wait is timed with a :class:`CommTimer`; see ``docs/benchmarks.md`` for what each printed number means.
 
-Usage: ``python benchmarks/overlap.py [--ranks 2] [--steps 12] [--json]``
+Usage: ``python benchmarks/overlap.py [--ranks 2] [--hidden 1024] [--microbatches 8] [--steps 20] [--json]``
+(``--help`` lists every option).
 """
 
 from __future__ import annotations
@@ -21,8 +22,12 @@ import json
 import os
 import socket
 import statistics
+import sys
+import threading
 import time
 import traceback
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from datetime import timedelta
 from typing import Any
@@ -37,6 +42,7 @@ from lightning_moe_overlap.moe.adapters import apply_expert_parallel
 from lightning_moe_overlap.moe.layer import MoELayer
 from lightning_moe_overlap.overlap.engine import OverlapEngine
 from lightning_moe_overlap.overlap.runtime import CommRuntime, CommTimer
+from lightning_moe_overlap.overlap.schedule import Task
 from lightning_moe_overlap.parallel import ParallelDims, ParallelGroups, build_groups
 
 MODES: dict[str, tuple[bool, bool]] = {  # name -> (overlap, delay_wgrad)
@@ -48,19 +54,37 @@ MODES: dict[str, tuple[bool, bool]] = {  # name -> (overlap, delay_wgrad)
 
 @dataclass(frozen=True)
 class Config:
-    """One benchmark configuration (the command-line options)."""
+    """One benchmark configuration (the command-line options).
+
+    Attributes:
+        ranks: processes, one per GPU with ``device="cuda"``.
+        ep: expert-parallel size (default ``ranks``); the rest of the ranks is data parallel.
+        layers: blocks of the model.
+        hidden: hidden size ``D``.
+        ffn: ffn size of each routed expert.
+        dense_ffn: ffn size of the dense MLP before each MoE layer.
+        experts: routed experts per layer (divisible by ``ep``).
+        top_k: experts per token.
+        tokens: tokens per micro-batch and rank.
+        microbatches: micro-batches per optimizer step.
+        steps: measured steps per mode; warmup: unmeasured steps per mode before them.
+        dispatcher: ``"alltoall"``, ``"allgather"`` or ``"flex"``.
+        device: ``"cpu"`` or ``"cuda"``; backend: process-group backend (default gloo on CPU, NCCL on CUDA).
+        threads: ``torch.set_num_threads`` per rank.
+        seed: initialisation seed (the same model on every rank and in every mode).
+    """
 
     ranks: int = 2
     ep: int | None = None
     layers: int = 4
-    hidden: int = 256
-    ffn: int = 512
-    dense_ffn: int = 512
+    hidden: int = 1024
+    ffn: int = 32
+    dense_ffn: int = 32
     experts: int = 4
     top_k: int = 2
-    tokens: int = 1024
-    microbatches: int = 6
-    steps: int = 12
+    tokens: int = 128
+    microbatches: int = 8
+    steps: int = 20
     warmup: int = 3
     dispatcher: str = "alltoall"
     device: str = "cpu"
@@ -70,10 +94,12 @@ class Config:
 
     @property
     def ep_size(self) -> int:
+        """The expert-parallel size (``ranks`` when ``ep`` is not set)."""
         return self.ep or self.ranks
 
     @property
     def backend_name(self) -> str:
+        """The process-group backend."""
         return self.backend or ("nccl" if self.device == "cuda" else "gloo")
 
 
@@ -106,6 +132,61 @@ class Net(nn.Module):
         return x
 
 
+# -- CPU contention --------------------------------------------------------------------------------------------------
+def _run_delay_s(path: str) -> float | None:
+    """Seconds the thread of a ``schedstat`` file was runnable but not running (Linux); ``None`` if unreadable."""
+    try:
+        with open(path) as f:
+            return int(f.read().split()[1]) / 1e9
+    except (OSError, IndexError, ValueError):
+        return None
+
+
+class RunDelay:
+    """Time this process's threads spent runnable but waiting for a core, over one step (Linux ``schedstat``).
+
+    Threads alive for the whole step (the main thread, the process group's threads) are read at its start and
+    end; the engine's lanes, which live for one step, are read around each task through ``context_factory``.
+    Reads 0 where ``/proc`` has no ``schedstat``.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._lanes_s = 0.0
+        self._start: dict[str, float] = {}
+
+    @staticmethod
+    def _threads() -> dict[str, float]:
+        try:
+            tids = os.listdir("/proc/self/task")
+        except OSError:
+            return {}
+        delays = {tid: _run_delay_s(f"/proc/self/task/{tid}/schedstat") for tid in tids}
+        return {tid: d for tid, d in delays.items() if d is not None}
+
+    def start(self) -> None:
+        """Begin a step."""
+        self._lanes_s = 0.0
+        self._start = self._threads()
+
+    def stop(self) -> float:
+        """End the step; returns its run delay in seconds, summed over threads."""
+        end = self._threads()
+        return self._lanes_s + sum(end[t] - self._start[t] for t in end.keys() & self._start.keys())
+
+    @contextmanager
+    def lane(self, task: Task) -> Iterator[None]:
+        """The ``context_factory`` of the engine: adds the lane's run delay during ``task``."""
+        before = _run_delay_s("/proc/thread-self/schedstat")
+        try:
+            yield
+        finally:
+            after = _run_delay_s("/proc/thread-self/schedstat")
+            if before is not None and after is not None:
+                with self._lock:
+                    self._lanes_s += after - before
+
+
 # -- one mode ------------------------------------------------------------------------------------------------------
 @dataclass
 class Trainer:
@@ -114,6 +195,7 @@ class Trainer:
     net: Net
     runtime: CommRuntime
     timer: CommTimer
+    run_delay: RunDelay
     engine: OverlapEngine
     optimizer: torch.optim.Optimizer
     dense: list[nn.Parameter]
@@ -130,11 +212,13 @@ def build_trainer(cfg: Config, mode: str, groups: ParallelGroups, device: torch.
     params = list(net.parameters())
     timer = CommTimer()
     runtime.timing = timer
+    run_delay = RunDelay()
     return Trainer(
         net=net,
         runtime=runtime,
         timer=timer,
-        engine=OverlapEngine(runtime, overlap=overlap, timeout_s=600),
+        run_delay=run_delay,
+        engine=OverlapEngine(runtime, overlap=overlap, context_factory=run_delay.lane, timeout_s=600),
         optimizer=torch.optim.SGD(params, lr=1e-3),
         dense=[p for p in params if id(p) not in expert_ids],
         expert=[p for p in params if id(p) in expert_ids],
@@ -153,17 +237,23 @@ def train_step(t: Trainer, cfg: Config, groups: ParallelGroups, batch: tuple[Ten
     x, y = batch
     m = cfg.microbatches
     t.timer.reset()
+    t.run_delay.start()
+    cpu_start = time.process_time()
     start = time.perf_counter()
     t.optimizer.zero_grad(set_to_none=False)
     t.engine.run(lambda i: nn.functional.mse_loss(t.net(x[i]), y[i]), lambda i, loss: (loss / m).backward(), m)
     engine_end = time.perf_counter()
-    sync_gradients(t.dense, t.expert, dp_cp_group=groups.dp_cp, edp_group=groups.edp, dp_cp_size=cfg.ranks)
+    dp_cp_size = dist.get_world_size(groups.dp_cp)
+    sync_gradients(t.dense, t.expert, dp_cp_group=groups.dp_cp, edp_group=groups.edp, dp_cp_size=dp_cp_size)
     t.optimizer.step()
     device_sync(x.device)
     end = time.perf_counter()
+    cpu = time.process_time() - cpu_start
     comm = t.timer.snapshot()
     return {
         "step_s": end - start,
+        "cpu_s": cpu,
+        "run_delay_s": t.run_delay.stop(),
         "engine_s": engine_end - start,
         "blocked_s": comm.blocked_s,
         "in_flight_s": comm.in_flight_s,
@@ -209,10 +299,19 @@ def rank_main(rank: int, cfg: Config) -> dict[str, Any]:
             record = train_step(trainer, cfg, groups, batch)
             if step >= cfg.warmup:
                 records[mode].append(record)
+    equal = same_parameters(list(trainers.values()))
     probe = None
     if device.type == "cuda":
         probe = [device_comm_probe(trainers["sequential"], cfg, groups, batch) for _ in range(3)]
-    return {"records": records, "device_comm_s": probe}
+    return {"records": records, "device_comm_s": probe, "bitwise_equal": equal}
+
+
+def same_parameters(trainers: list[Trainer]) -> bool:
+    """Whether every mode trained to bitwise the same parameters (they ran the same steps on the same data)."""
+    reference = list(trainers[0].net.parameters())
+    return all(
+        torch.equal(p, q) for t in trainers[1:] for p, q in zip(reference, t.net.parameters(), strict=True)
+    )
 
 
 def rank_entry(rank: int, cfg: Config, port: int, queue: Any) -> None:
@@ -270,26 +369,35 @@ def per_step(results: list[dict[str, Any]], mode: str, key: str, reduce: Any) ->
     return [reduce([records[i][key] for records in per_rank]) for i in range(len(per_rank[0]))]
 
 
-def summarise(results: list[dict[str, Any]], cfg: Config) -> dict[str, Any]:
-    """Medians over steps of step time (slowest rank) and communication times (mean over ranks), per mode."""
+def mode_summary(results: list[dict[str, Any]], mode: str) -> dict[str, Any]:
+    """Medians over the steps of ``mode``: step time of the slowest rank, the other figures averaged over ranks."""
     median = statistics.median
-    modes = {
-        mode: {
-            "step_s": median(per_step(results, mode, "step_s", max)),
-            "engine_s": median(per_step(results, mode, "engine_s", max)),
-            "blocked_s": median(per_step(results, mode, "blocked_s", statistics.fmean)),
-            "in_flight_s": median(per_step(results, mode, "in_flight_s", statistics.fmean)),
-            "waits": results[0]["records"][mode][0]["waits"],
-        }
-        for mode in MODES
+    mean_over_ranks = {
+        key: median(per_step(results, mode, key, statistics.fmean))
+        for key in ("blocked_s", "in_flight_s", "cpu_s", "run_delay_s")
     }
+    return {
+        "step_s": median(per_step(results, mode, "step_s", max)),
+        "engine_s": median(per_step(results, mode, "engine_s", max)),
+        **mean_over_ranks,
+        "waits": results[0]["records"][mode][0]["waits"],
+        "steps_s": per_step(results, mode, "step_s", max),
+        "per_rank_cpu_s": [median(r["cpu_s"] for r in res["records"][mode]) for res in results],
+        "per_rank_blocked_s": [median(r["blocked_s"] for r in res["records"][mode]) for res in results],
+    }
+
+
+def summarise(results: list[dict[str, Any]], cfg: Config) -> dict[str, Any]:
+    """Every mode's figures, the sequential run's split into compute and communication, and the limit."""
+    modes = {mode: mode_summary(results, mode) for mode in MODES}
     seq = modes["sequential"]
     probe = results[0]["device_comm_s"]
-    comm = median(probe) if probe else seq["blocked_s"]
+    comm = statistics.median(probe) if probe else seq["blocked_s"]
     compute = seq["step_s"] - comm
     for values in modes.values():
-        values["ratio"] = values["step_s"] / seq["step_s"]
+        values["ratio"] = statistics.median(a / b for a, b in zip(values["steps_s"], seq["steps_s"]))
         values["exposed_est_s"] = values["step_s"] - compute
+        values["cpu_busy"] = values["cpu_s"] / values["step_s"]
     return {
         "config": asdict(cfg),
         "torch": torch.__version__,
@@ -297,6 +405,7 @@ def summarise(results: list[dict[str, Any]], cfg: Config) -> dict[str, Any]:
         "compute_s": compute,
         "limit": max(compute, comm) / (compute + comm),
         "host_waits_meaningful": probe is None,
+        "bitwise_equal": all(r["bitwise_equal"] for r in results),
         "modes": modes,
     }
 
@@ -304,42 +413,92 @@ def summarise(results: list[dict[str, Any]], cfg: Config) -> dict[str, Any]:
 def print_summary(summary: dict[str, Any]) -> None:
     """The human-readable table."""
     cfg = summary["config"]
-    ms = lambda s: f"{1e3 * s:9.1f}"  # noqa: E731
     print(
         f"ranks={cfg['ranks']} ep={cfg['ep'] or cfg['ranks']} layers={cfg['layers']} hidden={cfg['hidden']} "
         f"ffn={cfg['ffn']} dense_ffn={cfg['dense_ffn']} experts={cfg['experts']} top_k={cfg['top_k']} "
         f"tokens={cfg['tokens']} microbatches={cfg['microbatches']} dispatcher={cfg['dispatcher']} "
-        f"device={cfg['device']} torch={summary['torch']}; median of {cfg['steps']} steps after {cfg['warmup']}"
+        f"device={cfg['device']} torch={summary['torch']}; medians of {cfg['steps']} steps after {cfg['warmup']}"
     )
     print(
-        f"communication (sequential, nothing hidden) {ms(summary['comm_s'])} ms   compute {ms(summary['compute_s'])}"
-        f" ms   limit max(compute, comm)/(compute + comm) = {summary['limit']:.3f}"
+        f"sequential step = compute {1e3 * summary['compute_s']:.1f} ms + EP communication "
+        f"{1e3 * summary['comm_s']:.1f} ms; limit max(compute, comm) / (compute + comm) = {summary['limit']:.3f}"
     )
-    exposed_title = "exposed (waits)" if summary["host_waits_meaningful"] else "exposed (waits, host)"
-    print(f"{'mode':<14} {'step ms':>9} {'ratio':>6} {exposed_title:>22} {'exposed (step-compute)':>23}")
+    print(f"parameters after the run bitwise equal in every mode: {summary['bitwise_equal']}")
+    host = summary["host_waits_meaningful"]
+    print(f"{'mode':<14} {'step ms':>8} {'ratio':>6} {'exposed ms':>11} {'step-compute ms':>16} {'CPU busy':>9} "
+          f"{'run-queue ms':>13}")
     for mode, v in summary["modes"].items():
-        print(f"{mode:<14} {ms(v['step_s'])} {v['ratio']:6.3f} {ms(v['blocked_s']):>22} {ms(v['exposed_est_s']):>23}")
+        exposed = f"{1e3 * v['blocked_s']:11.1f}" if host else f"{'n/a':>11}"
+        print(
+            f"{mode:<14} {1e3 * v['step_s']:8.1f} {v['ratio']:6.3f} {exposed} {1e3 * v['exposed_est_s']:16.1f} "
+            f"{v['cpu_busy']:9.2f} {1e3 * v['run_delay_s']:13.1f}"
+        )
+
+
+HELP = {
+    "ranks": "processes (one per GPU with --device cuda)",
+    "layers": "blocks of the model",
+    "hidden": "hidden size",
+    "ffn": "ffn size of each routed expert",
+    "dense_ffn": "ffn size of the dense MLP before each MoE layer",
+    "experts": "routed experts per layer",
+    "top_k": "experts per token",
+    "tokens": "tokens per micro-batch and rank",
+    "microbatches": "micro-batches per optimizer step",
+    "steps": "measured steps per mode",
+    "warmup": "unmeasured steps per mode first",
+    "threads": "torch threads per rank",
+    "seed": "initialisation seed",
+}
 
 
 def parse_args(argv: list[str] | None = None) -> tuple[Config, bool]:
     """The :class:`Config` and whether to print JSON."""
     defaults = Config()
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    for name in ("ranks", "layers", "hidden", "ffn", "dense_ffn", "experts", "top_k", "tokens", "microbatches",
-                 "steps", "warmup", "threads", "seed"):
-        parser.add_argument(f"--{name.replace('_', '-')}", type=int, default=getattr(defaults, name))
-    parser.add_argument("--ep", type=int, default=None, help="expert-parallel size (default: --ranks)")
+    parser = argparse.ArgumentParser(
+        description=__doc__.splitlines()[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
+    )
+    for name, text in HELP.items():
+        parser.add_argument(f"--{name.replace('_', '-')}", type=int, default=getattr(defaults, name), help=text)
+    parser.add_argument("--ep", type=int, default=None, help="expert-parallel size (None: --ranks)")
     parser.add_argument("--dispatcher", default=defaults.dispatcher, choices=("alltoall", "allgather", "flex"))
     parser.add_argument("--device", default=defaults.device, choices=("cpu", "cuda"))
-    parser.add_argument("--backend", default=None, help="gloo (default on CPU) or nccl (default on CUDA)")
+    parser.add_argument("--backend", default=None, help="process-group backend (None: gloo on CPU, nccl on CUDA)")
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
     args = vars(parser.parse_args(argv))
     as_json = args.pop("json")
     return Config(**args), as_json
 
 
+def _cpu_times() -> tuple[int, int] | None:
+    """(idle, total) jiffies of all cores from ``/proc/stat``; ``None`` where there is none."""
+    try:
+        with open("/proc/stat") as f:
+            values = [int(v) for v in f.readline().split()[1:]]
+    except (OSError, ValueError):
+        return None
+    return values[3] + values[4], sum(values)
+
+
+def busy_warning(sample_s: float = 0.5) -> str | None:
+    """A warning when other processes keep the cores busy before the start (timings would measure them too)."""
+    before = _cpu_times()
+    time.sleep(sample_s)
+    after = _cpu_times()
+    if before is None or after is None or after[1] == before[1]:
+        return None
+    busy = 1 - (after[0] - before[0]) / (after[1] - before[1])
+    if busy < 0.2:
+        return None
+    return f"warning: the cores were {busy:.0%} busy before the start; other processes compete with the ranks."
+
+
 def main(argv: list[str] | None = None) -> None:
+    """Parse the options, run every mode on every rank, print the summary."""
     cfg, as_json = parse_args(argv)
+    warning = busy_warning()
+    if warning:
+        print(warning, file=sys.stderr)
     summary = summarise(launch(cfg), cfg)
     if as_json:
         print(json.dumps(summary, indent=2))
