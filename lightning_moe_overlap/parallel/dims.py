@@ -85,10 +85,6 @@ class ParallelDims:
         """Expert-data-parallel size: how many ranks hold a copy of the same experts."""
         return self.dp * self.cp // self.ep
 
-    @property
-    def ep_enabled(self) -> bool:
-        return self.ep > 1
-
     def coords(self, rank: int) -> RankCoords:
         """The coordinates of ``rank`` in the dense ``(pp, dp, cp, tp)`` and expert ``(pp, edp, ep, tp)`` views."""
         if not 0 <= rank < self.world_size:
