@@ -11,7 +11,7 @@ The model is a stack of blocks ``x + MoE(x + MLP(x))``: a dense GELU MLP (the co
 an expert-parallel :class:`MoELayer`, trained with the engine, ``sync_gradients`` and SGD. Every all-to-all
 wait is timed with a :class:`CommTimer`; see ``docs/benchmarks.md`` for what each printed number means.
 
-Usage: ``python benchmarks/overlap.py [--ranks 2] [--hidden 1024] [--microbatches 8] [--steps 20] [--json]``
+Usage: ``python benchmarks/overlap.py [--ranks 2] [--hidden 1024] [--microbatches 12] [--steps 20] [--json]``
 (``--help`` lists every option).
 """
 
@@ -83,7 +83,7 @@ class Config:
     experts: int = 4
     top_k: int = 2
     tokens: int = 128
-    microbatches: int = 8
+    microbatches: int = 12
     steps: int = 20
     warmup: int = 3
     dispatcher: str = "alltoall"

@@ -143,6 +143,7 @@ class ExpertParallelExperts(nn.Module):
             gate_fn=layout.gate_fn,
             gated=layout.gated,
             impl=self.impl,
+            backward_handoffs=getattr(self.dispatcher, "backward_handoffs", 0),
         )
 
     def extra_repr(self) -> str:

@@ -24,6 +24,7 @@ from typing import Literal
 import torch
 from torch import Tensor
 
+from lightning_moe_overlap.moe.dispatch.comm import backward_handoff
 from lightning_moe_overlap.overlap.runtime import CommRuntime
 
 GemmImpl = Literal["auto", "grouped_mm", "loop"]
@@ -177,6 +178,7 @@ def grouped_mlp(
     gate_fn: Callable[[Tensor], Tensor] | None = None,
     gated: bool = True,
     impl: GemmImpl = "auto",
+    backward_handoffs: int = 0,
 ) -> Tensor:
     """Expert MLP ``down(act(gate) * up)`` over rows already sorted by (local) expert.
 
@@ -196,6 +198,9 @@ def grouped_mlp(
         gated: ``False`` for experts without a gate: ``down(act(up(x)))``.
         impl: ``"auto"`` (grouped GEMM where supported, else the loop), ``"grouped_mm"`` (same fallback), or
             ``"loop"`` (one matmul per expert; the reference).
+        backward_handoffs: hand-overs (``runtime.handoff()``, nothing in flight) in the backward between the down
+            and the first projection's gradients; the dispatcher's ``backward_handoffs``, which balance the
+            forward's comm points that have no backward twin (``docs/overlap.md``, "Balanced hand-overs").
 
     Returns:
         ``y_RD``, rows in the same order as ``x_RD``.
@@ -221,6 +226,7 @@ def grouped_mlp(
         h = gated_activation(h, act_fn)
     else:
         h = act_fn(h)
+    h = backward_handoff(h, runtime, backward_handoffs)
     y = GroupedLinear.apply(h, down_eDF, splits, transposed, impl, runtime)
     if down_bias is not None:
         y = y + _rows_bias(down_bias, splits, num_rows)

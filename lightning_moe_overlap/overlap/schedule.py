@@ -37,9 +37,9 @@ class Role(str, Enum):
 # Which context holds the baton first in an ``F|B`` pair. The backward: (1) it matches Megatron's per-layer order
 # (combine-backward all-to-all first, the forward's pre-dispatch compute under it); (2) the backward's first
 # segment (loss and head gradient up to the last layer's combine backward) is short, so an all-to-all is in flight
-# early; (3) the backward usually has as many comm points as the forward or more (recompute re-issues forward
-# ones), and starting it first shortens the tail it runs alone, with its all-to-alls exposed, after the forward
-# finished; (4) it frees micro-batch ``i``'s activations while ``i+1`` allocates, which lowers the peak.
+# early; (3) the backward hands over at least as often as the forward (balanced hand-overs, docs/overlap.md;
+# recompute re-issues forward comm points), and starting it first shortens the tail it runs alone, with its
+# all-to-alls exposed, after the forward finished; (4) it frees micro-batch ``i``'s activations while ``i+1`` allocates, which lowers the peak.
 PAIR_STARTER = Role.BACKWARD
 
 

@@ -4,7 +4,8 @@ Dispatch gathers the token counts, then the tokens, routing weights and expert i
 tokens are padded to the largest rank's count so ranks may hold different numbers of tokens). Each rank then
 selects the (token, choice) pairs routed to its local experts. Combine weights the expert outputs by their
 routing weights on the expert side, scatters them into the gathered token layout and reduce-scatters it back
-(one comm point). Backward: all-gather <-> reduce-scatter.
+(one comm point). Backward: all-gather <-> reduce-scatter; the experts' backward hands over twice more in place
+of the size and index exchanges (``backward_handoffs``).
 
 It moves ``ep`` times the tokens of an all-to-all, but needs no count exchange before the token transfer and
 its collectives are the simplest ones, so it suits small ``ep`` and few tokens.
@@ -52,6 +53,7 @@ class AllGatherDispatcher(DispatcherBase):
     """All-gather tokens over the ep group, compute the local experts, reduce-scatter the outputs."""
 
     name = "allgather"
+    backward_handoffs = 2  # the size exchange and the all-gather of the indices
 
     # -- dispatch ----------------------------------------------------------------------------------------------
     def dispatch(

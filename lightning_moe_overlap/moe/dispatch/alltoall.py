@@ -1,7 +1,8 @@
 """All-to-all token dispatcher: send each routed (token, choice) row straight to the rank of its expert.
 
 Per call, two comm points on the way in (the token counts, then the tokens) and one on the way out; the
-backward mirrors them (the combine's backward is a dispatch-shaped all-to-all and vice versa). Routing weights
+backward mirrors the last two (the combine's backward is a dispatch-shaped all-to-all and vice versa), and the
+experts' backward hands over once more in place of the counts (``backward_handoffs``). Routing weights
 never cross the wire: they are applied on the source rank when the outputs are scattered back to their tokens.
 
 Host syncs: one per dispatch, the ``.tolist()`` of the send and receive counts that ``all_to_all_single``
@@ -58,6 +59,7 @@ class AllToAllDispatcher(DispatcherBase):
     """Uneven ``all_to_all_single`` over the ep group (gloo or NCCL)."""
 
     name = "alltoall"
+    backward_handoffs = 1  # the token-count exchange
 
     # -- dispatch ----------------------------------------------------------------------------------------------
     def dispatch(

@@ -45,6 +45,8 @@ class TokenDispatcher(Protocol):
 
     def combine(self, y_RD: Tensor, handle: Any) -> Tensor: ...
 
+    # Optional: ``backward_handoffs`` (default 0), see `DispatcherBase`.
+
 
 def check_expert_split(num_experts: int, ep: int, *, owner: str) -> None:
     """Raise ``ValueError`` unless ``ep`` divides ``num_experts`` (every rank must own as many experts)."""
@@ -68,6 +70,9 @@ class DispatcherBase:
     """
 
     name = "base"
+    # Forward comm points of one dispatch + combine that have no backward twin (metadata exchanges). The experts'
+    # backward hands over this many extra times, so that forward and backward hand over equally often per layer.
+    backward_handoffs = 0
 
     def __init__(self, ep_group: ProcessGroup | None, num_experts: int, runtime: CommRuntime | None) -> None:
         self.ep_group = ep_group
