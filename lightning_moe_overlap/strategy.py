@@ -35,6 +35,7 @@ from lightning_moe_overlap.loop import MicroBatchLoop
 from lightning_moe_overlap.overlap.engine import OverlapEngine
 from lightning_moe_overlap.overlap.runtime import CommRuntime
 from lightning_moe_overlap.parallel import ParallelDims, ParallelGroups, build_groups
+from lightning_moe_overlap.parallel.shutdown import destroy_process_groups_at_exit
 from lightning_moe_overlap.validation import (
     build_dims,
     check_config,
@@ -240,6 +241,7 @@ class MoEOverlapStrategy(ParallelStrategy):
         _compat._init_dist_connection(
             self.cluster_environment, self._backend(), timeout=self._timeout, device_id=device_id
         )
+        destroy_process_groups_at_exit()
 
     def set_world_ranks(self) -> None:
         if self.cluster_environment is not None:
