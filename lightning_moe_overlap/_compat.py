@@ -1,6 +1,13 @@
-"""Every private Lightning name this package uses, in one place (the supported range is pinned in pyproject)."""
+"""Every private Lightning and torch name this package uses, in one place (the supported range is pinned in pyproject).
+
+torch names are reached through functions, looked up when called, so importing this module never touches CUDA.
+"""
 
 from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
 
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 from lightning.fabric.utilities.distributed import (
@@ -13,6 +20,7 @@ from lightning.fabric.utilities.optimizer import _optimizers_to_device
 from lightning.fabric.utilities.seed import reset_seed
 from lightning.pytorch.strategies.launchers import _MultiProcessingLauncher, _SubprocessScriptLauncher
 from lightning.pytorch.trainer import call as trainer_call
+from torch import Tensor
 
 __all__ = [
     "_MultiProcessingLauncher",
@@ -22,7 +30,26 @@ __all__ = [
     "_init_dist_connection",
     "_optimizers_to_device",
     "_sync_ddp_if_available",
+    "cuda_sleep",
+    "foreach_mul_",
+    "foreach_norm",
     "default_pg_timeout",
     "reset_seed",
     "trainer_call",
 ]
+
+
+# -- torch ----------------------------------------------------------------------------------------------------------
+def foreach_norm(tensors: Sequence[Tensor], ord: float, *, dtype: torch.dtype | None = None) -> tuple[Tensor, ...]:
+    """``torch._foreach_norm``: one fused kernel for the norms of many tensors (same device and dtype)."""
+    return torch._foreach_norm(list(tensors), ord, dtype=dtype)
+
+
+def foreach_mul_(tensors: Sequence[Tensor], scalar: Tensor) -> None:
+    """``torch._foreach_mul_`` by a 0-d tensor: scales many tensors in place without reading ``scalar`` back."""
+    torch._foreach_mul_(list(tensors), scalar)
+
+
+def cuda_sleep(cycles: int) -> None:
+    """``torch.cuda._sleep``: a kernel that spins the current stream for ``cycles`` GPU clock cycles."""
+    torch.cuda._sleep(int(cycles))

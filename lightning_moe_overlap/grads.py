@@ -23,6 +23,8 @@ from torch import Tensor
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 from torch.distributed import ProcessGroup
 
+from lightning_moe_overlap import _compat
+
 _BUCKET_BYTES = 64 << 20
 
 
@@ -76,22 +78,56 @@ def sync_gradients(
     allreduce_mean(_materialised_grads(expert), edp_group, dp_cp_size)
 
 
-def _sum_of_squares(params: Iterable[torch.nn.Parameter]) -> Tensor:
-    total = torch.zeros((), dtype=torch.float64)
-    for p in params:
-        if p.grad is not None:
-            total = total + p.grad.detach().double().pow(2).sum().cpu()
-    return total
+def _by_device_and_dtype(grads: Iterable[Tensor]) -> dict[tuple[torch.device, torch.dtype], list[Tensor]]:
+    groups: dict[tuple[torch.device, torch.dtype], list[Tensor]] = {}
+    for g in grads:
+        groups.setdefault((g.device, g.dtype), []).append(g)
+    return groups
+
+
+def _present_grads(params: Iterable[torch.nn.Parameter]) -> list[Tensor]:
+    return [p.grad.detach() for p in params if p.grad is not None]
+
+
+def _sum_of_squares(params: Iterable[torch.nn.Parameter], device: torch.device) -> Tensor:
+    """``sum(g**2)`` over every gradient, a float64 scalar on ``device``; no host sync.
+
+    One fused norm per (device, dtype) of the gradients (``torch._foreach_norm``, as
+    ``torch.nn.utils.clip_grad_norm_`` does), computed in float64.
+    """
+    partials = [
+        torch.stack(_compat.foreach_norm(grads, 2.0, dtype=torch.float64)).square().sum().to(device)
+        for grads in _by_device_and_dtype(_present_grads(params)).values()
+    ]
+    if not partials:
+        return torch.zeros((), dtype=torch.float64, device=device)
+    return torch.stack(partials).sum()
+
+
+def _norm_device(params: Sequence[torch.nn.Parameter], device: torch.device | None) -> torch.device:
+    """Where the norm lives: ``device``, else the first parameter's (a CUDA device for an NCCL group)."""
+    if device is not None:
+        return torch.device(device)
+    return params[0].device if params else torch.device("cpu")
 
 
 def global_grad_norm(
-    dense: Sequence[torch.nn.Parameter], expert: Sequence[torch.nn.Parameter], *, ep_group: ProcessGroup
+    dense: Sequence[torch.nn.Parameter],
+    expert: Sequence[torch.nn.Parameter],
+    *,
+    ep_group: ProcessGroup,
+    device: torch.device | None = None,
 ) -> Tensor:
-    """The L2 norm of every gradient of the model, as a float64 scalar, identical on every rank."""
-    expert_sq = _sum_of_squares(expert)
+    """The L2 norm of every gradient of the model, a float64 scalar identical on every rank.
+
+    The norm stays a tensor on ``device`` (default: the first parameter's device): no host sync, and one
+    all-reduce of the expert part over ``ep_group`` (dense gradients are already equal on every rank).
+    """
+    device = _norm_device([*dense, *expert], device)
+    expert_sq = _sum_of_squares(expert, device)
     if dist.is_initialized() and dist.get_world_size(ep_group) > 1:
         dist.all_reduce(expert_sq, group=ep_group)
-    return (_sum_of_squares(dense) + expert_sq).sqrt()
+    return (_sum_of_squares(dense, device) + expert_sq).sqrt()
 
 
 def clip_grad_norm(
@@ -101,11 +137,15 @@ def clip_grad_norm(
     *,
     ep_group: ProcessGroup,
     eps: float = 1e-6,
+    device: torch.device | None = None,
 ) -> Tensor:
-    """Scale every gradient by ``min(1, max_norm / (norm + eps))`` like ``torch.nn.utils.clip_grad_norm_``."""
-    norm = global_grad_norm(dense, expert, ep_group=ep_group)
+    """Scale every gradient by ``min(1, max_norm / (norm + eps))`` like ``torch.nn.utils.clip_grad_norm_``.
+
+    The coefficient is applied on the device (``clamp``, no ``if``), so clipping never waits for the device.
+    Returns the norm before clipping (a float64 tensor on ``device``).
+    """
+    norm = global_grad_norm(dense, expert, ep_group=ep_group, device=device)
     coef = torch.clamp(max_norm / (norm + eps), max=1.0)
-    for p in (*dense, *expert):
-        if p.grad is not None:
-            p.grad.detach().mul_(coef.to(p.grad.device, p.grad.dtype))
+    for (grad_device, dtype), grads in _by_device_and_dtype(_present_grads([*dense, *expert])).items():
+        _compat.foreach_mul_(grads, coef.to(grad_device, dtype))
     return norm

@@ -313,15 +313,15 @@ class MoEOverlapStrategy(ParallelStrategy):
         self._ep_model.sync_gradients(self.parallel_groups)
 
     def global_grad_norm(self) -> Tensor:
-        """The L2 norm of all gradients of the model across every rank (float64, same on every rank)."""
+        """The L2 norm of all gradients of the model across every rank (float64 on the root device, same on every rank)."""
         assert self._ep_model is not None
         dense, expert = self._ep_model.partition_parameters()
-        return global_grad_norm(dense, expert, ep_group=self.parallel_groups.ep)
+        return global_grad_norm(dense, expert, ep_group=self.parallel_groups.ep, device=self.root_device)
 
     def _clip_grad_by_norm(self, optimizer: torch.optim.Optimizer, clip_val: int | float) -> None:
         assert self._ep_model is not None
         dense, expert = self._ep_model.partition_parameters(optimizer)
-        clip_grad_norm(dense, expert, float(clip_val), ep_group=self.parallel_groups.ep)
+        clip_grad_norm(dense, expert, float(clip_val), ep_group=self.parallel_groups.ep, device=self.root_device)
 
     # -- checkpoints (docs/checkpoints.md): layout-free state, sharded or consolidated, committed atomically ------
     @property
