@@ -20,7 +20,7 @@ from __future__ import annotations
 import threading
 from collections.abc import Callable, Sequence
 
-from lightning_moe_overlap.overlap.rng import RngState
+from lightning_moe_overlap.overlap.rng import RngSource, RngState
 from lightning_moe_overlap.overlap.schedule import Role
 
 
@@ -39,9 +39,14 @@ class Baton:
         phase: the phase name, used in error messages.
         starter: the role that holds the baton first.
         timeout_s: the longest a context waits for the baton before it raises ``RuntimeError``.
+        rng: the generators the contexts' random streams are kept in (see ``rng.py``); by default the CPU one
+            and the creating thread's current CUDA device's. The device is fixed here, never read from the thread
+            that hands over.
     """
 
-    def __init__(self, roles: Sequence[Role], *, phase: str, starter: Role, timeout_s: float) -> None:
+    def __init__(
+        self, roles: Sequence[Role], *, phase: str, starter: Role, timeout_s: float, rng: RngSource | None = None
+    ) -> None:
         if not 1 <= len(roles) <= 2 or len(set(roles)) != len(roles) or starter not in roles:
             raise ValueError(f"A baton needs one or two distinct roles including the starter, got {roles} / {starter}.")
         self._phase = phase
@@ -54,8 +59,9 @@ class Baton:
         self._progress = 0
         self._done = threading.Event()
         # Random streams per context, only where two contexts interleave (see rng.py).
-        start = RngState.capture() if len(roles) == 2 else None
-        self._rng = {role: start for role in roles} if start is not None else None
+        self._rng_source = RngSource.of_current_thread() if rng is None else rng
+        start = self._rng_source.capture() if len(roles) == 2 else None
+        self._rng: dict[Role, RngState] | None = {role: start for role in roles} if start is not None else None
 
     # -- the contexts' side ----------------------------------------------------------------------------------------
     def run(self, role: Role, fn: Callable[[], None]) -> None:
@@ -132,7 +138,7 @@ class Baton:
 
     def _swap_out(self, role: Role) -> None:
         if self._rng is not None:
-            self._rng[role] = RngState.capture()
+            self._rng[role] = self._rng_source.capture()
 
     def _swap_in(self, role: Role) -> None:
         if self._rng is not None:

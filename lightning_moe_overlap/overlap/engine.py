@@ -24,6 +24,7 @@ from typing import Any
 
 from lightning_moe_overlap.overlap.baton import Baton
 from lightning_moe_overlap.overlap.failures import FailureBoard, FailureWatch
+from lightning_moe_overlap.overlap.rng import DeviceGenerators, RngSource
 from lightning_moe_overlap.overlap.runtime import CommRuntime
 from lightning_moe_overlap.overlap.schedule import Phase, Role, Task, build_schedule
 from lightning_moe_overlap.overlap.streams import device_max_connections_warning
@@ -56,6 +57,8 @@ class OverlapEngine:
             single context stuck, with nobody waiting for it). Keep it above the process-group timeout.
         failure_poll_s: how often the engine reads other ranks' failure reports from the c10d store during a step.
         namespace: c10d-store key prefix for failure reports; identical on every rank of a run.
+        generators: the device generators the contexts' random streams are kept in (``torch.cuda`` by default; see
+            ``rng.py``). The device is the current device of the thread that calls :meth:`run`.
     """
 
     def __init__(
@@ -67,6 +70,7 @@ class OverlapEngine:
         timeout_s: float = DEFAULT_TIMEOUT_S,
         failure_poll_s: float = 1.0,
         namespace: str = "lightning_moe_overlap",
+        generators: DeviceGenerators | None = None,
     ) -> None:
         for name, value in (("timeout_s", timeout_s), ("failure_poll_s", failure_poll_s)):
             if not value > 0:
@@ -77,6 +81,7 @@ class OverlapEngine:
         self.timeout_s = float(timeout_s)
         self.failure_poll_s = float(failure_poll_s)
         self.namespace = namespace
+        self.generators = generators
         self._steps = 0
         self._board: FailureBoard | None = None
 
@@ -100,7 +105,10 @@ class OverlapEngine:
         self._warn_if_overlap_cannot_work()
         watch = self._next_watch()
         outputs: list[Any] = [None] * num_microbatches
-        step = _StepTasks(forward_fn, backward_fn, self.runtime, self.context_factory, ThreadState.capture(), outputs)
+        step = _StepTasks(
+            forward_fn, backward_fn, self.runtime, self.context_factory, ThreadState.capture(), outputs,
+            RngSource.of_current_thread(self.generators),
+        )
         lanes = {role: _Lane(role) for role in Role}
         try:
             for phase in phases:
@@ -113,7 +121,7 @@ class OverlapEngine:
 
     # -- one phase ---------------------------------------------------------------------------------------------------
     def _run_phase(self, phase: Phase, step: _StepTasks, lanes: dict[Role, _Lane], watch: FailureWatch) -> None:
-        baton = Baton(phase.roles, phase=phase.name, starter=phase.starter, timeout_s=self.timeout_s)
+        baton = Baton(phase.roles, phase=phase.name, starter=phase.starter, timeout_s=self.timeout_s, rng=step.rng)
         with self.runtime.overlapping(baton):
             for task in phase.tasks:
                 lanes[task.role].submit(partial(baton.run, task.role, partial(step.execute, task)))
@@ -193,6 +201,7 @@ class _StepTasks:
     context_factory: ContextFactory
     state: ThreadState
     outputs: list[Any]
+    rng: RngSource  # fixed in the calling thread: lanes are new threads whose current device is not the step's
     settled: bool = True  # False once a phase stalled: its lanes may be stuck
 
     def execute(self, task: Task) -> None:

@@ -1,5 +1,5 @@
 """The engine with CUDA tensors (one process): backward comm points run on autograd's device thread and still
-alternate with the forward's; both contexts use the caller's stream; random streams stay per context."""
+alternate with the forward's; both contexts use the caller's stream; random streams stay per context, on cuda:1 too."""
 
 from __future__ import annotations
 
@@ -60,8 +60,20 @@ def test_contexts_use_the_callers_current_stream() -> None:
     assert seen == [True] * 4
 
 
+def _device(index: int) -> int:
+    if torch.cuda.device_count() <= index:
+        pytest.skip(f"Requires: CUDA with {index + 1} devices (a rank whose GPU is not cuda:0)")
+    return index
+
+
+@pytest.mark.parametrize("index", [0, 1], ids=["cuda:0", "cuda:1"])
 @pytest.mark.parametrize("reentrant", [False, True])
-def test_dropout_under_recompute_bitwise_equal_to_sequential(reentrant: bool) -> None:
+def test_dropout_under_recompute_bitwise_equal_to_sequential(reentrant: bool, index: int) -> None:
+    with torch.cuda.device(_device(index)):  # the lanes are new threads: their current device is cuda:0
+        _dropout_under_recompute(reentrant)
+
+
+def _dropout_under_recompute(reentrant: bool) -> None:
     runtime = CommRuntime()
     torch.manual_seed(0)
     block = nn.Sequential(nn.Linear(16, 16), nn.Dropout(0.3)).cuda()
@@ -75,9 +87,10 @@ def test_dropout_under_recompute_bitwise_equal_to_sequential(reentrant: bool) ->
         def forward(i: int) -> torch.Tensor:
             h = Point.apply(first(data[i]), f"F{i}.0", runtime, [])
             h = checkpoint(lambda x: Point.apply(block(x), f"F{i}.1", runtime, []), h, use_reentrant=reentrant)
-            return h.square().mean()
+            return nn.functional.dropout(h, 0.3).square().mean()  # drawn after the last hand-over
 
         run_schedule(forward, lambda i, loss: loss.backward(), len(data), runtime, overlap=overlap)
         grads[overlap] = [p.grad.clone() for p in block.parameters()] + [torch.cuda.get_rng_state()]
+        grads[overlap].append(first[0].weight.grad.clone())  # depends on the forward's masks
     for a, b in zip(grads[False], grads[True], strict=True):
         assert torch.equal(a, b)
