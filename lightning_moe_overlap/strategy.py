@@ -33,6 +33,7 @@ from lightning_moe_overlap.grads import clip_grad_norm, global_grad_norm
 from lightning_moe_overlap.launcher import ExpertParallelSpawnLauncher
 from lightning_moe_overlap.loop import MicroBatchLoop
 from lightning_moe_overlap.overlap.engine import OverlapEngine
+from lightning_moe_overlap.overlap.failures import default_nccl_error_handling, safety_nets
 from lightning_moe_overlap.overlap.runtime import CommRuntime
 from lightning_moe_overlap.parallel import ParallelDims, ParallelGroups, build_groups
 from lightning_moe_overlap.parallel.shutdown import destroy_process_groups_at_exit
@@ -78,7 +79,8 @@ class MoEOverlapStrategy(ParallelStrategy):
             ``"position"`` (latest tokens).
         shared_expert_overlap: Run shared experts while the dispatch all-to-all is in flight (``overlap=False``).
         deepep_num_sms: Streaming multiprocessors the DeepEP kernels may use (even).
-        process_group_backend: ``"gloo"`` or ``"nccl"``; None picks the default for the device.
+        process_group_backend: ``"gloo"`` or ``"nccl"``; None picks the default for the device. On NCCL the
+            strategy sets ``TORCH_NCCL_ASYNC_ERROR_HANDLING=3`` unless it is set (docs/overlap.md, "Errors on NCCL").
         timeout: Seconds (or a ``timedelta``) a collective may wait before the run fails; None is Lightning's
             default of 30 minutes.
         start_method: How processes are launched: ``"popen"`` re-runs the script (scripts and the CLI),
@@ -238,6 +240,8 @@ class MoEOverlapStrategy(ParallelStrategy):
         self.set_world_ranks()
         assert self.cluster_environment is not None
         device_id = self.root_device if self.root_device.type != "cpu" else None
+        if "nccl" in self._backend():  # read when the NCCL process group is created, so before it
+            default_nccl_error_handling()
         _compat._init_dist_connection(
             self.cluster_environment, self._backend(), timeout=self._timeout, device_id=device_id
         )
@@ -276,8 +280,9 @@ class MoEOverlapStrategy(ParallelStrategy):
         self.setup_precision_plugin()
         if fitting:
             _compat._optimizers_to_device(self.optimizers, self.root_device)
+            nets = safety_nets(self._timeout.total_seconds(), self._backend())
             engine = OverlapEngine(
-                self.runtime, overlap=self.config.overlap, timeout_s=self._timeout.total_seconds() + 60.0
+                self.runtime, overlap=self.config.overlap, timeout_s=nets.wait_s, stall_timeout_s=nets.stall_s
             )
             self._loop = MicroBatchLoop(self, trainer, engine)
             self._loop.install()
@@ -316,7 +321,8 @@ class MoEOverlapStrategy(ParallelStrategy):
         """The L2 norm of all gradients of the model across every rank (float64 on the root device, same on every rank)."""
         assert self._ep_model is not None
         dense, expert = self._ep_model.partition_parameters()
-        return global_grad_norm(dense, expert, ep_group=self.parallel_groups.ep, device=self.root_device)
+        groups = self.parallel_groups
+        return global_grad_norm(dense, expert, ep_group=groups.ep, device=self.root_device)
 
     def _clip_grad_by_norm(self, optimizer: torch.optim.Optimizer, clip_val: int | float) -> None:
         assert self._ep_model is not None

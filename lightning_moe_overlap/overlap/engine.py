@@ -54,7 +54,10 @@ class OverlapEngine:
             defaults of ``thread_state.py``, e.g. saved-tensor hooks (``task.role`` tells forward from backward).
         timeout_s: safety net of the internal waits: a context that waits this long for the baton raises
             ``RuntimeError`` naming the phase, and so does a phase without any hand-over for twice as long (a
-            single context stuck, with nobody waiting for it). Keep it above the process-group timeout.
+            single context stuck, with nobody waiting for it). On gloo keep it above the process-group timeout, on
+            NCCL at most that (``failures.safety_nets`` gives both).
+        stall_timeout_s: how long a phase may go without a hand-over before it counts as stuck; default
+            ``2 * timeout_s`` (later than a waiting context's own timeout, which names the stuck context).
         failure_poll_s: how often the engine reads other ranks' failure reports from the c10d store during a step.
         namespace: c10d-store key prefix for failure reports; identical on every rank of a run.
         generators: the device generators the contexts' random streams are kept in (``torch.cuda`` by default; see
@@ -68,17 +71,22 @@ class OverlapEngine:
         overlap: bool = True,
         context_factory: ContextFactory | None = None,
         timeout_s: float = DEFAULT_TIMEOUT_S,
+        stall_timeout_s: float | None = None,
         failure_poll_s: float = 1.0,
         namespace: str = "lightning_moe_overlap",
         generators: DeviceGenerators | None = None,
     ) -> None:
-        for name, value in (("timeout_s", timeout_s), ("failure_poll_s", failure_poll_s)):
+        stall_timeout_s = STALL_FACTOR * timeout_s if stall_timeout_s is None else stall_timeout_s
+        for name, value in (
+            ("timeout_s", timeout_s), ("stall_timeout_s", stall_timeout_s), ("failure_poll_s", failure_poll_s)
+        ):
             if not value > 0:
                 raise ValueError(f"`OverlapEngine({name}={value})`: must be > 0 seconds.")
         self.runtime = runtime
         self.overlap = overlap
         self.context_factory = context_factory or _no_context
         self.timeout_s = float(timeout_s)
+        self.stall_timeout_s = float(stall_timeout_s)
         self.failure_poll_s = float(failure_poll_s)
         self.namespace = namespace
         self.generators = generators
@@ -136,7 +144,7 @@ class OverlapEngine:
             raise baton.errors[0]
         if not done:
             raise RuntimeError(
-                f"Phase {phase.name} made no progress (no hand-over) for {STALL_FACTOR * self.timeout_s:g} s; a "
+                f"Phase {phase.name} made no progress (no hand-over) for {self.stall_timeout_s:g} s; a "
                 "context is stuck. If one compute segment between two comm points can take this long, raise "
                 "`timeout_s`."
             )
@@ -146,8 +154,7 @@ class OverlapEngine:
 
     def _supervise(self, baton: Baton, watch: FailureWatch) -> bool:
         """Wait until the phase's contexts finished (True); stop them when another rank failed; return False when
-        the phase made no progress for ``STALL_FACTOR * timeout_s`` (later than a waiting context's own timeout,
-        which names the stuck context more precisely)."""
+        the phase made no progress for ``stall_timeout_s``."""
         progress, since = baton.progress, time.monotonic()
         while not baton.wait_done(min(self.failure_poll_s, self.timeout_s)):
             if watch.poll() is not None:
@@ -155,7 +162,7 @@ class OverlapEngine:
             now = time.monotonic()
             if baton.progress != progress:
                 progress, since = baton.progress, now
-            elif now - since > STALL_FACTOR * self.timeout_s:
+            elif now - since > self.stall_timeout_s:
                 return False
         return True
 

@@ -14,18 +14,73 @@ they stop at their next hand-over instead of issuing further collectives, and th
 their own collective fails. That matters because the c10d store lives in one rank's process (rank 0 unless an
 agent such as torchrun hosts it): if that rank is the one that failed, the store dies with it. The failed rank
 therefore waits, at most ``ack_timeout_s``, until every other rank acknowledged the report before it re-raises.
+
+On NCCL ``work.wait()`` does not block the host (it only makes the compute stream wait), so a dead peer shows up
+at the next host sync, which then blocks, or as the NCCL watchdog's abort at the process-group timeout. Two
+helpers make that end clean: :func:`default_nccl_error_handling` (the watchdog tears every rank down with its
+message) and :func:`safety_nets` (the engine's own timeouts never fire after the watchdog).
 """
 
 from __future__ import annotations
 
+import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, MutableMapping
+from dataclasses import dataclass
 from typing import TypeVar
 
 import torch.distributed as dist
 
 T = TypeVar("T")
 MAX_REPORT_CHARS = 2000
+NCCL_ERROR_HANDLING_VARS = ("TORCH_NCCL_ASYNC_ERROR_HANDLING", "NCCL_ASYNC_ERROR_HANDLING")  # new name, old name
+NCCL_ERROR_HANDLING_DEFAULT = "3"  # tear the process down on a failed or timed-out collective (skip comm clean-up)
+GLOO_MARGIN_S = 60.0  # on gloo the collective's own timeout error comes first; the engine's nets are behind it
+
+
+def default_nccl_error_handling(environ: MutableMapping[str, str] | None = None) -> bool:
+    """Set ``TORCH_NCCL_ASYNC_ERROR_HANDLING=3`` unless it (or its old name ``NCCL_ASYNC_ERROR_HANDLING``) is set.
+
+    Call before the NCCL process group is created (it reads the variable then). With 3, the watchdog that finds a
+    collective failed or past the process-group timeout logs which one (``Watchdog caught collective operation
+    timeout: WorkNCCL(SeqNum=..., OpType=ALLTOALL_BASE, ...)``) and takes the process down, so every rank ends
+    with a message instead of blocking in its next host sync. Returns True when it set the variable.
+    """
+    environ = os.environ if environ is None else environ
+    if any(name in environ for name in NCCL_ERROR_HANDLING_VARS):
+        return False
+    environ[NCCL_ERROR_HANDLING_VARS[0]] = NCCL_ERROR_HANDLING_DEFAULT
+    return True
+
+
+@dataclass(frozen=True)
+class SafetyNets:
+    """The engine's timeouts for one process-group timeout (see :class:`OverlapEngine`).
+
+    Attributes:
+        wait_s: how long a context waits for the baton.
+        stall_s: how long a phase may go without a hand-over.
+    """
+
+    wait_s: float
+    stall_s: float
+
+
+def safety_nets(pg_timeout_s: float, backend: str) -> SafetyNets:
+    """The engine's timeouts for a process group with ``pg_timeout_s`` on ``backend``.
+
+    - gloo: ``work.wait()`` blocks and raises at the process-group timeout with gloo's own message, so the
+      engine's nets sit behind it (``+ GLOO_MARGIN_S``, stall after twice that).
+    - NCCL: ``work.wait()`` does not block the host; the watchdog ends the collective at the process-group
+      timeout. The nets are set to that timeout, never later, so a step stuck behind a dead peer stops by then
+      even where the watchdog does not tear the process down (``TORCH_NCCL_ASYNC_ERROR_HANDLING`` 0 or 2).
+    """
+    if not pg_timeout_s > 0:
+        raise ValueError(f"`safety_nets(pg_timeout_s={pg_timeout_s})`: the process-group timeout must be > 0 s.")
+    if "nccl" in backend.lower():
+        return SafetyNets(wait_s=pg_timeout_s, stall_s=pg_timeout_s)
+    wait_s = pg_timeout_s + GLOO_MARGIN_S
+    return SafetyNets(wait_s=wait_s, stall_s=2 * wait_s)
 
 
 class PeerFailure(RuntimeError):
