@@ -12,7 +12,9 @@ an expert-parallel :class:`MoELayer`, trained with the engine, ``sync_gradients`
 wait is timed with a :class:`CommTimer`; see ``docs/benchmarks.md`` for what each printed number means.
 
 Usage: ``python benchmarks/overlap.py [--ranks 2] [--hidden 1024] [--microbatches 12] [--steps 20] [--json]``
-(``--help`` lists every option).
+(``--help`` lists every option). ``--simulate-ep MS`` runs one rank whose all-to-alls are loopbacks of ``MS``
+milliseconds (simulated expert parallelism on one GPU, ``simulated_ep.py``); ``--trace PATH`` then writes one
+overlapped step as a Chrome trace.
 """
 
 from __future__ import annotations
@@ -36,6 +38,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch import Tensor, nn
+
+from simulated_ep import attach_loopback, count_host_syncs, export_trace, make_deterministic
 
 from lightning_moe_overlap.grads import sync_gradients
 from lightning_moe_overlap.moe.adapters import apply_expert_parallel
@@ -72,6 +76,8 @@ class Config:
         device: ``"cpu"`` or ``"cuda"``; backend: process-group backend (default gloo on CPU, NCCL on CUDA).
         threads: ``torch.set_num_threads`` per rank.
         seed: initialisation seed (the same model on every rank and in every mode).
+        simulate_ep_ms: > 0: simulated expert parallelism (one rank, every all-to-all a loopback of this many ms).
+        trace: with ``simulate_ep_ms``, write one overlapped step as a Chrome trace to this path.
     """
 
     ranks: int = 2
@@ -91,6 +97,8 @@ class Config:
     backend: str | None = None
     threads: int = 1
     seed: int = 0
+    simulate_ep_ms: float = 0.0
+    trace: str | None = None
 
     @property
     def ep_size(self) -> int:
@@ -206,6 +214,8 @@ def build_trainer(cfg: Config, mode: str, groups: ParallelGroups, device: torch.
     """Build the model of ``cfg`` for ``mode`` on ``device``, expert-parallel over ``groups.ep``."""
     overlap, delay_wgrad = MODES[mode]
     runtime = CommRuntime(delay_wgrad=delay_wgrad)
+    if cfg.simulate_ep_ms > 0:
+        attach_loopback(runtime, cfg.simulate_ep_ms, device)
     net = Net(cfg).to(device)
     experts = apply_expert_parallel(net, groups.ep, dispatcher=cfg.dispatcher, runtime=runtime)
     expert_ids = {id(p) for module in experts for p in module.parameters()}
@@ -300,10 +310,24 @@ def rank_main(rank: int, cfg: Config) -> dict[str, Any]:
             if step >= cfg.warmup:
                 records[mode].append(record)
     equal = same_parameters(list(trainers.values()))
-    probe = None
-    if device.type == "cuda":
+    probe, simulated = None, None
+    if cfg.simulate_ep_ms > 0:
+        simulated = simulated_extras(trainers["overlap"], cfg, groups, batch)
+    elif device.type == "cuda":
         probe = [device_comm_probe(trainers["sequential"], cfg, groups, batch) for _ in range(3)]
-    return {"records": records, "device_comm_s": probe, "bitwise_equal": equal}
+    return {"records": records, "device_comm_s": probe, "bitwise_equal": equal, "simulated": simulated}
+
+
+def simulated_extras(t: Trainer, cfg: Config, groups: ParallelGroups, batch: tuple[Tensor, Tensor]) -> dict:
+    """Host syncs of one overlapped step, and its Chrome trace (``cfg.trace``), after the measured steps."""
+    device = batch[0].device
+
+    def step() -> None:
+        train_step(t, cfg, groups, batch)
+
+    syncs = count_host_syncs(step, device)
+    trace = export_trace(step, cfg.trace, device) if cfg.trace else None
+    return {"host_syncs_per_step": syncs, "trace": trace}
 
 
 def same_parameters(trainers: list[Trainer]) -> bool:
@@ -318,6 +342,8 @@ def rank_entry(rank: int, cfg: Config, port: int, queue: Any) -> None:
     """Process entry point: set up the process group, run, send the result (or the traceback) back."""
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(cfg.threads)
+    if cfg.simulate_ep_ms > 0:
+        make_deterministic()
     if cfg.device == "cuda":
         torch.cuda.set_device(rank)
     try:
@@ -393,6 +419,8 @@ def summarise(results: list[dict[str, Any]], cfg: Config) -> dict[str, Any]:
     seq = modes["sequential"]
     probe = results[0]["device_comm_s"]
     comm = statistics.median(probe) if probe else seq["blocked_s"]
+    if cfg.simulate_ep_ms > 0:  # known: every all-to-all lasts simulate_ep_ms
+        comm = seq["waits"] * cfg.simulate_ep_ms / 1e3
     compute = seq["step_s"] - comm
     for values in modes.values():
         values["ratio"] = statistics.median(a / b for a, b in zip(values["steps_s"], seq["steps_s"]))
@@ -404,8 +432,9 @@ def summarise(results: list[dict[str, Any]], cfg: Config) -> dict[str, Any]:
         "comm_s": comm,
         "compute_s": compute,
         "limit": max(compute, comm) / (compute + comm),
-        "host_waits_meaningful": probe is None,
+        "host_waits_meaningful": probe is None and not (cfg.simulate_ep_ms > 0 and cfg.device == "cuda"),
         "bitwise_equal": all(r["bitwise_equal"] for r in results),
+        "simulated": results[0]["simulated"],
         "modes": modes,
     }
 
@@ -424,6 +453,10 @@ def print_summary(summary: dict[str, Any]) -> None:
         f"{1e3 * summary['comm_s']:.1f} ms; limit max(compute, comm) / (compute + comm) = {summary['limit']:.3f}"
     )
     print(f"parameters after the run bitwise equal in every mode: {summary['bitwise_equal']}")
+    if summary["simulated"] is not None:
+        sim = summary["simulated"]
+        print(f"simulated EP: every all-to-all {cfg['simulate_ep_ms']} ms; host syncs per overlapped step: "
+              f"{sim['host_syncs_per_step']}; trace: {sim['trace']}")
     host = summary["host_waits_meaningful"]
     print(f"{'mode':<14} {'step ms':>8} {'ratio':>6} {'exposed ms':>11} {'step-compute ms':>16} {'CPU busy':>9} "
           f"{'run-queue ms':>13}")
@@ -464,9 +497,16 @@ def parse_args(argv: list[str] | None = None) -> tuple[Config, bool]:
     parser.add_argument("--dispatcher", default=defaults.dispatcher, choices=("alltoall", "allgather", "flex"))
     parser.add_argument("--device", default=defaults.device, choices=("cpu", "cuda"))
     parser.add_argument("--backend", default=None, help="process-group backend (None: gloo on CPU, nccl on CUDA)")
+    parser.add_argument(
+        "--simulate-ep", dest="simulate_ep_ms", type=float, default=0.0, metavar="MS",
+        help="simulated expert parallelism: one rank, every all-to-all a loopback of MS milliseconds",
+    )
+    parser.add_argument("--trace", default=None, help="with --simulate-ep: Chrome trace of one overlapped step")
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
     args = vars(parser.parse_args(argv))
     as_json = args.pop("json")
+    if args["simulate_ep_ms"] > 0:
+        args.update(ranks=1, ep=1)
     return Config(**args), as_json
 
 

@@ -154,6 +154,9 @@ class CommRuntime:
         self._wgrad: deque[Callable[[], None]] = deque()
         self._side: deque[SideWork] = deque()
         self.timing: CommTimer | None = None  # opt-in: see `timed` and `wait`
+        # Simulated expert parallelism (benchmarks, ``overlap/loopback.py``): with one rank in the ep group, the
+        # all-to-alls are issued through ``loopback(out, inp) -> Waitable`` instead of being skipped.
+        self.loopback: Callable[[Any, Any], Waitable] | None = None
 
     # -- comm points -------------------------------------------------------------------------------------------
     def handoff(self) -> None:

@@ -77,14 +77,21 @@ def all_to_all_raw(
     runtime: CommRuntime | None,
     grad_enabled: bool | None = None,
 ) -> Tensor:
-    """Uneven ``all_to_all_single`` along dim 0 at a comm point (no autograd)."""
-    if group_size(group) == 1:
+    """Uneven ``all_to_all_single`` along dim 0 at a comm point (no autograd).
+
+    With one rank and ``runtime.loopback`` set (simulated expert parallelism), the loopback is issued instead.
+    """
+    loopback = None if runtime is None or group_size(group) > 1 else runtime.loopback
+    if group_size(group) == 1 and loopback is None:
         handoff(runtime, grad_enabled)
         return x_ND
     out_MD = x_ND.new_empty((sum(output_splits), *x_ND.shape[1:]))
-    work = dist.all_to_all_single(
-        out_MD, x_ND.contiguous(), list(output_splits), list(input_splits), group=group, async_op=True
-    )
+    if loopback is not None:
+        work = loopback(out_MD, x_ND.contiguous())
+    else:
+        work = dist.all_to_all_single(
+            out_MD, x_ND.contiguous(), list(output_splits), list(input_splits), group=group, async_op=True
+        )
     handoff(runtime, grad_enabled)
     wait(runtime, work)
     return out_MD
