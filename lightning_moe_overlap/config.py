@@ -9,11 +9,13 @@ Dispatcher = Literal["alltoall", "allgather", "flex"]
 FlexBackend = Literal["deepep"]
 DropPolicy = Literal["probs", "position"]
 StartMethod = Literal["popen", "spawn", "fork", "forkserver"]
+ExpertBackend = Literal["torch", "te"]
 
 DISPATCHERS: tuple[str, ...] = ("alltoall", "allgather", "flex")
 FLEX_BACKENDS: tuple[str, ...] = ("deepep",)
 DROP_POLICIES: tuple[str, ...] = ("probs", "position")
 START_METHODS: tuple[str, ...] = ("popen", "spawn", "fork", "forkserver")
+EXPERT_BACKENDS: tuple[str, ...] = ("torch", "te")
 
 
 @dataclass(frozen=True)
@@ -36,6 +38,7 @@ class OverlapConfig:
     deepep_num_sms: int = 20
     process_group_backend: str | None = None
     start_method: str = "popen"
+    expert_backend: str = "torch"
 
     @property
     def resolved_flex_backend(self) -> str | None:

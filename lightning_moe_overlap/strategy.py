@@ -89,6 +89,9 @@ class MoEOverlapStrategy(ParallelStrategy):
             rank writes its own experts and a share of the rest, loadable at any ep/dp layout) or
             ``"consolidated"`` (one file with the full experts, as an unsharded run writes it; for inference and
             export). Both are committed atomically; loading reads either (docs/checkpoints.md).
+        expert_backend: Kernels of the experts' GEMMs: ``"torch"`` (pure PyTorch grouped GEMMs, runs everywhere)
+            or ``"te"`` (NVIDIA Transformer Engine's ``GroupedLinear``, CUDA only, with ``delay_wgrad`` through its
+            ``backward_dw``; ``pip install lightning-moe-overlap[te]``). Parameters and checkpoints are the same.
     """
 
     strategy_name = "moe_overlap"
@@ -113,6 +116,7 @@ class MoEOverlapStrategy(ParallelStrategy):
         timeout: float | timedelta | None = None,
         start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
         checkpoint_format: Literal["sharded", "consolidated"] = "sharded",
+        expert_backend: Literal["torch", "te"] = "torch",
         accelerator: Accelerator | None = None,
         parallel_devices: list[torch.device] | None = None,
         cluster_environment: ClusterEnvironment | None = None,
@@ -143,6 +147,7 @@ class MoEOverlapStrategy(ParallelStrategy):
             deepep_num_sms=deepep_num_sms,
             process_group_backend=process_group_backend,
             start_method=start_method,
+            expert_backend=expert_backend,
         )
         raise_problems(check_config(self.config))
         self._timeout = _as_timedelta(timeout)

@@ -15,7 +15,14 @@ from dataclasses import dataclass
 
 import torch
 
-from lightning_moe_overlap.config import DISPATCHERS, DROP_POLICIES, FLEX_BACKENDS, START_METHODS, OverlapConfig
+from lightning_moe_overlap.config import (
+    DISPATCHERS,
+    DROP_POLICIES,
+    EXPERT_BACKENDS,
+    FLEX_BACKENDS,
+    START_METHODS,
+    OverlapConfig,
+)
 from lightning_moe_overlap.parallel.dims import ParallelDims, _divisors
 
 OWNER = "`MoEOverlapStrategy`"
@@ -71,6 +78,7 @@ def rule_choices(cfg: OverlapConfig) -> list[Problem]:
         ("dispatcher", cfg.dispatcher, DISPATCHERS),
         ("token_drop_policy", cfg.token_drop_policy, DROP_POLICIES),
         ("start_method", cfg.start_method, START_METHODS),
+        ("expert_backend", cfg.expert_backend, EXPERT_BACKENDS),
     )
     out = [
         Problem("choices", f"{OWNER}: `{name}={value!r}` is not one of {list(valid)}. Pick one of them.")
@@ -270,6 +278,22 @@ def check_machine(cfg: OverlapConfig, device_type: str, cuda_available: bool | N
                     f"{OWNER}: `dispatcher='flex'` (backend 'deepep') needs {' and '.join(missing)}. Install it "
                     "with `pip install lightning-moe-overlap[deepep]` on a CUDA machine, or use "
                     "`dispatcher='alltoall'` (plain all-to-all, runs everywhere).",
+                    ImportError,
+                )
+            )
+    if cfg.expert_backend == "te":
+        missing = []
+        if importlib.util.find_spec("transformer_engine") is None:
+            missing.append("the `transformer_engine` package")
+        if not cuda_available or device_type != "cuda":
+            missing.append(f"a CUDA device (the accelerator is {device_type!r})")
+        if missing:
+            out.append(
+                Problem(
+                    "te-needs-transformer-engine",
+                    f"{OWNER}: `expert_backend='te'` runs the experts on Transformer Engine's GroupedLinear, which "
+                    f"needs {' and '.join(missing)}. Install it with `pip install lightning-moe-overlap[te]` on a "
+                    "CUDA machine, or use `expert_backend='torch'` (pure PyTorch grouped GEMMs, runs everywhere).",
                     ImportError,
                 )
             )

@@ -38,6 +38,7 @@ class ExpertParallelModel:
             capacity_factor=config.capacity_factor,
             token_drop_policy=config.token_drop_policy,
             deepep_num_sms=config.deepep_num_sms,
+            expert_backend=config.expert_backend,
         )
 
     @property

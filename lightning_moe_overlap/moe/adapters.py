@@ -34,6 +34,7 @@ from lightning_moe_overlap.moe.dispatch.factory import build_dispatcher
 from lightning_moe_overlap.moe.ep import ExpertParallelExperts
 from lightning_moe_overlap.moe.experts import Experts
 from lightning_moe_overlap.moe.grouped import GemmImpl
+from lightning_moe_overlap.moe.te_backend import ExpertBackend
 from lightning_moe_overlap.moe.layer import MoELayer
 from lightning_moe_overlap.moe.layout import ExpertsLayout, method_without_weights
 from lightning_moe_overlap.overlap.runtime import CommRuntime
@@ -261,6 +262,7 @@ def apply_expert_parallel(
     capacity_factor: float | None = None,
     token_drop_policy: DropPolicy = "probs",
     impl: GemmImpl = "auto",
+    expert_backend: ExpertBackend = "torch",
     **knobs: Any,
 ) -> list[ExpertParallelExperts]:
     """Replace every recognised experts module of ``model`` by its expert-parallel version, in place.
@@ -277,6 +279,7 @@ def apply_expert_parallel(
         capacity_factor: per-expert capacity factor on local tokens; ``None`` is dropless.
         token_drop_policy: ``"probs"`` or ``"position"``.
         impl: grouped GEMM implementation.
+        expert_backend: ``"torch"`` (pure PyTorch GEMMs) or ``"te"`` (Transformer Engine ``GroupedLinear``).
         **knobs: dispatcher knobs (see :func:`~lightning_moe_overlap.moe.dispatch.build_dispatcher`).
 
     Returns:
@@ -286,7 +289,7 @@ def apply_expert_parallel(
         ValueError: a block's ``num_experts`` is not divisible by ep (checked for every block before any change),
             or a bad capacity setting.
         TypeError: ``groups_or_ep_group`` of the wrong kind, or an unknown knob.
-        NotImplementedError: an experts module variant that cannot be sharded.
+        NotImplementedError: an experts module variant that cannot be sharded (or mapped onto TE).
         ImportError: ``dispatcher="flex"`` without DeepEP / CUDA.
     """
     ep_group = _ep_group_of(groups_or_ep_group)
@@ -306,6 +309,7 @@ def apply_expert_parallel(
             capacity_factor=capacity_factor,
             token_drop_policy=token_drop_policy,
             impl=impl,
+            expert_backend=expert_backend,
         )
         setattr(item.parent, item.attr, ep_module)
         if isinstance(item.parent, MoELayer):

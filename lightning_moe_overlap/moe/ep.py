@@ -23,6 +23,7 @@ from lightning_moe_overlap.moe.capacity import DropPolicy, drop_over_capacity, v
 from lightning_moe_overlap.moe.dispatch.base import DispatcherBase
 from lightning_moe_overlap.moe.grouped import GemmImpl, grouped_mlp
 from lightning_moe_overlap.moe.layout import ExpertsLayout
+from lightning_moe_overlap.moe.te_backend import EXPERT_BACKENDS, ExpertBackend, TEExperts, check_te_layout
 
 
 @dataclass(frozen=True)
@@ -57,6 +58,8 @@ class ExpertParallelExperts(nn.Module):
             is dropless.
         token_drop_policy: ``"probs"`` or ``"position"``.
         impl: grouped GEMM implementation (``"auto"``, ``"grouped_mm"``, ``"loop"``).
+        expert_backend: ``"torch"`` (:func:`~lightning_moe_overlap.moe.grouped_mlp`) or ``"te"`` (Transformer
+            Engine's ``GroupedLinear``, imported on the first forward; see ``moe/te_backend.py``).
     """
 
     def __init__(
@@ -68,9 +71,17 @@ class ExpertParallelExperts(nn.Module):
         capacity_factor: float | None = None,
         token_drop_policy: DropPolicy = "probs",
         impl: GemmImpl = "auto",
+        expert_backend: ExpertBackend = "torch",
     ) -> None:
         super().__init__()
         validate_capacity(capacity_factor, token_drop_policy, owner="`ExpertParallelExperts`")
+        if expert_backend not in EXPERT_BACKENDS:
+            raise ValueError(
+                f"`ExpertParallelExperts`: expert_backend={expert_backend!r} is not one of {list(EXPERT_BACKENDS)}; "
+                "pick 'torch' (pure PyTorch, runs everywhere) or 'te' (Transformer Engine, CUDA)."
+            )
+        if expert_backend == "te":
+            check_te_layout(layout, owner="`ExpertParallelExperts`")
         missing = [name for name in layout.parameter_names if not isinstance(getattr(source, name, None), Tensor)]
         if missing:
             raise ValueError(
@@ -112,6 +123,11 @@ class ExpertParallelExperts(nn.Module):
         self.capacity_factor = capacity_factor
         self.token_drop_policy: DropPolicy = token_drop_policy
         self.impl: GemmImpl = impl
+        self.expert_backend: ExpertBackend = expert_backend
+        # TE's modules are views of the parameters above, kept off the module tree (state_dict is unchanged).
+        self.te_experts: TEExperts | None = None
+        if expert_backend == "te":
+            self.te_experts = TEExperts(getattr(self, layout.up_name), getattr(self, layout.down_name))
 
     def forward(self, hidden_states: Tensor, top_k_index: Tensor, top_k_weights: Tensor) -> Tensor:
         """Same contract as the module it replaced: ``[T, D], [T, K], [T, K] -> [T, D]`` (leading dims kept)."""
@@ -130,6 +146,16 @@ class ExpertParallelExperts(nn.Module):
     def local_experts(self, x_RD: Tensor, tokens_per_expert: list[int]) -> Tensor:
         """The local experts on rows sorted by local expert (``tokens_per_expert[i]`` rows for expert ``i``)."""
         layout = self.layout
+        if self.te_experts is not None:
+            return self.te_experts.mlp(
+                x_RD,
+                tokens_per_expert,
+                self.act_fn,
+                self.runtime,
+                gate_fn=layout.gate_fn,
+                gated=layout.gated,
+                backward_handoffs=getattr(self.dispatcher, "backward_handoffs", 0),
+            )
         return grouped_mlp(
             x_RD,
             tokens_per_expert,
@@ -151,6 +177,7 @@ class ExpertParallelExperts(nn.Module):
         return (
             f"experts=[{shard.first_expert}, {shard.first_expert + shard.num_local}) of {shard.num_experts}, "
             f"dispatcher={self.dispatcher.name!r}, capacity_factor={self.capacity_factor}"
+            + (f", expert_backend={self.expert_backend!r}" if self.expert_backend != "torch" else "")
         )
 
     def local_parameter_bytes(self) -> int:

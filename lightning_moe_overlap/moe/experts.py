@@ -55,13 +55,18 @@ def routed_experts_forward(
     runtime: CommRuntime | None = None,
     impl: GemmImpl = "auto",
 ) -> Tensor:
-    """Single-process grouped path: sort the assignments by expert, run :func:`grouped_mlp`, scatter back."""
+    """Single-process grouped path: sort the assignments by expert, run :func:`grouped_mlp`, scatter back.
+
+    Host syncs: one, the number of kept rows (``counts_E.sum()``, a shape); the grouped GEMMs need none. The
+    loop GEMMs (``impl="loop"``, or where the grouped kernel does not apply) read the counts back once more.
+    """
     num_experts = gate_up_eFD.shape[0]
     order_TK, counts_E = sort_by_expert(indices_TK, num_experts)
-    counts = counts_E.tolist()  # NOTE: D2H sync (row counts per expert for the grouped GEMM)
-    assign_A = order_TK[: sum(counts)]
+    kept = int(counts_E.sum())  # NOTE: D2H sync (the number of kept rows is a shape)
+    assign_A = order_TK[:kept]
     x_AD = gather_rows(hidden_TD, assign_A, indices_TK.shape[-1])
-    y_AD = grouped_mlp(x_AD, counts, gate_up_eFD, down_eDF, act_fn, runtime, impl=impl)
+    # The counts stay on the device: the grouped GEMM builds its offsets there (the loop reads them back).
+    y_AD = grouped_mlp(x_AD, counts_E, gate_up_eFD, down_eDF, act_fn, runtime, impl=impl)
     return scatter_weighted(y_AD, assign_A, weights_TK, hidden_TD.shape[0], hidden_TD.dtype)
 
 

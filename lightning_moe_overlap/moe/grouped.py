@@ -11,6 +11,18 @@ Kernels: ``torch._grouped_mm`` where this torch build supports it (CPU: torch >=
 CUDA: bfloat16 on compute capability >= 8.0 with torch >= 2.9, Hopper before), with 16-byte aligned rows;
 otherwise a loop of one matmul per expert (the reference, and the float64 path).
 
+Row counts: a host list or a device tensor ``counts_e`` (:class:`RowSplits`). The grouped kernel reads int32
+end offsets on the device (``cumsum`` of the counts), built once per :func:`grouped_mlp` call and shared by the
+forward, dgrad and wgrad GEMMs of both projections: from a device tensor without any host sync, from a host list
+with one host-to-device copy (``non_blocking``; no device sync). The loop reads host sizes; from a device tensor
+that is one ``tolist`` (a D2H sync, on the reference path only).
+
+Autocast: under ``torch.autocast`` for the rows' device type, the rows and the weight are cast to the autocast
+dtype in forward (as ``torch.nn.functional.linear`` does) and the GEMMs run in it with autocast off; backward
+recasts the saved full-precision weight the same way, whatever autocast state it runs under (Lightning runs
+backward outside autocast). The input gradient is returned in the compute dtype (autograd casts it to the
+input's dtype); the weight gradient is cast to the parameter's dtype before it is returned or accumulated.
+
 Shape legend:
     R: rows (routed assignments) sorted by expert     e: experts held here     D: hidden size
     F: expert ffn size (``2F`` for the fused gate/up projection)               I, O: a projection's in/out size
@@ -58,37 +70,95 @@ def _aligned(t: Tensor) -> Tensor:
     return t if t.data_ptr() % 16 == 0 else t.clone()
 
 
-def _offsets(splits: Sequence[int], device: torch.device) -> Tensor:
-    return torch.cumsum(torch.tensor(splits, dtype=torch.int64), 0).to(device=device, dtype=torch.int32)
+class RowSplits:
+    """Rows per expert, as the kernels read them: host sizes (the loop) and device end offsets (grouped).
+
+    Built once per :func:`grouped_mlp` call from a host list or a device tensor of counts, and shared by the
+    forward, dgrad and wgrad GEMMs of both projections: each form is derived once, on first use, and kept.
+    """
+
+    __slots__ = ("num_experts", "_sizes", "_counts", "_offsets")
+
+    def __init__(self, tokens_per_expert: Sequence[int] | Tensor) -> None:
+        self._sizes: tuple[int, ...] | None = None
+        self._counts: Tensor | None = None
+        self._offsets: Tensor | None = None
+        if isinstance(tokens_per_expert, Tensor):
+            self._counts = tokens_per_expert.reshape(-1)
+            self.num_experts = self._counts.numel()
+        else:
+            self._sizes = tuple(int(n) for n in tokens_per_expert)
+            self.num_experts = len(self._sizes)
+
+    @property
+    def on_host(self) -> bool:
+        """Whether the sizes were given on the host (then they can be validated without a sync)."""
+        return self._sizes is not None
+
+    def host_sizes(self) -> tuple[int, ...]:
+        """The sizes on the host (the loop path)."""
+        if self._sizes is None:
+            assert self._counts is not None
+            self._sizes = tuple(self._counts.tolist())  # NOTE: D2H sync (loop path only: the reference)
+        return self._sizes
+
+    def device_offsets(self, device: torch.device) -> Tensor:
+        """int32 end offsets ``cumsum(counts)`` on ``device``, as ``torch._grouped_mm`` reads them."""
+        if self._offsets is None:
+            if self._counts is not None:  # on the device already: no host round trip
+                self._offsets = torch.cumsum(self._counts, 0, dtype=torch.int32)
+            else:  # one host-to-device copy (pageable: staged at once, no device sync)
+                ends = torch.cumsum(torch.tensor(self._sizes, dtype=torch.int64), 0).to(torch.int32)
+                self._offsets = ends.to(device, non_blocking=True)
+        return self._offsets
+
+    def counts_on(self, device: torch.device) -> Tensor:
+        """The counts as an int64 tensor on ``device`` (``repeat_interleave`` of per-expert biases)."""
+        if self._counts is None:  # one host-to-device copy, shared with the offsets built after it
+            self._counts = torch.tensor(self._sizes, dtype=torch.int64).to(device, non_blocking=True)
+        return self._counts.to(torch.int64)
+
+
+def autocast_dtype(t: Tensor) -> torch.dtype | None:
+    """The dtype autocast would cast ``t`` to for a matmul here, or None (autocast off, or not eligible)."""
+    device_type = t.device.type
+    if not torch.is_autocast_enabled(device_type) or not t.is_floating_point() or t.dtype == torch.float64:
+        return None
+    return torch.get_autocast_dtype(device_type)
+
+
+def _cast(t: Tensor, dtype: torch.dtype | None) -> Tensor:
+    return t if dtype is None or t.dtype == dtype else t.to(dtype)
 
 
 def _use_grouped_mm(impl: str, x_RI: Tensor, weight: Tensor) -> bool:
     return impl != "loop" and grouped_mm_supported(x_RI, weight)
 
 
-def _forward(x_RI: Tensor, weight: Tensor, splits: Sequence[int], transposed: bool, grouped: bool) -> Tensor:
+def _forward(x_RI: Tensor, weight: Tensor, splits: RowSplits, transposed: bool, grouped: bool) -> Tensor:
     """``y_e = x_e @ W_e^T`` for weights stored ``[e, O, I]``; ``y_e = x_e @ W_e`` for ``[e, I, O]``."""
     w = weight if transposed else weight.transpose(-2, -1)  # [e, I, O]
     if grouped:
-        return torch._grouped_mm(x_RI, w, offs=_offsets(splits, x_RI.device))
-    pieces = [x_e @ w_e for x_e, w_e in zip(x_RI.split(list(splits)), w)]
+        return torch._grouped_mm(x_RI, w, offs=splits.device_offsets(x_RI.device))
+    pieces = [x_e @ w_e for x_e, w_e in zip(x_RI.split(list(splits.host_sizes())), w)]
     return torch.cat(pieces) if pieces else x_RI.new_zeros(0, w.shape[-1])
 
 
-def _dgrad(g_RO: Tensor, weight: Tensor, splits: Sequence[int], transposed: bool, grouped: bool) -> Tensor:
+def _dgrad(g_RO: Tensor, weight: Tensor, splits: RowSplits, transposed: bool, grouped: bool) -> Tensor:
     w = weight.transpose(-2, -1) if transposed else weight  # [e, O, I]
     if grouped:
-        return torch._grouped_mm(g_RO, w, offs=_offsets(splits, g_RO.device))
-    pieces = [g_e @ w_e for g_e, w_e in zip(g_RO.split(list(splits)), w)]
+        return torch._grouped_mm(g_RO, w, offs=splits.device_offsets(g_RO.device))
+    pieces = [g_e @ w_e for g_e, w_e in zip(g_RO.split(list(splits.host_sizes())), w)]
     return torch.cat(pieces) if pieces else g_RO.new_zeros(0, w.shape[-1])
 
 
-def _wgrad(x_RI: Tensor, g_RO: Tensor, splits: Sequence[int], transposed: bool, grouped: bool) -> Tensor:
+def _wgrad(x_RI: Tensor, g_RO: Tensor, splits: RowSplits, transposed: bool, grouped: bool) -> Tensor:
     """``dW_e = g_e^T x_e`` (``[e, O, I]``) or ``x_e^T g_e`` (``[e, I, O]``); zero for experts with no rows."""
     a, b = (x_RI, g_RO) if transposed else (g_RO, x_RI)
     if grouped:
-        return torch._grouped_mm(a.t(), b, offs=_offsets(splits, a.device))
-    return torch.stack([a_e.t() @ b_e for a_e, b_e in zip(a.split(list(splits)), b.split(list(splits)))])
+        return torch._grouped_mm(a.t(), b, offs=splits.device_offsets(a.device))
+    sizes = list(splits.host_sizes())
+    return torch.stack([a_e.t() @ b_e for a_e, b_e in zip(a.split(sizes), b.split(sizes))])
 
 
 class GroupedLinear(torch.autograd.Function):
@@ -99,35 +169,46 @@ class GroupedLinear(torch.autograd.Function):
         ctx,
         x_RI: Tensor,
         weight: Tensor,
-        splits: tuple[int, ...],
+        splits: RowSplits,
         transposed: bool,
         impl: str,
         runtime: CommRuntime | None,
     ) -> Tensor:
-        grouped = _use_grouped_mm(impl, x_RI, weight)
+        dtype = autocast_dtype(x_RI)  # the compute dtype under autocast; None keeps the inputs' dtypes
+        x_RI, w = _cast(x_RI, dtype), _cast(weight, dtype)
+        grouped = _use_grouped_mm(impl, x_RI, w)
         if grouped:
             x_RI = _aligned(x_RI)
+        # The full-precision weight is saved (backward recasts it): no second copy of the experts per micro-batch.
         ctx.save_for_backward(x_RI, weight)
-        ctx.splits, ctx.transposed, ctx.grouped, ctx.runtime = splits, transposed, grouped, runtime
+        ctx.splits, ctx.transposed, ctx.grouped, ctx.runtime, ctx.dtype = splits, transposed, grouped, runtime, dtype
         # The accumulation target of a deferred wgrad. Not taken from `saved_tensors`: under non-reentrant
         # checkpointing those are detached recomputed aliases, whose `.grad` is not the parameter's.
         ctx.leaf_weight = weight if weight.is_leaf and weight.requires_grad else None
-        return _forward(x_RI, weight, splits, transposed, grouped)
+        with torch.autocast(x_RI.device.type, enabled=False):
+            return _forward(x_RI, w, splits, transposed, grouped)
 
     @staticmethod
     def backward(ctx, g_RO: Tensor) -> tuple[Tensor | None, ...]:  # type: ignore[override]
         x_RI, weight = ctx.saved_tensors
         splits, transposed, grouped = ctx.splits, ctx.transposed, ctx.grouped
+        g_RO = _cast(g_RO, x_RI.dtype)
         g_RO = _aligned(g_RO) if grouped else g_RO.contiguous()
-        dx = _dgrad(g_RO, weight, splits, transposed, grouped) if ctx.needs_input_grad[0] else None
+        device_type = g_RO.device.type
+        dx = None
+        if ctx.needs_input_grad[0]:
+            with torch.autocast(device_type, enabled=False):
+                dx = _dgrad(g_RO, _cast(weight, ctx.dtype), splits, transposed, grouped)
         if not ctx.needs_input_grad[1]:
             return dx, None, None, None, None, None
 
         target: Tensor | None = ctx.leaf_weight
+        weight_dtype = weight.dtype
 
         @torch.no_grad()  # it may run at a comm point where the caller's grad mode is on
         def accumulate() -> None:
-            dw = _wgrad(x_RI, g_RO, splits, transposed, grouped)
+            with torch.autocast(device_type, enabled=False):
+                dw = _wgrad(x_RI, g_RO, splits, transposed, grouped).to(weight_dtype)
             if target.grad is None:
                 target.grad = dw
             else:
@@ -137,24 +218,26 @@ class GroupedLinear(torch.autograd.Function):
         runtime: CommRuntime | None = ctx.runtime
         if target is not None and runtime is not None and runtime.defer_wgrad(accumulate):
             return dx, None, None, None, None, None
-        return dx, _wgrad(x_RI, g_RO, splits, transposed, grouped), None, None, None, None
+        with torch.autocast(device_type, enabled=False):
+            dw = _wgrad(x_RI, g_RO, splits, transposed, grouped).to(weight_dtype)
+        return dx, dw, None, None, None, None
 
 
 def grouped_linear(
     x_RI: Tensor,
     weight: Tensor,
-    tokens_per_expert: Sequence[int],
+    tokens_per_expert: Sequence[int] | Tensor,
     *,
     transposed: bool = False,
     runtime: CommRuntime | None = None,
     impl: GemmImpl = "auto",
 ) -> Tensor:
-    """Apply expert ``e``'s weight to its ``tokens_per_expert[e]`` rows; see :class:`GroupedLinear`."""
-    return GroupedLinear.apply(x_RI, weight, tuple(int(n) for n in tokens_per_expert), transposed, impl, runtime)
+    """Apply expert ``e``'s weight to its ``tokens_per_expert[e]`` rows (a host list or a device tensor)."""
+    return GroupedLinear.apply(x_RI, weight, RowSplits(tokens_per_expert), transposed, impl, runtime)
 
 
-def _rows_bias(bias_eO: Tensor, splits: Sequence[int], num_rows: int) -> Tensor:
-    repeats = torch.tensor(list(splits), dtype=torch.long, device=bias_eO.device)
+def _rows_bias(bias_eO: Tensor, splits: RowSplits, num_rows: int) -> Tensor:
+    repeats = splits.counts_on(bias_eO.device)
     return torch.repeat_interleave(bias_eO, repeats, dim=0, output_size=num_rows)
 
 
@@ -184,7 +267,8 @@ def grouped_mlp(
 
     Args:
         x_RD: rows sorted by expert.
-        tokens_per_expert: host-side row count per expert (``sum == R``), one entry per weight slice.
+        tokens_per_expert: row count per expert (``sum == R``), one entry per weight slice: a host list, or an
+            integer tensor on the rows' device (the grouped kernel then needs no host sync; the sum is not checked).
         gate_up_eFD: fused gate/up weights ``[e, 2F, D]`` (or ``[e, D, 2F]`` with ``transposed``); with
             ``gated=False`` the plain up projection ``[e, F, D]``.
         down_eDF: down projection ``[e, D, F]`` (or ``[e, F, D]`` with ``transposed``).
@@ -207,11 +291,13 @@ def grouped_mlp(
     """
     if impl not in GEMM_IMPLS:
         raise ValueError(f"`grouped_mlp`: impl={impl!r} is not one of {list(GEMM_IMPLS)}; pick one of those.")
-    splits = tuple(int(n) for n in tokens_per_expert)
+    splits = RowSplits(tokens_per_expert)
     num_rows = x_RD.shape[0]
-    if sum(splits) != num_rows or len(splits) != gate_up_eFD.shape[0]:
+    total = sum(splits.host_sizes()) if splits.on_host else None  # a device tensor is not summed: no sync
+    if splits.num_experts != gate_up_eFD.shape[0] or total not in (None, num_rows):
+        summing = "" if total is None else f" summing to {total}"
         raise ValueError(
-            f"`grouped_mlp`: tokens_per_expert has {len(splits)} entries summing to {sum(splits)}, but there are "
+            f"`grouped_mlp`: tokens_per_expert has {splits.num_experts} entries{summing}, but there are "
             f"{gate_up_eFD.shape[0]} experts and {num_rows} rows; the rule is one count per expert, summing to "
             "the number of rows. Pass the counts the dispatcher returned with these rows."
         )

@@ -1,0 +1,177 @@
+"""The experts' GEMMs on Transformer Engine: ``transformer_engine.pytorch.GroupedLinear`` with delayed wgrad.
+
+Selected with ``MoEOverlapStrategy(expert_backend="te")`` (default ``"torch"``: :mod:`~lightning_moe_overlap.moe.grouped`).
+TE is imported lazily, on the first forward; the CPU path never needs it.
+
+Weights stay where they are. The experts keep this package's 3-D parameters (``[e, O, I]``), which the optimizer,
+gradient sync and checkpoints see; TE's module is not registered as a submodule, so ``state_dict`` and
+``parameters()`` do not change. The mapping: TE's ``weight{i}`` (``[O, I]``, as ``nn.Linear``) is a view of
+expert ``i``'s slice ``weight[i]`` (same memory, so optimizer steps and checkpoint loads are seen at once; it
+is re-bound when the parameter's memory, dtype or device changes, e.g. after ``model.to(device)``).
+
+Weight gradients: TE is built with ``delay_wgrad_compute=True``, so its backward computes the data gradient only
+and keeps the weight-gradient GEMMs for ``backward_dw()``. A hook on TE's autograd node passes a closure to
+``runtime.defer_wgrad`` (run at the next comm point, while an all-to-all is in flight) or runs it at once; it calls
+``backward_dw()``, which sets each ``weight{i}.grad``, stacks them, casts to the parameter's dtype and
+accumulates into the 3-D parameter's ``.grad``. TE's queue and the runtime's are both first in, first out and are
+filled together, so each closure pops its own backward's GEMMs.
+
+Limits: weights stored ``[e, out, in]`` (not ``transposed``) and no per-expert biases (Qwen3-MoE, Mixtral,
+OLMoE, DeepSeek-V3, this package's ``Experts``); other layouts raise ``NotImplementedError`` at wrap time. TE
+takes the rows per expert as a host list (``m_splits``), so a device counts tensor is read back once per call.
+
+Shape legend:
+    R: rows sorted by expert   e: local experts   D: hidden size   F: expert ffn size   I, O: in/out size
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from collections.abc import Callable, Sequence
+from types import ModuleType
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from lightning_moe_overlap.config import EXPERT_BACKENDS, ExpertBackend
+from lightning_moe_overlap.moe.dispatch.comm import backward_handoff
+from lightning_moe_overlap.moe.grouped import RowSplits, gated_activation
+from lightning_moe_overlap.moe.layout import ExpertsLayout
+from lightning_moe_overlap.overlap.runtime import CommRuntime
+
+__all__ = ["EXPERT_BACKENDS", "ExpertBackend", "TEExperts", "TEProjection", "check_te_layout", "import_te"]
+
+TE_INSTALL_HINT = "pip install lightning-moe-overlap[te]"
+
+
+def te_available() -> bool:
+    """Whether ``transformer_engine`` is importable (without importing it)."""
+    return importlib.util.find_spec("transformer_engine") is not None
+
+
+def import_te(owner: str = "`expert_backend='te'`") -> ModuleType:
+    """``transformer_engine.pytorch``, or ``ImportError`` with the install hint."""
+    try:
+        import transformer_engine.pytorch as te  # noqa: PLC0415 - optional backend, imported lazily
+    except ImportError as err:
+        raise ImportError(
+            f"{owner} needs NVIDIA Transformer Engine (`transformer_engine.pytorch`), which is not installed. "
+            f"Install it with `{TE_INSTALL_HINT}` on a CUDA machine, or use `expert_backend='torch'` (pure "
+            "PyTorch grouped GEMMs, runs everywhere)."
+        ) from err
+    return te
+
+
+def check_te_layout(layout: ExpertsLayout, owner: str) -> None:
+    """``NotImplementedError`` for layouts the TE backend does not map (transposed weights, per-expert biases)."""
+    unsupported = []
+    if layout.transposed:
+        unsupported.append("weights stored [e, in, out] (transposed)")
+    if layout.up_bias_name or layout.down_bias_name:
+        unsupported.append("per-expert biases")
+    if unsupported:
+        raise NotImplementedError(
+            f"{owner}: `expert_backend='te'` maps [e, out, in] weights without biases onto TE's GroupedLinear, but "
+            f"these experts have {' and '.join(unsupported)}. Use `expert_backend='torch'` for this model."
+        )
+
+
+class TEProjection:
+    """One projection of the experts (``[e, O, I]`` parameter) run by a TE ``GroupedLinear`` bound to its memory.
+
+    Args:
+        weight: the experts' 3-D parameter; it stays the one the optimizer and checkpoints see.
+        te_module: ``transformer_engine.pytorch`` (or a stand-in with the same ``GroupedLinear``); None imports TE.
+    """
+
+    def __init__(self, weight: nn.Parameter, te_module: ModuleType | None = None) -> None:
+        self.weight = weight
+        self._te = te_module
+        self._linear: Any = None
+        self._bound: tuple[int, torch.dtype, torch.device] | None = None
+
+    def linear(self) -> Any:
+        """The TE module, (re)bound to the parameter's current memory."""
+        w = self.weight
+        key = (w.data_ptr(), w.dtype, w.device)
+        if self._linear is None or self._bound != key:
+            te = self._te if self._te is not None else import_te()
+            num_gemms, out_features, in_features = w.shape
+            linear = te.GroupedLinear(
+                num_gemms, in_features, out_features, bias=False, params_dtype=w.dtype, device=w.device,
+                delay_wgrad_compute=True,
+            )
+            if getattr(linear, "single_grouped_parameter", False):  # one [e, out, in] parameter: ours as is
+                linear.weight.data = w.data
+            else:
+                for i in range(num_gemms):  # weight{i} is expert i's slice: same memory, TE's [out, in] layout
+                    getattr(linear, f"weight{i}").data = w.data[i]
+            self._linear, self._bound = linear, key
+        return self._linear
+
+    def __call__(self, x_RI: Tensor, sizes: Sequence[int], runtime: CommRuntime | None) -> Tensor:
+        linear = self.linear()
+        y_RO = linear(x_RI, list(sizes))
+        node = y_RO.grad_fn
+        if node is not None:
+            node.register_hook(lambda grad_inputs, grad_outputs: self._after_backward(linear, runtime))
+        return y_RO
+
+    def _after_backward(self, linear: Any, runtime: CommRuntime | None) -> None:
+        def finish() -> None:
+            self.finish_wgrad(linear)
+
+        if runtime is None or not runtime.defer_wgrad(finish):
+            finish()
+
+    @torch.no_grad()
+    def finish_wgrad(self, linear: Any) -> None:
+        """Run TE's delayed weight-gradient GEMMs and accumulate them into the 3-D parameter's ``.grad``."""
+        linear.backward_dw()
+        if getattr(linear, "single_grouped_parameter", False):
+            dw = linear.weight.grad if linear.weight.grad is not None else torch.zeros_like(linear.weight)
+            linear.weight.grad = None
+        else:
+            pieces = []
+            for i in range(self.weight.shape[0]):
+                w_i = getattr(linear, f"weight{i}")
+                pieces.append(torch.zeros_like(w_i) if w_i.grad is None else w_i.grad)  # (set, not added, by TE)
+                w_i.grad = None
+            dw = torch.stack(pieces)
+        dw = dw.to(self.weight.dtype)
+        if self.weight.grad is None:
+            self.weight.grad = dw
+        else:
+            self.weight.grad.add_(dw)
+
+
+class TEExperts:
+    """The two projections of an experts module on TE (a plain object: nothing registered on the module)."""
+
+    def __init__(self, gate_up: nn.Parameter, down: nn.Parameter, te_module: ModuleType | None = None) -> None:
+        self.gate_up = TEProjection(gate_up, te_module)
+        self.down = TEProjection(down, te_module)
+
+    def mlp(
+        self,
+        x_RD: Tensor,
+        tokens_per_expert: Sequence[int] | Tensor,
+        act_fn: Callable[[Tensor], Tensor] | None,
+        runtime: CommRuntime | None,
+        *,
+        gate_fn: Callable[[Tensor], Tensor] | None = None,
+        gated: bool = True,
+        backward_handoffs: int = 0,
+    ) -> Tensor:
+        """``down(act(gate) * up)`` over rows sorted by expert, as :func:`~lightning_moe_overlap.moe.grouped_mlp`."""
+        sizes = RowSplits(tokens_per_expert).host_sizes()  # TE's m_splits are a host list
+        h = self.gate_up(x_RD, sizes, runtime)
+        if gate_fn is not None:
+            h = gate_fn(h)
+        elif act_fn is None:
+            raise ValueError("`TEExperts.mlp`: act_fn=None and gate_fn=None; one of them must compute the activation.")
+        else:
+            h = gated_activation(h, act_fn) if gated else act_fn(h)
+        h = backward_handoff(h, runtime, backward_handoffs)
+        return self.down(h, sizes, runtime)
