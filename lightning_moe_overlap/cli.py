@@ -26,6 +26,7 @@ from lightning_moe_overlap.strategy import MoEOverlapStrategy
 from lightning_moe_overlap.validation import (
     Problem,
     check_config,
+    check_flex,
     check_machine,
     check_model,
     check_trainer,
@@ -99,6 +100,9 @@ def collect_problems(
         return [Problem("strategy", "`check`: trainer.strategy is not `MoEOverlapStrategy` (or `moe_overlap`).")]
     problems = check_config(cfg)
     problems += check_world(cfg, _world_size(trainer, world_size))
+    devices = trainer.get("devices")
+    per_node = devices if isinstance(devices, int) and not isinstance(devices, bool) else None
+    problems += check_flex(cfg, devices_per_node=per_node, precision=trainer.get("precision"))
     if machine_checks:
         accelerator = trainer.get("accelerator", "auto")
         problems += check_machine(cfg, "cuda" if accelerator in ("gpu", "cuda") else "cpu")

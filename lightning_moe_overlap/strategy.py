@@ -40,6 +40,7 @@ from lightning_moe_overlap.parallel.shutdown import destroy_process_groups_at_ex
 from lightning_moe_overlap.validation import (
     build_dims,
     check_config,
+    check_flex,
     check_machine,
     check_model,
     check_trainer,
@@ -215,7 +216,8 @@ class MoEOverlapStrategy(ParallelStrategy):
         assert self.cluster_environment is not None
         world_size = self.num_nodes * self.num_processes
         device_type = self.parallel_devices[0].type if self.parallel_devices else "cpu"
-        raise_problems(check_world(self.config, world_size) + check_machine(self.config, device_type))
+        flex = check_flex(self.config, devices_per_node=self.num_processes, precision=self.precision_plugin.precision)
+        raise_problems(check_world(self.config, world_size) + flex + check_machine(self.config, device_type))
         if self.config.start_method == "popen":
             self._launcher = _compat._SubprocessScriptLauncher(
                 self.cluster_environment, self.num_processes, self.num_nodes

@@ -308,6 +308,84 @@ def check_machine(cfg: OverlapConfig, device_type: str, cuda_available: bool | N
     return out
 
 
+# -- rules on DeepEP (dispatcher="flex") ----------------------------------------------------------------------
+DEEPEP_INTRANODE_EP: tuple[int, ...] = (2, 4, 8)  # ranks DeepEP's intranode kernels are compiled for
+DEEPEP_GPUS_PER_NODE = 8  # NVLink peers per node DeepEP's internode (RDMA) kernels assume
+_PRECISION_ALIASES = {"16": "16-mixed", "bf16": "bf16-mixed", "32": "32-true", "64": "64-true", "half": "16-true"}
+
+
+def normalize_precision(precision: object) -> str:
+    """Lightning's precision name for ``precision`` (``16`` -> ``"16-mixed"``, ``"bf16"`` -> ``"bf16-mixed"``)."""
+    name = str(precision)
+    return _PRECISION_ALIASES.get(name, name)
+
+
+def rule_flex_ep_size(cfg: OverlapConfig, devices_per_node: int | None) -> list[Problem]:
+    """DeepEP runs on 2, 4 or 8 ranks of one node, or on a multiple of 8 ranks across nodes of 8 GPUs."""
+    if cfg.resolved_flex_backend != "deepep" or not _is_pos_int(cfg.ep):
+        return []
+    ep = cfg.ep
+    per_node = f"devices per node={devices_per_node}" if devices_per_node else "devices per node unknown"
+    if devices_per_node is None:
+        in_one_node = ep <= DEEPEP_GPUS_PER_NODE
+    else:
+        in_one_node = ep <= devices_per_node and devices_per_node % ep == 0
+    if in_one_node and ep not in DEEPEP_INTRANODE_EP:
+        hint = " (ep=1 moves no token between processes)" if ep == 1 else ""
+        return [
+            Problem(
+                "flex-ep-size",
+                f"{OWNER}: `dispatcher='flex'` with `ep={ep}` ({per_node}){hint}: DeepEP's intranode kernels run on "
+                f"{list(DEEPEP_INTRANODE_EP)} ranks of one node, and across nodes on a multiple of "
+                f"{DEEPEP_GPUS_PER_NODE}. Set `ep` to one of {list(DEEPEP_INTRANODE_EP)} (or a multiple of "
+                f"{DEEPEP_GPUS_PER_NODE} across nodes), or use `dispatcher='alltoall'`.",
+            )
+        ]
+    if not in_one_node and (ep % DEEPEP_GPUS_PER_NODE or devices_per_node not in (None, DEEPEP_GPUS_PER_NODE)):
+        return [
+            Problem(
+                "flex-ep-size",
+                f"{OWNER}: `dispatcher='flex'` with `ep={ep}` ({per_node}) spans nodes: DeepEP's internode "
+                f"(RDMA) kernels need ep to be a multiple of {DEEPEP_GPUS_PER_NODE} with {DEEPEP_GPUS_PER_NODE} "
+                f"GPUs per node. Use ep in {list(DEEPEP_INTRANODE_EP)} inside a node or a multiple of "
+                f"{DEEPEP_GPUS_PER_NODE} on nodes of {DEEPEP_GPUS_PER_NODE} GPUs, or `dispatcher='alltoall'`.",
+            )
+        ]
+    return []
+
+
+def rule_flex_precision(cfg: OverlapConfig, precision: object) -> list[Problem]:
+    """DeepEP moves bfloat16 activations only: the dispatcher casts to it, which is lossless only from bf16."""
+    if cfg.resolved_flex_backend != "deepep" or precision is None:
+        return []
+    name = normalize_precision(precision)
+    if name in ("16-mixed", "16-true", "transformer-engine-float16"):
+        return [
+            Problem(
+                "flex-precision",
+                f"{OWNER}: `dispatcher='flex'` with `precision={name!r}`: DeepEP's kernels move bfloat16 only, and "
+                "float16 activations and loss-scaled gradients would be rounded to bfloat16 (3 mantissa bits "
+                "fewer) on every exchange. Use `precision='bf16-mixed'`, or `dispatcher='alltoall'` for float16.",
+                NotImplementedError,
+            )
+        ]
+    if name in ("32-true", "64-true"):
+        return [
+            _warn(
+                "flex-precision",
+                f"{OWNER}: `dispatcher='flex'` with `precision={name!r}`: DeepEP's kernels move bfloat16 only, so "
+                "tokens and expert outputs are rounded to bfloat16 on every exchange (and cast back). Use "
+                "`precision='bf16-mixed'`, or `dispatcher='alltoall'` to keep full precision on the wire.",
+            )
+        ]
+    return []
+
+
+def check_flex(cfg: OverlapConfig, *, devices_per_node: int | None = None, precision: object = None) -> list[Problem]:
+    """DeepEP's prerequisites (``dispatcher="flex"``): group sizes it has kernels for, and its dtype."""
+    return rule_flex_ep_size(cfg, devices_per_node) + rule_flex_precision(cfg, precision)
+
+
 # -- rules on the model ----------------------------------------------------------------------------------------
 def check_model(cfg: OverlapConfig, experts_per_block: Mapping[str, int]) -> list[Problem]:
     """Rules that need the model: ``experts_per_block`` maps each MoE block's name to its number of experts."""

@@ -22,6 +22,7 @@ from lightning_moe_overlap.moe.capacity import DROP_POLICIES, drop_over_capacity
 from lightning_moe_overlap.moe.dispatch import (
     AllGatherDispatcher,
     AllToAllDispatcher,
+    DeepEPBuffers,
     FlexDispatcher,
     TokenDispatcher,
     build_dispatcher,
@@ -38,6 +39,7 @@ __all__ = [
     "DROP_POLICIES",
     "AllGatherDispatcher",
     "AllToAllDispatcher",
+    "DeepEPBuffers",
     "ExpertParallelExperts",
     "ExpertShard",
     "Experts",

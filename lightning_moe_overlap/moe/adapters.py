@@ -30,6 +30,7 @@ from torch.distributed import ProcessGroup
 from lightning_moe_overlap.moe.capacity import DropPolicy, validate_capacity
 from lightning_moe_overlap.moe.dispatch.base import check_expert_split
 from lightning_moe_overlap.moe.dispatch.comm import group_size
+from lightning_moe_overlap.moe.dispatch.deepep_buffers import DeepEPBuffers
 from lightning_moe_overlap.moe.dispatch.factory import build_dispatcher
 from lightning_moe_overlap.moe.ep import ExpertParallelExperts
 from lightning_moe_overlap.moe.experts import Experts
@@ -280,7 +281,9 @@ def apply_expert_parallel(
         token_drop_policy: ``"probs"`` or ``"position"``.
         impl: grouped GEMM implementation.
         expert_backend: ``"torch"`` (pure PyTorch GEMMs) or ``"te"`` (Transformer Engine ``GroupedLinear``).
-        **knobs: dispatcher knobs (see :func:`~lightning_moe_overlap.moe.dispatch.build_dispatcher`).
+        **knobs: dispatcher knobs (see :func:`~lightning_moe_overlap.moe.dispatch.build_dispatcher`). With
+            ``dispatcher="flex"`` and no ``deepep_buffers`` / ``deepep_buffer``, one
+            :class:`~lightning_moe_overlap.moe.dispatch.DeepEPBuffers` is made here and shared by every layer.
 
     Returns:
         The new modules, in model order.
@@ -298,6 +301,9 @@ def apply_expert_parallel(
     found = find_experts(model)
     for name, item in found.items():
         check_expert_split(item.num_experts, ep, owner=f"`apply_expert_parallel` ({name})")
+    if dispatcher == "flex" and knobs.get("deepep_buffers") is None and knobs.get("deepep_buffer") is None:
+        # One DeepEP buffer per process, shared by every layer (each buffer pins hundreds of MB of NVLink memory).
+        knobs = {**knobs, "deepep_buffers": DeepEPBuffers(knobs.get("deepep_num_sms", 20))}
     wrapped: list[ExpertParallelExperts] = []
     for item in found.values():
         layout = item.adapter.layout(item.module)

@@ -21,6 +21,8 @@ from typing import Literal
 import torch
 from torch import Tensor
 
+from lightning_moe_overlap.moe.permute import count_per_expert
+
 DropPolicy = Literal["probs", "position"]
 DROP_POLICIES: tuple[str, ...] = ("probs", "position")
 
@@ -80,7 +82,7 @@ def drop_over_capacity(
     else:
         order = torch.argsort(expert, stable=True)
     sorted_expert = expert[order]
-    counts = torch.bincount(sorted_expert, minlength=num_experts + 1)
+    counts = count_per_expert(sorted_expert, num_experts + 1)  # on the device: no host sync
     starts = torch.cumsum(counts, 0) - counts
     rank_in_expert = position - starts[sorted_expert]  # 0, 1, 2, ... inside each expert's run
     keep_sorted = (rank_in_expert < capacity) & (sorted_expert < num_experts)

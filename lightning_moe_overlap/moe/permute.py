@@ -32,8 +32,17 @@ def sort_by_expert(indices_TK: Tensor, num_experts: int) -> tuple[Tensor, Tensor
     kept = (flat >= 0) & (flat < num_experts)
     key = torch.where(kept, flat, torch.full_like(flat, num_experts))
     order = torch.argsort(key, stable=True)
-    counts = torch.bincount(key, minlength=num_experts + 1)[:num_experts]
-    return order, counts
+    return order, count_per_expert(key, num_experts + 1)[:num_experts]
+
+
+def count_per_expert(expert_A: Tensor, num_bins: int) -> Tensor:
+    """How many entries of ``expert_A`` (values in ``[0, num_bins)``) fall in each bin, as int64, on the device.
+
+    ``torch.bincount`` would read the maximum back to the host on CUDA (a sync); a scatter-add into zeros of the
+    known size does not, and it is exact (integer) and deterministic.
+    """
+    counts = torch.zeros(num_bins, dtype=torch.long, device=expert_A.device)
+    return counts.scatter_add_(0, expert_A, torch.ones_like(expert_A))
 
 
 def gather_rows(x_TD: Tensor, assign_A: Tensor, top_k: int) -> Tensor:
@@ -56,24 +65,25 @@ def scatter_weighted(
     return out_TD.index_add(0, torch.div(assign_A, top_k, rounding_mode="floor"), contrib_AD)
 
 
-def chunk_permutation(counts_SE: list[list[int]], device: torch.device) -> Tensor:
+def chunk_permutation(counts_SE: Tensor, total: int) -> Tensor:
     """Row order that turns source-major chunks ``[s][e]`` into expert-major chunks ``[e][s]``.
 
     Rows received from an all-to-all arrive grouped by source rank ``s`` and, inside, by local expert ``e``.
     The grouped GEMM wants them grouped by expert. ``rows[perm]`` is the expert-major layout and
-    ``inverse_permutation(perm)`` undoes it.
+    ``inverse_permutation(perm)`` undoes it. Built on the counts' device without a host sync: the only host value
+    it needs, ``total``, the caller already holds (the sum of the all-to-all's output splits).
 
     Args:
-        counts_SE: host-side row counts, one list of ``E`` counts per source.
-        device: where to build the index.
+        counts_SE: row counts ``[S, E]``, one row of ``E`` counts per source (int64, on the rows' device).
+        total: ``counts_SE.sum()``, known on the host.
     """
-    counts = torch.tensor(counts_SE, dtype=torch.long, device=device).reshape(len(counts_SE), -1)
+    counts = counts_SE.long()
     flat_SE = counts.reshape(-1)
     starts_SE = torch.cumsum(flat_SE, 0) - flat_SE  # where each [s][e] chunk begins in the received rows
     counts_ES = counts.t().reshape(-1)
     starts_ES = starts_SE.reshape(counts.shape).t().reshape(-1)
-    total = sum(sum(row) for row in counts_SE)
     out_starts_ES = torch.cumsum(counts_ES, 0) - counts_ES  # where each chunk begins in the expert-major rows
+    device = counts.device
     within = torch.arange(total, device=device) - torch.repeat_interleave(out_starts_ES, counts_ES, output_size=total)
     return torch.repeat_interleave(starts_ES, counts_ES, output_size=total) + within
 

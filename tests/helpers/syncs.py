@@ -1,68 +1,141 @@
-"""Count, on CPU, the calls that force a device-to-host sync (or a host-to-device copy of a host list) on CUDA.
+"""Count the calls that would make the CPU wait for a CUDA device, while running on CPU.
 
-On CPU nothing waits, so the count is of the *ops* that would: ``aten._local_scalar_dense`` (``item()``,
-``int()``, ``bool()`` of a tensor), ``aten.nonzero``, ``aten.bincount`` and ``aten.repeat_interleave`` without
-``output_size`` (they read data back to size their output), ``aten.lift_fresh`` (``torch.tensor(host data)``,
-an H2D copy once moved to the GPU), seen through a ``TorchDispatchMode``; plus ``Tensor.tolist``, ``.cpu()``
-and ``.numpy()``, which read memory without the dispatcher and are counted by patching them.
+On CPU nothing waits, so a host sync on the GPU path is invisible to a CPU test unless the ops that cause one
+are counted. ``SyncCounter`` counts them two ways:
 
-Only the calling thread is observed (dispatch modes are thread-local), which is where autograd runs the backward
-of CPU tensors.
+- Python-level calls patched on ``torch.Tensor`` / ``torch``: ``tolist``, ``item``, ``cpu``, ``numpy``, ``cuda``,
+  ``bool()`` / ``int()`` / ``float()`` of a tensor, ``.to(<device>)`` and ``torch.tensor`` / ``torch.as_tensor``
+  with a ``device`` (a host-to-device copy from pageable memory on CUDA);
+- ATen ops seen by a ``TorchDispatchMode`` (they may be called from C++ or from megatron-core): reading a scalar
+  back (``_local_scalar_dense``), ``nonzero``, ``bincount``, ``unique``, ``masked_select``, ``histc``,
+  ``repeat_interleave`` without ``output_size``, and indexing with a boolean mask.
+
+Each sync is logged as ``"sync:<name>"`` in ``log`` (shared with whatever else the test logs, to check the
+order of syncs against comm points) and counted in ``counts``. ``paused()`` stops counting, for test doubles
+that stand in for another library.
 """
 
 from __future__ import annotations
 
+import contextlib
+import functools
 from collections import Counter
 from collections.abc import Iterator
-from contextlib import contextmanager
 from typing import Any
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-_SYNC_OPS = {
-    "aten._local_scalar_dense.default": "item",
-    "aten.nonzero.default": "nonzero",
-    "aten.bincount.default": "bincount",
-    "aten.lift_fresh.default": "tensor_from_host",
+_METHODS = ("tolist", "item", "cpu", "numpy", "cuda", "__bool__", "__int__", "__float__")
+_ATEN_SYNCS = {
+    "_local_scalar_dense",
+    "nonzero",
+    "bincount",
+    "_unique",
+    "_unique2",
+    "unique_dim",
+    "unique_consecutive",
+    "masked_select",
+    "histc",
 }
 
 
-class _SyncOps(TorchDispatchMode):
-    def __init__(self, counts: Counter) -> None:
-        super().__init__()
-        self.counts = counts
+def _is_device(arg: object) -> bool:
+    return isinstance(arg, torch.device) or (isinstance(arg, str) and arg.split(":")[0] in ("cpu", "cuda", "meta"))
 
-    def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+
+class _AtenCounter(TorchDispatchMode):
+    def __init__(self, counter: SyncCounter) -> None:
+        super().__init__()
+        self.counter = counter
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
         kwargs = kwargs or {}
-        name = str(func)
-        if name in _SYNC_OPS:
-            self.counts[_SYNC_OPS[name]] += 1
-        elif name.startswith("aten.repeat_interleave.Tensor") and kwargs.get("output_size") is None:
-            self.counts["repeat_interleave"] += 1
+        name = func._overloadpacket.__name__
+        if name in _ATEN_SYNCS:
+            self.counter.record(f"aten.{name}")
+        elif name == "repeat_interleave" and kwargs.get("output_size") is None and len(args) < 3:
+            self.counter.record("aten.repeat_interleave")
+        elif name in ("index", "index_put", "index_put_"):
+            indices = args[1] if len(args) > 1 else ()
+            if any(isinstance(i, torch.Tensor) and i.dtype == torch.bool for i in indices or ()):
+                self.counter.record(f"aten.{name}(bool mask)")
         return func(*args, **kwargs)
 
 
-@contextmanager
-def count_host_syncs() -> Iterator[Counter]:
-    """``with count_host_syncs() as counts:`` ... ``sum(counts.values())`` is the number of sync-causing calls."""
-    counts: Counter = Counter()
-    originals = {name: getattr(torch.Tensor, name) for name in ("tolist", "cpu", "numpy")}
+class SyncCounter:
+    """Context manager: counts would-be host syncs; see the module docstring."""
 
-    def counted(name: str) -> Any:
-        original = originals[name]
+    def __init__(self, log: list[str] | None = None) -> None:
+        self.log = [] if log is None else log
+        self.counts: Counter[str] = Counter()
+        self._paused = 0
+        self._stack = contextlib.ExitStack()
 
-        def call(self: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
-            counts[name] += 1
-            return original(self, *args, **kwargs)
+    def record(self, name: str) -> None:
+        if not self._paused:
+            self.counts[name] += 1
+            self.log.append(f"sync:{name}")
 
-        return call
+    @property
+    def total(self) -> int:
+        return sum(self.counts.values())
 
-    for name in originals:
-        setattr(torch.Tensor, name, counted(name))
-    try:
-        with _SyncOps(counts):
-            yield counts
-    finally:
-        for name, original in originals.items():
-            setattr(torch.Tensor, name, original)
+    @contextlib.contextmanager
+    def paused(self) -> Iterator[None]:
+        self._paused += 1
+        try:
+            yield
+        finally:
+            self._paused -= 1
+
+    def _wrap_method(self, name: str) -> None:
+        original = getattr(torch.Tensor, name)
+
+        @functools.wraps(original)
+        def counted(tensor: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+            self.record(name.strip("_"))
+            with self.paused():  # the op's own internals are not counted again
+                return original(tensor, *args, **kwargs)
+
+        self._patch(torch.Tensor, name, counted)
+
+    def _wrap_to(self) -> None:
+        original = torch.Tensor.to
+
+        @functools.wraps(original)
+        def to(tensor: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+            if "device" in kwargs or any(_is_device(a) for a in args):
+                self.record("to(device)")
+            return original(tensor, *args, **kwargs)
+
+        self._patch(torch.Tensor, "to", to)
+
+    def _wrap_factory(self, name: str) -> None:
+        original = getattr(torch, name)
+
+        @functools.wraps(original)
+        def factory(*args: Any, **kwargs: Any) -> Any:
+            if kwargs.get("device") is not None:
+                self.record(f"torch.{name}(device=...)")
+            return original(*args, **kwargs)
+
+        self._patch(torch, name, factory)
+
+    def _patch(self, owner: Any, name: str, value: Any) -> None:
+        had = name in vars(owner)
+        old = vars(owner).get(name)
+        setattr(owner, name, value)
+        self._stack.callback(lambda: setattr(owner, name, old) if had else delattr(owner, name))
+
+    def __enter__(self) -> SyncCounter:
+        for name in _METHODS:
+            self._wrap_method(name)
+        self._wrap_to()
+        for name in ("tensor", "as_tensor"):
+            self._wrap_factory(name)
+        self._stack.enter_context(_AtenCounter(self))
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stack.close()

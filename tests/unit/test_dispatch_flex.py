@@ -53,6 +53,7 @@ class FakeDeepEPBuffer:
         self.size = 1 if group is None else dist.get_world_size(group)
         self.log: list[str] = []
         self.kwargs: list[dict] = []
+        self.dtypes: list[tuple[str, torch.dtype]] = []  # (call, dtype of the activations it was given)
 
     # -- collectives (synchronous: the dispatcher's comm point wraps the whole call) --
     def _a2a(self, x: Tensor, out_splits: list[int], in_splits: list[int]) -> Tensor:
@@ -95,6 +96,7 @@ class FakeDeepEPBuffer:
         allocate_on_comm_stream=False,
     ):
         self.log.append("dispatch" if handle is None else "dispatch(cached)")
+        self.dtypes.append((self.log[-1], x.dtype))
         self.kwargs.append({"async_finish": async_finish, "previous_event": previous_event})
         if handle is not None:
             recv_x = self._a2a(x[handle.send_token_ids], handle.recv_splits, handle.send_splits)
@@ -131,6 +133,7 @@ class FakeDeepEPBuffer:
         allocate_on_comm_stream=False,
     ):
         self.log.append("combine")
+        self.dtypes.append(("combine", x.dtype))
         self.kwargs.append({"async_finish": async_finish, "previous_event": previous_event})
         back = self._a2a(x, handle.send_splits, handle.recv_splits)
         out = torch.zeros(handle.num_tokens, *x.shape[1:], dtype=x.dtype).index_add(0, handle.send_token_ids, back)

@@ -102,7 +102,7 @@ def test_permutation_helpers() -> None:
     order, counts = sort_by_expert(torch.tensor([[2, 0], [0, 5], [-1, 2]]), 3)
     assert counts.tolist() == [2, 0, 2]
     assert order[:4].tolist() == [1, 2, 0, 5]  # expert 0: (t0,k1), (t1,k0); expert 2: (t0,k0), (t2,k1)
-    perm = chunk_permutation([[1, 0, 2], [3, 1, 0]], torch.device("cpu"))
+    perm = chunk_permutation(torch.tensor([[1, 0, 2], [3, 1, 0]]), 7)
     assert perm.tolist() == [0, 3, 4, 5, 6, 1, 2]
     assert perm[inverse_permutation(perm)].tolist() == list(range(7))
 

@@ -7,6 +7,7 @@ import pytest
 from lightning_moe_overlap.config import OverlapConfig
 from lightning_moe_overlap.validation import (
     check_config,
+    check_flex,
     check_machine,
     check_model,
     check_trainer,
@@ -111,3 +112,70 @@ def test_validation_trainer_rules():
         _raise(check_trainer(OverlapConfig(num_microbatches=2), accumulate_grad_batches=4, automatic_optimization=True))
     with pytest.raises(NotImplementedError, match=r"manual optimization .* is not supported"):
         _raise(check_trainer(OverlapConfig(), accumulate_grad_batches=1, automatic_optimization=False))
+
+
+@pytest.mark.parametrize(
+    "ep,per_node,match",
+    [
+        (1, 8, r"`dispatcher='flex'` with `ep=1` \(devices per node=8\) \(ep=1 moves no token between processes\)"),
+        (6, 6, r"`ep=6` \(devices per node=6\): DeepEP's intranode kernels run on \[2, 4, 8\] ranks of one node"),
+        (3, None, r"`ep=3` \(devices per node unknown\).*Set `ep` to one of \[2, 4, 8\]"),
+        (12, 8, r"`ep=12` \(devices per node=8\) spans nodes: .*multiple of 8 with 8 GPUs per node"),
+        (8, 4, r"`ep=8` \(devices per node=4\) spans nodes"),
+        (16, 4, r"`ep=16` \(devices per node=4\) spans nodes.*or `dispatcher='alltoall'`"),
+        (4, 6, r"`ep=4` \(devices per node=6\) spans nodes"),  # ranks 4-7 straddle two nodes
+    ],
+)
+def test_validation_flex_ep_size(ep, per_node, match):
+    cfg = OverlapConfig(dispatcher="flex", ep=ep, num_microbatches=2)
+    with pytest.raises(ValueError, match=match):
+        _raise(check_flex(cfg, devices_per_node=per_node))
+
+
+@pytest.mark.parametrize("ep,per_node", [(2, 8), (4, 8), (8, 8), (8, None), (16, 8), (64, 8), (2, 2), (4, 4)])
+def test_validation_flex_ep_sizes_deepep_runs(ep, per_node):
+    assert check_flex(OverlapConfig(dispatcher="flex", ep=ep), devices_per_node=per_node) == []
+    # Other dispatchers have no such rule.
+    assert check_flex(OverlapConfig(dispatcher="alltoall", ep=ep + 1), devices_per_node=per_node) == []
+
+
+@pytest.mark.parametrize("precision", ["16-mixed", 16, "16", "16-true", "transformer-engine-float16"])
+def test_validation_flex_refuses_float16(precision):
+    with pytest.raises(NotImplementedError, match=r"`dispatcher='flex'` with `precision='16-(mixed|true)'|float16'"):
+        _raise(check_flex(OverlapConfig(dispatcher="flex", ep=8), precision=precision))
+
+
+@pytest.mark.parametrize("precision", ["32-true", 32, "64-true"])
+def test_validation_flex_warns_on_full_precision(precision):
+    with pytest.warns(UserWarning, match=r"rounded to bfloat16 on every exchange.*`precision='bf16-mixed'`"):
+        _raise(check_flex(OverlapConfig(dispatcher="flex", ep=8), precision=precision))
+
+
+@pytest.mark.parametrize("precision", ["bf16-mixed", "bf16-true", "bf16", "transformer-engine", None])
+def test_validation_flex_bfloat16_passes(precision, recwarn):
+    assert check_flex(OverlapConfig(dispatcher="flex", ep=8), devices_per_node=8, precision=precision) == []
+    assert check_flex(OverlapConfig(ep=8), precision="16-mixed") == []  # alltoall carries any dtype
+
+
+def test_validation_flex_rules_run_in_check_and_at_trainer_construction():
+    from lightning.pytorch import Trainer
+
+    from lightning_moe_overlap import MoEOverlapStrategy
+    from lightning_moe_overlap.cli import collect_problems
+
+    config = {
+        "trainer": {
+            "devices": 6,
+            "precision": "16-mixed",
+            "strategy": {"class_path": "MoEOverlapStrategy", "init_args": {"ep": 6, "dispatcher": "flex"}},
+        }
+    }
+    rules = [p.rule for p in collect_problems(config, machine_checks=False)]
+    assert rules.count("flex-ep-size") == 1 and rules.count("flex-precision") == 1
+    strategy = MoEOverlapStrategy(ep=2, dispatcher="flex", num_microbatches=2)
+    with pytest.warns(UserWarning, match=r"`precision='32-true'`: DeepEP's kernels move bfloat16 only"):
+        with pytest.raises(ImportError, match=r"`dispatcher='flex'` \(backend 'deepep'\) needs"):
+            Trainer(accelerator="cpu", devices=2, strategy=strategy, precision="32-true", logger=False)
+    strategy = MoEOverlapStrategy(ep=3, dispatcher="flex", num_microbatches=2)
+    with pytest.raises(ValueError, match=r"`ep=3` \(devices per node=3\)"):
+        Trainer(accelerator="cpu", devices=3, strategy=strategy, precision="bf16-mixed", logger=False)

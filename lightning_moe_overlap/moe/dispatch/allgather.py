@@ -10,7 +10,8 @@ of the size and index exchanges (``backward_handoffs``).
 It moves ``ep`` times the tokens of an all-to-all, but needs no count exchange before the token transfer and
 its collectives are the simplest ones, so it suits small ``ep`` and few tokens.
 
-Host syncs: the gathered token counts, and the kept rows per local expert (both ``.tolist()``).
+Host syncs: two per dispatch, none in the backward: the gathered token counts (after their all-gather's wait)
+and the kept rows per local expert (after the indices' all-gather), both through :func:`host_ints`.
 
 Shape legend:
     T: tokens on this rank   P: padded tokens per rank (max over ranks)   G: ep ranks   K: top-k   D: hidden
@@ -27,6 +28,7 @@ from torch.nn import functional as F
 
 from lightning_moe_overlap.moe.dispatch.base import DispatcherBase
 from lightning_moe_overlap.moe.dispatch.comm import all_gather, all_gather_raw, gather_sizes, reduce_scatter
+from lightning_moe_overlap.moe.dispatch.host import host_ints
 from lightning_moe_overlap.moe.permute import gather_rows, scatter_weighted, sort_by_expert
 
 
@@ -94,7 +96,7 @@ class AllGatherDispatcher(DispatcherBase):
         """No comm: keep the pairs routed to local experts, sorted by local expert."""
         local_GPK = indices_GPK - self.first_expert  # non-local experts fall outside [0, e) and count as dropped
         order, counts_e = sort_by_expert(local_GPK, self.num_local_experts)
-        counts = counts_e.tolist()  # NOTE: D2H sync (rows per local expert)
+        counts = host_ints(counts_e)  # NOTE: D2H sync (rows per local expert; after the indices' all-gather)
         assign_R = order[: sum(counts)]
         return gather_rows(x_GPD, assign_R, indices_GPK.shape[-1]), counts, assign_R
 

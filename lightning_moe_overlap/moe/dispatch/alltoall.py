@@ -5,8 +5,9 @@ backward mirrors the last two (the combine's backward is a dispatch-shaped all-t
 experts' backward hands over once more in place of the counts (``backward_handoffs``). Routing weights
 never cross the wire: they are applied on the source rank when the outputs are scattered back to their tokens.
 
-Host syncs: one per dispatch, the ``.tolist()`` of the send and receive counts that ``all_to_all_single``
-needs as Python split sizes (marked ``NOTE: D2H sync``).
+Host syncs: one per dispatch and none in the backward: the send and receive counts that ``all_to_all_single``
+needs as Python split sizes, read after the count exchange's wait (:func:`host_ints`, marked ``NOTE: D2H
+sync``). Everything else (counting, regrouping, the combine) stays on the device.
 
 Shape legend:
     T: tokens on this rank   K: top-k   D: hidden size   E: global experts   e: local experts   G: ep ranks
@@ -23,6 +24,7 @@ from torch import Tensor
 
 from lightning_moe_overlap.moe.dispatch.base import DispatcherBase
 from lightning_moe_overlap.moe.dispatch.comm import all_to_all, exchange_counts
+from lightning_moe_overlap.moe.dispatch.host import host_ints
 from lightning_moe_overlap.moe.permute import (
     chunk_permutation,
     gather_rows,
@@ -67,7 +69,7 @@ class AllToAllDispatcher(DispatcherBase):
     ) -> tuple[Tensor, list[int], AllToAllHandle]:
         """Send rows to their experts' ranks; returns ``(x_RD, tokens_per_local_expert, handle)``."""
         order_TK, counts_E = self._dispatch_preprocess(indices_TK)
-        send_E, recv_SE = self._exchange_counts(counts_E)
+        send_E, recv_SE, recv_GE = self._exchange_counts(counts_E)
         assign_A = order_TK[: sum(send_E)]
         x_AD = gather_rows(x_TD, assign_A, indices_TK.shape[-1])
         input_splits = tuple(
@@ -75,7 +77,7 @@ class AllToAllDispatcher(DispatcherBase):
         )
         output_splits = tuple(sum(row) for row in recv_SE)
         x_MD = self._token_dispatch(x_AD, input_splits, output_splits)
-        x_RD, perm_R = self._dispatch_postprocess(x_MD, recv_SE)
+        x_RD, perm_R = self._dispatch_postprocess(x_MD, recv_GE)
         tokens_per_local_expert = [sum(row[e] for row in recv_SE) for e in range(self.num_local_experts)]
         handle = AllToAllHandle(
             assign_A=assign_A,
@@ -92,25 +94,29 @@ class AllToAllDispatcher(DispatcherBase):
         """No comm: order the assignments by global expert (so by destination rank, then local expert)."""
         return sort_by_expert(indices_TK, self.num_experts)
 
-    def _exchange_counts(self, counts_E: Tensor) -> tuple[list[int], list[list[int]]]:
-        """Comm point: tell every rank how many rows of each of its experts it will receive from here."""
+    def _exchange_counts(self, counts_E: Tensor) -> tuple[list[int], list[list[int]], Tensor]:
+        """Comm point: tell every rank how many rows of each of its experts it will receive from here.
+
+        Returns the send counts and the receive counts ``[source][local expert]`` on the host (read once, after
+        the exchange's wait), and the receive counts on the device ``[G, e]`` (for the regrouping).
+        """
         recv_GE = exchange_counts(counts_E.view(self.ep_size, self.num_local_experts), self.ep_group, self.runtime)
-        sizes = torch.cat([counts_E, recv_GE.reshape(-1)]).tolist()  # NOTE: D2H sync (split sizes for the all-to-all)
+        sizes = host_ints(torch.cat([counts_E, recv_GE.reshape(-1)]))  # NOTE: D2H sync (the all-to-all's splits)
         send_E = sizes[: self.num_experts]
         flat_recv = sizes[self.num_experts :]
         local = self.num_local_experts
         recv_SE = [flat_recv[s * local : (s + 1) * local] for s in range(self.ep_size)]
-        return send_E, recv_SE
+        return send_E, recv_SE, recv_GE
 
     def _token_dispatch(self, x_AD: Tensor, input_splits: tuple[int, ...], output_splits: tuple[int, ...]) -> Tensor:
         """Comm point: the uneven all-to-all of the token rows."""
         return all_to_all(x_AD, output_splits, input_splits, self.ep_group, self.runtime)
 
-    def _dispatch_postprocess(self, x_MD: Tensor, recv_SE: list[list[int]]) -> tuple[Tensor, Tensor | None]:
+    def _dispatch_postprocess(self, x_MD: Tensor, recv_GE: Tensor) -> tuple[Tensor, Tensor | None]:
         """No comm: regroup the received rows from (source, local expert) to (local expert, source)."""
         if self.ep_size == 1:
             return x_MD, None
-        perm_R = chunk_permutation(recv_SE, x_MD.device)
+        perm_R = chunk_permutation(recv_GE, x_MD.shape[0])
         return x_MD.index_select(0, perm_R), perm_R
 
     # -- combine -----------------------------------------------------------------------------------------------

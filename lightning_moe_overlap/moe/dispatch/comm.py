@@ -29,6 +29,7 @@ import torch.distributed as dist
 from torch import Tensor
 from torch.distributed import ProcessGroup
 
+from lightning_moe_overlap.moe.dispatch.host import host_ints
 from lightning_moe_overlap.overlap.runtime import CommRuntime, Waitable
 
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -233,5 +234,5 @@ def gather_sizes(
     num_rows: int, group: ProcessGroup | None, runtime: CommRuntime | None, device: torch.device
 ) -> list[int]:
     """Every rank's ``num_rows`` (an all-gather at a comm point); index = rank in ``group``."""
-    mine = torch.tensor([num_rows], dtype=torch.long, device=device)
-    return all_gather_raw(mine, group, runtime).tolist()  # NOTE: D2H sync (sizes of the gathered rows)
+    mine = torch.full((1,), num_rows, dtype=torch.long, device=device)  # a fill kernel, no host-to-device copy
+    return host_ints(all_gather_raw(mine, group, runtime))  # NOTE: D2H sync (sizes of the gathered rows)

@@ -21,7 +21,7 @@ DISPATCHER_CLASSES: dict[str, type[DispatcherBase]] = {
 DISPATCHER_KNOBS: dict[str, tuple[str, ...]] = {
     "alltoall": (),
     "allgather": (),
-    "flex": ("deepep_num_sms", "deepep_buffer"),
+    "flex": ("deepep_num_sms", "deepep_buffers", "deepep_buffer"),
 }
 
 
@@ -35,13 +35,13 @@ def build_dispatcher(
         ep_group: expert-parallel process group; ``None`` for a single process.
         num_experts: global number of experts (divisible by the group size).
         runtime: comm-point hand-over target shared by all layers of the model.
-        **knobs: backend settings (flex: ``deepep_num_sms``, ``deepep_buffer``). Knobs of other backends are
-            accepted and ignored; unknown names raise ``TypeError``.
+        **knobs: backend settings (flex: ``deepep_num_sms``, ``deepep_buffers``, ``deepep_buffer``). Knobs of
+            other backends are accepted and ignored; unknown names raise ``TypeError``.
 
     Raises:
         ValueError: unknown ``name``, or ``num_experts`` not divisible by the ep size.
         TypeError: a knob no backend knows.
-        ImportError: ``"flex"`` without DeepEP or CUDA (and no ``deepep_buffer``).
+        ImportError: ``"flex"`` without DeepEP or CUDA (and no ``deepep_buffer`` or buffer factory).
     """
     if name not in DISPATCHER_CLASSES:
         raise ValueError(

@@ -10,10 +10,22 @@ point (issue, ``runtime.handoff()``, then wait on the returned event); combine i
 point. Backward: the dispatch's backward is a combine with the same DeepEP handle and the combine's backward a
 cached-layout dispatch, both at comm points.
 
-Host syncs: DeepEP itself waits for the receive counts (``num_recv_tokens_per_expert_list``) on the CPU.
+Dtypes: DeepEP's normal kernels move bfloat16 activations only. The tokens are cast to the buffers'
+``wire_dtype`` (bfloat16) before the dispatch and back to the caller's dtype right after it (before the rows are
+expanded per expert), and the summed expert outputs are cast to it before the combine and back after it. The
+casts are autograd ops, so both backward exchanges see bfloat16 gradients too. Routing weights travel in
+float32, as DeepEP takes them.
+
+Buffers: one per process (:class:`~lightning_moe_overlap.moe.dispatch.deepep_buffers.DeepEPBuffers`), shared
+by the flex dispatchers of all layers, never one per layer.
+
+Host syncs: none of our own. Inside ``Buffer.dispatch`` (before the hand-over) DeepEP waits on the CPU for the
+receive counts of its notify kernel, a poll of host-mapped memory, to size the receive tensors; the token
+transfer is still in flight at the hand-over. The backward's cached dispatch and both combines do not wait.
 
 ``deep_ep`` is imported lazily; :func:`require_flex_backend` explains what is missing. DeepEP's kernels need a
-CUDA device (Hopper, NVLink / RDMA) and take bfloat16 activations.
+CUDA device (Hopper, NVLink / RDMA) and 2, 4 or 8 ranks in a node, or a multiple of 8 across nodes
+(``docs/validation.md``, rule ``flex-ep-size``).
 
 Shape legend:
     T: tokens on this rank   K: top-k   D: hidden size   N: tokens received (each once)   e: local experts
@@ -22,7 +34,6 @@ Shape legend:
 
 from __future__ import annotations
 
-import importlib
 from dataclasses import dataclass
 from typing import Any
 
@@ -32,40 +43,16 @@ from torch.distributed import ProcessGroup
 
 from lightning_moe_overlap.moe.dispatch.base import DispatcherBase
 from lightning_moe_overlap.moe.dispatch.comm import handoff, wait
+from lightning_moe_overlap.moe.dispatch.deepep_buffers import (
+    INSTALL_HINT,
+    DeepEPBuffers,
+    check_num_sms,
+    require_flex_backend,
+)
 from lightning_moe_overlap.moe.permute import gather_rows, scatter_weighted, sort_by_expert
 from lightning_moe_overlap.overlap.runtime import CommRuntime
 
-INSTALL_HINT = "pip install lightning-moe-overlap[deepep]"
-
-
-def require_flex_backend() -> Any:
-    """Import and return ``deep_ep``, or raise ``ImportError`` naming what is missing and how to get it."""
-    try:
-        deep_ep = importlib.import_module("deep_ep")
-    except ImportError as err:
-        raise ImportError(
-            "dispatcher='flex' needs the DeepEP package (`deep_ep`), which is not installed. Install it with "
-            f"`{INSTALL_HINT}` on a CUDA machine (Hopper GPUs with NVLink/RDMA), or use dispatcher='alltoall'."
-        ) from err
-    if not torch.cuda.is_available():
-        raise ImportError(
-            "dispatcher='flex' needs CUDA: DeepEP's kernels run on Hopper GPUs over NVLink/RDMA, but no CUDA device "
-            "is available. Run on such a machine, or use dispatcher='alltoall' (runs everywhere, gloo included)."
-        )
-    return deep_ep
-
-
-def _make_buffer(group: ProcessGroup, hidden_bytes: int, num_sms: int) -> Any:
-    """A ``deep_ep.Buffer`` sized for ``hidden_bytes`` per token, as DeepEP's own examples size it."""
-    deep_ep = require_flex_backend()
-    buffer_cls = deep_ep.Buffer
-    buffer_cls.set_num_sms(num_sms)
-    size = group.size()
-    nvl_bytes = rdma_bytes = 0
-    for config in (buffer_cls.get_dispatch_config(size), buffer_cls.get_combine_config(size)):
-        nvl_bytes = max(nvl_bytes, config.get_nvl_buffer_size_hint(hidden_bytes, size))
-        rdma_bytes = max(rdma_bytes, config.get_rdma_buffer_size_hint(hidden_bytes, size))
-    return buffer_cls(group, nvl_bytes, rdma_bytes)
+__all__ = ["INSTALL_HINT", "FlexDispatcher", "FlexHandle", "require_flex_backend"]
 
 
 class _EventWork:
@@ -179,7 +166,7 @@ class FlexHandle:
         assign_R: flat (received token, choice) ids of the rows, in row order.
         recv_weights_NK: routing weights of the received tokens (applied here, on the expert side).
         num_recv: ``N``.
-        out_dtype: dtype of the combined output.
+        out_dtype: dtype of the combined output (the caller's dtype of the tokens).
     """
 
     deep_handle: Any
@@ -198,9 +185,13 @@ class FlexDispatcher(DispatcherBase):
         num_experts: global number of experts.
         runtime: comm-point hand-over target.
         deepep_num_sms: streaming multiprocessors DeepEP's kernels may use (``Buffer.set_num_sms``); what is
-            left runs the overlapped compute.
-        deepep_buffer: an object with DeepEP's ``Buffer`` methods to use instead of building one (a buffer shared
-            with other code, or a test double). Without it, ``deep_ep`` and CUDA are required.
+            left runs the overlapped compute. Used when this dispatcher makes its own ``DeepEPBuffers``.
+        deepep_buffers: the process's :class:`DeepEPBuffers`, shared by the flex dispatchers of every layer
+            (``apply_expert_parallel`` makes one per model). Without it (and without ``deepep_buffer``) this
+            dispatcher makes its own, which then serves this layer only.
+        deepep_buffer: an object with DeepEP's ``Buffer`` methods to use as is (a test double, or a buffer of
+            other code): never rebuilt, and the activations travel in the caller's dtype. Exclusive with
+            ``deepep_buffers``. Without either, ``deep_ep`` and CUDA are required.
     """
 
     name = "flex"
@@ -212,19 +203,23 @@ class FlexDispatcher(DispatcherBase):
         runtime: CommRuntime | None,
         *,
         deepep_num_sms: int = 20,
+        deepep_buffers: DeepEPBuffers | None = None,
         deepep_buffer: Any = None,
     ) -> None:
-        if (
-            isinstance(deepep_num_sms, bool)
-            or not isinstance(deepep_num_sms, int)
-            or deepep_num_sms < 2
-            or deepep_num_sms % 2
-        ):
+        check_num_sms(deepep_num_sms, owner="`FlexDispatcher`")
+        if deepep_buffers is not None and deepep_buffer is not None:
             raise ValueError(
-                f"`FlexDispatcher`: deepep_num_sms={deepep_num_sms!r} must be a positive even integer (DeepEP "
-                "splits its SMs into send/receive pairs); 20-24 is usual on H100/H200."
+                "`FlexDispatcher`: got both deepep_buffers and deepep_buffer; they are two ways to say where the "
+                "DeepEP buffer comes from. Pass deepep_buffers (shared, sized and cast for DeepEP) or deepep_buffer "
+                "(one object used as is), not both."
             )
-        if deepep_buffer is None:
+        if deepep_buffers is None:
+            deepep_buffers = (
+                DeepEPBuffers(deepep_num_sms)
+                if deepep_buffer is None
+                else DeepEPBuffers(deepep_num_sms, wire_dtype=None, buffer_factory=lambda group, nbytes: deepep_buffer)
+            )
+        if deepep_buffers.builds_deepep:
             require_flex_backend()
             if ep_group is None:
                 raise ValueError(
@@ -232,18 +227,17 @@ class FlexDispatcher(DispatcherBase):
                     "expert-parallel group (ParallelGroups.ep)."
                 )
         super().__init__(ep_group, num_experts, runtime)
-        self.num_sms = deepep_num_sms
-        self._buffer = deepep_buffer
-        self._buffer_hidden_bytes = 0
+        self.num_sms = deepep_buffers.num_sms
+        self.buffers = deepep_buffers
 
     def _get_buffer(self, x_TD: Tensor) -> Any:
-        """The DeepEP buffer, (re)built when a wider hidden size needs more room. Shared by all calls."""
-        hidden_bytes = x_TD.shape[-1] * max(x_TD.element_size(), 2)
-        if self._buffer is None or (self._buffer_hidden_bytes and hidden_bytes > self._buffer_hidden_bytes):
-            assert self.ep_group is not None  # checked in __init__
-            self._buffer = _make_buffer(self.ep_group, hidden_bytes, self.num_sms)
-            self._buffer_hidden_bytes = hidden_bytes
-        return self._buffer
+        """The process's DeepEP buffer for this group, big enough for a row of ``x_TD`` on the wire."""
+        return self.buffers.get(self.ep_group, self.buffers.row_bytes(x_TD.shape[-1], x_TD.dtype))
+
+    def _to_wire(self, x: Tensor) -> Tensor:
+        """The dtype DeepEP's kernels take (autograd op: the gradient comes back in the caller's dtype)."""
+        wire = self.buffers.wire_dtype
+        return x if wire is None else x.to(wire)
 
     # -- dispatch ----------------------------------------------------------------------------------------------
     def dispatch(self, x_TD: Tensor, indices_TK: Tensor, weights_TK: Tensor) -> tuple[Tensor, list[int], FlexHandle]:
@@ -251,9 +245,9 @@ class FlexDispatcher(DispatcherBase):
         topk_idx_TK, weights_TK = self._dispatch_preprocess(indices_TK, weights_TK)
         buffer = self._get_buffer(x_TD)
         recv_x_ND, recv_w_NK, recv_idx_NK, deep_handle, counts = self._token_dispatch(
-            x_TD, weights_TK, topk_idx_TK, buffer
+            self._to_wire(x_TD), weights_TK, topk_idx_TK, buffer
         )
-        x_RD, assign_R = self._dispatch_postprocess(recv_x_ND, recv_idx_NK, counts)
+        x_RD, assign_R = self._dispatch_postprocess(recv_x_ND.to(x_TD.dtype), recv_idx_NK, counts)
         handle = FlexHandle(
             deep_handle=deep_handle,
             buffer=buffer,
@@ -297,8 +291,10 @@ class FlexDispatcher(DispatcherBase):
 
     def _token_combine(self, y_ND: Tensor, handle: FlexHandle) -> Tensor:
         """Comm point: DeepEP's combine (sums the partial outputs of every rank into each source token)."""
-        return _FlexCombine.apply(y_ND, handle.buffer, handle.deep_handle, self.runtime, torch.is_grad_enabled())
+        return _FlexCombine.apply(
+            self._to_wire(y_ND), handle.buffer, handle.deep_handle, self.runtime, torch.is_grad_enabled()
+        )
 
     def _combine_postprocess(self, out_TD: Tensor, handle: FlexHandle) -> Tensor:
-        """No comm: DeepEP returns the activations' dtype already; make sure of it."""
+        """No comm: back from the wire dtype to the caller's."""
         return out_TD.to(handle.out_dtype)
