@@ -7,6 +7,7 @@ from lightning.fabric.utilities.distributed import (
     _distributed_is_initialized,
     _get_default_process_group_backend_for_device,
     _init_dist_connection,
+    _set_num_threads_if_needed,
     _sync_ddp_if_available,
 )
 from lightning.fabric.utilities.optimizer import _optimizers_to_device
@@ -21,6 +22,7 @@ __all__ = [
     "_get_default_process_group_backend_for_device",
     "_init_dist_connection",
     "_optimizers_to_device",
+    "_set_num_threads_if_needed",
     "_sync_ddp_if_available",
     "default_pg_timeout",
     "reset_seed",
