@@ -28,7 +28,7 @@ from lightning_moe_overlap import _compat
 from lightning_moe_overlap.overlap.failures import PeerFailure
 from lightning_moe_overlap.parallel.exits import ExitBoard
 from lightning_moe_overlap.parallel.lifeline import LAUNCHER_PID_ENV, ChildReaper, describe_exit, die_with_parent
-from lightning_moe_overlap.validation import SAME_ON_EVERY_RANK, check_launch, raise_problems
+from lightning_moe_overlap.validation import SAME_ON_EVERY_RANK, check_launch, known_batch_size, raise_problems
 
 if TYPE_CHECKING:
     from lightning.pytorch import Trainer
@@ -66,7 +66,8 @@ class ExpertParallelScriptLauncher(_compat._SubprocessScriptLauncher):
         self._reaper: ChildReaper | None = None
 
     def launch(self, function: Callable, *args: Any, trainer: Trainer | None = None, **kwargs: Any) -> Any:
-        raise_problems(check_launch(self._strategy.config, *_datamodule_and_ckpt(function, args)))
+        datamodule, ckpt_path = _datamodule_and_ckpt(function, args)
+        raise_problems(check_launch(self._strategy.config, known_batch_size(datamodule), ckpt_path))
         self.cluster_environment.validate_settings(num_devices=self.num_processes, num_nodes=self.num_nodes)
         launcher_pid = os.environ.get(LAUNCHER_PID_ENV)
         if not self.cluster_environment.creates_processes_externally:

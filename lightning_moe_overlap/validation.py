@@ -18,16 +18,13 @@ from typing import Any
 import torch
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 
+from lightning_moe_overlap._install import install_hint
 from lightning_moe_overlap.config import DISPATCHERS, DROP_POLICIES, FLEX_BACKENDS, START_METHODS, OverlapConfig
 from lightning_moe_overlap.parallel.dims import ParallelDims, _divisors
 
 OWNER = "`MoEOverlapStrategy`"
 SAME_ON_EVERY_RANK = "same_on_every_rank"  # set on a raised error: every rank finds it alike, rank 0 shows it
 
-
-def install_hint(extra: str) -> str:
-    """How to install an optional extra, from a source checkout and from a published package."""
-    return f'`pip install -e ".[{extra}]"` in a source checkout, or `pip install "lightning-moe-overlap[{extra}]"`'
 
 
 @dataclass(frozen=True)
@@ -381,10 +378,10 @@ def known_batch_size(datamodule: Any) -> int | None:
     return value if _is_pos_int(value) else None
 
 
-def check_launch(cfg: OverlapConfig, datamodule: Any = None, ckpt_path: Any = None) -> list[Problem]:
-    """Rules on what ``fit`` was given, checked before any process starts."""
+def check_launch(cfg: OverlapConfig, batch_size: int | None = None, ckpt_path: Any = None) -> list[Problem]:
+    """Rules on what ``fit`` was given, checked before any process starts: the batch size each dataloader yields
+    (where known, e.g. from :func:`known_batch_size`) and the checkpoint to resume from."""
     out: list[Problem] = []
-    batch_size = known_batch_size(datamodule)
     if batch_size is not None and _is_pos_int(cfg.num_microbatches) and batch_size % cfg.num_microbatches:
         fits = [m for m in _divisors(batch_size) if m > 1] or [1]
         out.append(

@@ -35,10 +35,10 @@ def test_batch_size_is_read_where_the_datamodule_says_it():
 
 
 def test_batch_size_not_split_by_microbatches_fails_before_spawning():
-    problems = check_launch(OverlapConfig(num_microbatches=4), SyntheticTokens(batch_size=6))
+    problems = check_launch(OverlapConfig(num_microbatches=4), known_batch_size(SyntheticTokens(batch_size=6)))
     with pytest.raises(ValueError, match=r"batch_size=6 does not split into `num_microbatches=4`.*among \[2, 3, 6\]"):
         raise_problems(problems)
-    assert check_launch(OverlapConfig(num_microbatches=3), SyntheticTokens(batch_size=6)) == []
+    assert check_launch(OverlapConfig(num_microbatches=3), 6) == []
 
 
 def test_missing_checkpoint_path_fails_before_spawning(tmp_path):

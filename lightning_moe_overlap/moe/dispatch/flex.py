@@ -30,12 +30,13 @@ import torch
 from torch import Tensor
 from torch.distributed import ProcessGroup
 
+from lightning_moe_overlap._install import install_hint
 from lightning_moe_overlap.moe.dispatch.base import DispatcherBase
 from lightning_moe_overlap.moe.dispatch.comm import handoff, wait
 from lightning_moe_overlap.moe.permute import gather_rows, scatter_weighted, sort_by_expert
 from lightning_moe_overlap.overlap.runtime import CommRuntime
 
-INSTALL_HINT = "pip install lightning-moe-overlap[deepep]"
+INSTALL_HINT = install_hint("deepep")
 
 
 def require_flex_backend() -> Any:
@@ -45,7 +46,7 @@ def require_flex_backend() -> Any:
     except ImportError as err:
         raise ImportError(
             "dispatcher='flex' needs the DeepEP package (`deep_ep`), which is not installed. Install it with "
-            f"`{INSTALL_HINT}` on a CUDA machine (Hopper GPUs with NVLink/RDMA), or use dispatcher='alltoall'."
+            f"{INSTALL_HINT} on a CUDA machine (Hopper GPUs with NVLink/RDMA), or use dispatcher='alltoall'."
         ) from err
     if not torch.cuda.is_available():
         raise ImportError(
