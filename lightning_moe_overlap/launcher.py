@@ -23,16 +23,26 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import torch.distributed as dist
+from lightning.pytorch import LightningModule
+from torch.nn import Module
 
 from lightning_moe_overlap import _compat
 from lightning_moe_overlap.overlap.failures import PeerFailure
 from lightning_moe_overlap.parallel.exits import ExitBoard
 from lightning_moe_overlap.parallel.lifeline import LAUNCHER_PID_ENV, ChildReaper, describe_exit, die_with_parent
-from lightning_moe_overlap.validation import SAME_ON_EVERY_RANK, check_launch, known_batch_size, raise_problems
+from lightning_moe_overlap.validation import (
+    SAME_ON_EVERY_RANK,
+    Problem,
+    check_launch,
+    check_model,
+    check_trainer,
+    known_batch_size,
+    raise_problems,
+)
+from lightning_moe_overlap.wrap import ExpertParallelModel
 
 if TYPE_CHECKING:
     from lightning.pytorch import Trainer
-
     from lightning_moe_overlap.strategy import MoEOverlapStrategy
 
 PEER_LOSS_MARKERS = ("Connection closed by peer", "Connection reset by peer", "Timed out", "timed out", "Broken pipe")
@@ -66,8 +76,7 @@ class ExpertParallelScriptLauncher(_compat._SubprocessScriptLauncher):
         self._reaper: ChildReaper | None = None
 
     def launch(self, function: Callable, *args: Any, trainer: Trainer | None = None, **kwargs: Any) -> Any:
-        datamodule, ckpt_path = _datamodule_and_ckpt(function, args)
-        raise_problems(check_launch(self._strategy.config, known_batch_size(datamodule), ckpt_path))
+        raise_problems(self._prespawn_problems(function, args, trainer))
         self.cluster_environment.validate_settings(num_devices=self.num_processes, num_nodes=self.num_nodes)
         launcher_pid = os.environ.get(LAUNCHER_PID_ENV)
         if not self.cluster_environment.creates_processes_externally:
@@ -79,6 +88,24 @@ class ExpertParallelScriptLauncher(_compat._SubprocessScriptLauncher):
             return function(*args, **kwargs)
         except BaseException as err:
             raise self._failed(err)  # noqa: B904 - `_failed` returns `err` itself or a short PeerFailure
+
+    def _prespawn_problems(self, function: Callable, args: tuple, trainer: Trainer | None) -> list[Problem]:
+        """What can be known before spawning: fit's arguments, the trainer's settings, and the experts a model
+        builds in ``__init__`` (errors only: a model may build its experts in ``configure_model``, after spawning)."""
+        model, datamodule, ckpt_path = _fit_arguments(function, args)
+        config = self._strategy.config
+        problems = check_launch(config, known_batch_size(datamodule), ckpt_path)
+        if isinstance(model, LightningModule) and trainer is not None:
+            problems += check_trainer(
+                config,
+                accumulate_grad_batches=trainer.accumulate_grad_batches,
+                automatic_optimization=model.automatic_optimization,
+            )
+        if isinstance(model, Module) and not problems:
+            dims = self._strategy.dims
+            experts = ExpertParallelModel(model).experts_per_block()
+            problems = [p for p in check_model(config, experts, dims.dp * dims.cp) if p.is_error]
+        return problems
 
     # -- children ------------------------------------------------------------------------------------------------
     def _start_children(self) -> None:
@@ -151,13 +178,11 @@ def _one_line(err: BaseException, limit: int = 160) -> str:
     return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
-def _datamodule_and_ckpt(function: Callable, args: tuple) -> tuple[Any, Any]:
-    """The datamodule and ckpt_path of ``Trainer._fit_impl(model, train, val, datamodule, ckpt_path, ...)``."""
+def _fit_arguments(function: Callable, args: tuple) -> tuple[Any, Any, Any]:
+    """The model, datamodule and ckpt_path of ``Trainer._fit_impl(model, train, val, datamodule, ckpt_path, ...)``."""
     if getattr(function, "__name__", "") != "_fit_impl":
-        return None, None
-    datamodule = args[3] if len(args) > 3 else None
-    ckpt_path = args[4] if len(args) > 4 else None
-    return datamodule, ckpt_path
+        return None, None, None
+    return tuple(args[i] if len(args) > i else None for i in (0, 3, 4))  # type: ignore[return-value]
 
 
 class ExpertParallelSpawnLauncher(_compat._MultiProcessingLauncher):

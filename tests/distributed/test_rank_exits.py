@@ -103,3 +103,12 @@ def test_a_failure_outside_the_schedule_is_attributed_to_its_rank(tmp_path):
     assert "ValueError: boom outside the schedule" in out  # the failing rank's own traceback
     assert "[rank 0] stopped because rank 1 failed: ValueError: boom outside the schedule." in out, out[-3000:]
     assert _wait_gone(pids, wait_s=5) == []
+
+
+def test_an_error_every_rank_finds_after_spawning_is_shown_once(tmp_path):
+    job = _start("late-config", -1, tmp_path, devices=2, timeout_s=120)
+    code, out, _ = _finish(job, limit_s=120)
+    assert code != 0
+    assert out.count("num_experts=3, which ep=2 does not divide") == 1, out[-3000:]  # rank 0's error only
+    assert out.count("Traceback") == 1, out[-3000:]
+    assert "[rank 1] stopped by the configuration error every rank found (rank 0 shows it)." in out

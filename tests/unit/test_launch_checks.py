@@ -97,3 +97,27 @@ def test_documented_one_liner_does_not_warn():
         warnings.simplefilter("error")
         trainer = Trainer(accelerator="cpu", devices=2, strategy="moe_overlap", logger=False)
     assert trainer.strategy.config.overlap is False
+
+
+def test_experts_not_divisible_by_ep_fail_before_spawning_with_valid_suggestions():
+    from lightning_moe_overlap.demo import MoEGPT
+
+    trainer = Trainer(accelerator="cpu", devices=4, strategy=MoEOverlapStrategy(ep=4, num_microbatches=2), logger=False)
+    model = MoEGPT(vocab_size=32, hidden_size=16, num_layers=1, num_heads=2, num_experts=6, ffn_hidden_size=16)
+    # 6 experts on 4 processes: ep must divide 6 and dp*cp=4, so only [1, 2] (not [1, 2, 3, 6])
+    with pytest.raises(ValueError, match=r"num_experts=6, which ep=4 does not divide.*Choose ep among \[1, 2\]"):
+        trainer.fit(model, datamodule=SyntheticTokens(vocab_size=32, seq_len=8, batch_size=4))
+    assert not trainer.strategy.launcher.procs
+
+
+def test_trainer_settings_fail_before_spawning():
+    from lightning_moe_overlap.demo import MoEGPT
+
+    trainer = Trainer(
+        accelerator="cpu", devices=2, accumulate_grad_batches=2, logger=False,
+        strategy=MoEOverlapStrategy(ep=2, num_microbatches=2),
+    )
+    model = MoEGPT(vocab_size=32, hidden_size=16, num_layers=1, num_heads=2, num_experts=4, ffn_hidden_size=16)
+    with pytest.raises(NotImplementedError, match=r"`Trainer\(accumulate_grad_batches=2\)` is not supported"):
+        trainer.fit(model, datamodule=SyntheticTokens(vocab_size=32, seq_len=8, batch_size=4))
+    assert not trainer.strategy.launcher.procs
