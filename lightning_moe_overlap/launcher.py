@@ -165,7 +165,7 @@ class ExpertParallelScriptLauncher(_compat._SubprocessScriptLauncher):
             listed = ", ".join(f"rank {node_offset + r} ({sig})" for r, sig in sorted(ended.items()))
             sys.stderr.write(
                 f"[rank {self._strategy.global_rank}] ended {listed}: still running {self.failure_grace_s:g} s "
-                "after the failure (SIGKILL follows an ignored SIGTERM).\n"
+                "after the failure (the last signal sent is named).\n"
             )
 
 

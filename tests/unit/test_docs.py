@@ -46,3 +46,5 @@ def test_readme_main_job_runs_as_pasted():
     out = subprocess.run(command.split(), cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
     assert "final train_loss=" in out.stdout
+    ours = [line for line in out.stderr.splitlines() if "lightning_moe_overlap" in line or "MoEOverlapStrategy" in line]
+    assert ours == [], ours  # no warning of this package's on the first command
