@@ -74,6 +74,7 @@ class ExpertParallelScriptLauncher(_compat._SubprocessScriptLauncher):
         self.failure_grace_s = failure_grace_s
         self.exit_grace_s = exit_grace_s
         self._reaper: ChildReaper | None = None
+        self._child = False  # this process is a rank that the launching process started
 
     def launch(self, function: Callable, *args: Any, trainer: Trainer | None = None, **kwargs: Any) -> Any:
         raise_problems(self._prespawn_problems(function, args, trainer))
@@ -82,6 +83,7 @@ class ExpertParallelScriptLauncher(_compat._SubprocessScriptLauncher):
         if not self.cluster_environment.creates_processes_externally:
             self._start_children()
         elif launcher_pid is not None:
+            self._child = True
             die_with_parent(int(launcher_pid))
         _compat._set_num_threads_if_needed(num_processes=self.num_processes)
         try:
@@ -144,10 +146,12 @@ class ExpertParallelScriptLauncher(_compat._SubprocessScriptLauncher):
             self._release_children(board)
         if line is None:
             return err
-        if rank != 0:  # one line instead of a traceback that repeats another rank's
+        if self._child:  # one line instead of a traceback that repeats another rank's
             sys.stderr.write(line + "\n")
             sys.stderr.flush()
             return SystemExit(1)
+        if isinstance(err, PeerFailure) or getattr(err, SAME_ON_EVERY_RANK, False):
+            return err  # already says it all; ranks of other launchers (torchrun, SLURM) raise it as it is
         failure = PeerFailure(line)
         failure.__suppress_context__ = True
         return failure
