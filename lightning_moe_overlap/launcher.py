@@ -137,7 +137,8 @@ class ExpertParallelScriptLauncher(_compat._SubprocessScriptLauncher):
             if rank != 0:
                 line = f"[rank {rank}] stopped by the configuration error every rank found (rank 0 shows it)."
         elif board is not None and isinstance(err, Exception):
-            peer = board.first_peer(wait_s=PEER_WAIT_S if _looks_like_peer_loss(err) else 0.0)
+            # only a lost peer makes this rank's error another rank's consequence; any other error is its own
+            peer = board.first_peer(wait_s=PEER_WAIT_S) if _looks_like_peer_loss(err) else None
             if peer is not None:
                 line = f"[rank {rank}] stopped because {peer}. This rank's own error: {_one_line(err)}"
             else:
@@ -174,7 +175,8 @@ class ExpertParallelScriptLauncher(_compat._SubprocessScriptLauncher):
 
 
 def _looks_like_peer_loss(err: BaseException) -> bool:
-    return any(marker in str(err) for marker in PEER_LOSS_MARKERS)
+    """A failed collective or store access (the usual sign that another rank ended), not an error of this rank."""
+    return isinstance(err, dist.DistError) or any(marker in str(err) for marker in PEER_LOSS_MARKERS)
 
 
 def _one_line(err: BaseException, limit: int = 160) -> str:
