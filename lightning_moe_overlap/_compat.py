@@ -15,6 +15,13 @@ from lightning.fabric.utilities.seed import reset_seed
 from lightning.pytorch.strategies.launchers import _MultiProcessingLauncher, _SubprocessScriptLauncher
 from lightning.pytorch.trainer import call as trainer_call
 
+
+
+def start_script_children(launcher: _SubprocessScriptLauncher) -> None:
+    """Start the other local ranks (``_SubprocessScriptLauncher._call_children_scripts``; fills ``launcher.procs``)."""
+    launcher._call_children_scripts()
+
+
 __all__ = [
     "_MultiProcessingLauncher",
     "_SubprocessScriptLauncher",
@@ -26,5 +33,6 @@ __all__ = [
     "_sync_ddp_if_available",
     "default_pg_timeout",
     "reset_seed",
+    "start_script_children",
     "trainer_call",
 ]

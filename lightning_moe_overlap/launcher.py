@@ -113,7 +113,7 @@ class ExpertParallelScriptLauncher(_compat._SubprocessScriptLauncher):
     def _start_children(self) -> None:
         os.environ[LAUNCHER_PID_ENV] = str(os.getpid())  # copied into the children's environment only
         try:
-            self._call_children_scripts()
+            _compat.start_script_children(self)
         finally:
             del os.environ[LAUNCHER_PID_ENV]
         self._reaper = ChildReaper(self.procs, self._child_ended).start()
