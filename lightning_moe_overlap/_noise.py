@@ -9,7 +9,7 @@ import warnings
 
 # (message regex, category, module regex of the code that triggers it)
 THIRD_PARTY_NOISE: tuple[tuple[str, type[Warning], str], ...] = (
-    # torch >= 2.10 deprecates `LeafSpec`; Lightning's own pytree helper still uses it on every batch.
+    # torch >= 2.10 deprecates `LeafSpec`; Lightning's own pytree code still uses it on every batch.
     (r"`isinstance\(treespec, LeafSpec\)` is deprecated", FutureWarning, r"lightning\.pytorch\.utilities\._pytree"),
 )
 
