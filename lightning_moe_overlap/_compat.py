@@ -14,6 +14,7 @@ from lightning.fabric.utilities.distributed import (
     _distributed_is_initialized,
     _get_default_process_group_backend_for_device,
     _init_dist_connection,
+    _set_num_threads_if_needed,
     _sync_ddp_if_available,
 )
 from lightning.fabric.utilities.optimizer import _optimizers_to_device
@@ -22,6 +23,13 @@ from lightning.pytorch.strategies.launchers import _MultiProcessingLauncher, _Su
 from lightning.pytorch.trainer import call as trainer_call
 from torch import Tensor
 
+
+
+def start_script_children(launcher: _SubprocessScriptLauncher) -> None:
+    """Start the other local ranks (``_SubprocessScriptLauncher._call_children_scripts``; fills ``launcher.procs``)."""
+    launcher._call_children_scripts()
+
+
 __all__ = [
     "_MultiProcessingLauncher",
     "_SubprocessScriptLauncher",
@@ -29,12 +37,14 @@ __all__ = [
     "_get_default_process_group_backend_for_device",
     "_init_dist_connection",
     "_optimizers_to_device",
+    "_set_num_threads_if_needed",
     "_sync_ddp_if_available",
     "cuda_sleep",
     "foreach_mul_",
     "foreach_norm",
     "default_pg_timeout",
     "reset_seed",
+    "start_script_children",
     "trainer_call",
 ]
 

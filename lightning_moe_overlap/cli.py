@@ -2,54 +2,125 @@
 
     lightning-moe-overlap fit --config examples/configs/cpu.yaml
     lightning-moe-overlap fit --config examples/configs/cpu.yaml --print_config
-    lightning-moe-overlap check --config examples/configs/gpu_multinode.yaml --world-size 64
+    lightning-moe-overlap check --config examples/configs/gpu_multinode.yaml --world-size 64 --no-machine-checks
 
-``check`` loads a config, applies every validation rule for a world size without starting any process or
-building the model's weights (the model is instantiated on the meta device), and prints every problem with its fix.
+``check`` parses the config with the parser ``fit`` uses (every key ``fit`` accepts, every key it rejects),
+applies every validation rule for a world size without starting any process or building the model's weights (the
+model is instantiated on the meta device), and prints every problem with its fix.
 """
 
 from __future__ import annotations
 
 import argparse
 import importlib
+import logging
 import sys
-from collections.abc import Sequence
+import warnings
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from typing import Any
 
 import torch
-import yaml
-from lightning.pytorch.cli import LightningCLI
+from lightning.pytorch import LightningModule, Trainer
+from lightning.pytorch.cli import LightningCLI, SaveConfigCallback
+from typing_extensions import override
 
 import lightning_moe_overlap  # noqa: F401  (registers the strategy names)
-from lightning_moe_overlap.config import OverlapConfig
+from lightning_moe_overlap.config import OverlapConfig, resolve_overlap
 from lightning_moe_overlap.strategy import MoEOverlapStrategy
 from lightning_moe_overlap.validation import (
     Problem,
     check_config,
     check_flex,
+    check_launch,
     check_machine,
     check_model,
     check_trainer,
     check_world,
+    rule_sizes,
 )
 
 _REGISTERED = {"moe_overlap": {}, "moe_overlap_spawn": {"start_method": "spawn"}}
+DESCRIPTION = (
+    "Train Mixture-of-Experts models with expert-parallel all-to-all overlap. Sub-commands: fit, validate, test, "
+    "predict (LightningCLI), and check: validate a config for a world size without starting anything "
+    "(`lightning-moe-overlap check --help`)."
+)
+
+
+class SaveConfigToLogDir(SaveConfigCallback):
+    """Saves the run's ``config.yaml`` into the logger's directory; without a logger, the run has none: no file."""
+
+    @override
+    def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
+        if trainer.logger is None:
+            return
+        super().setup(trainer, pl_module, stage)
 
 
 def run_cli(args: Sequence[str] | None = None) -> LightningCLI:
-    """LightningCLI over any LightningModule / LightningDataModule, chosen by class path in the config."""
+    """LightningCLI over any LightningModule / LightningDataModule, chosen by class path in the config.
+
+    ``args=None`` reads the command line (``sys.argv``), as the console script does."""
     return LightningCLI(
         subclass_mode_model=True,
         subclass_mode_data=True,
+        save_config_callback=SaveConfigToLogDir,
         save_config_kwargs={"overwrite": True},
+        parser_kwargs={"description": DESCRIPTION},
         args=args,
     )
 
 
-# -- check ------------------------------------------------------------------------------------------------------
-def _load(path: str) -> dict[str, Any]:
-    with open(path) as f:
-        return yaml.safe_load(f) or {}
+# -- check: the fit parser, without instantiating anything --------------------------------------------------------
+class _ParseOnlyCLI(LightningCLI):
+    """Parses and validates a ``fit`` command line like :func:`run_cli`, and stops there."""
+
+    @override
+    def instantiate_classes(self) -> None:
+        pass
+
+    @override
+    def after_instantiate_classes(self) -> None:
+        self.subcommand = None  # nothing to run
+
+
+@contextmanager
+def _quiet_seed_log() -> Iterator[None]:
+    seed_log = logging.getLogger("lightning.fabric.utilities.seed")
+    level = seed_log.level
+    seed_log.setLevel(logging.WARNING)
+    try:
+        yield
+    finally:
+        seed_log.setLevel(level)
+
+
+def parse_fit_config(
+    configs: Sequence[str], overrides: Sequence[str] = ()
+) -> tuple[dict[str, Any] | None, Problem | None]:
+    """The ``fit`` config as ``fit`` would see it (defaults filled in), or the parse error as a finding."""
+    args = ["fit", *(a for path in configs for a in ("--config", path)), *overrides]
+    try:
+        with _quiet_seed_log(), warnings.catch_warnings():
+            # `args` is the command line `check` was given, rebuilt for `fit`: not a second command line
+            warnings.filterwarnings("ignore", message="LightningCLI's args parameter")
+            cli = _ParseOnlyCLI(
+                subclass_mode_model=True,
+                subclass_mode_data=True,
+                args=args,
+                load_from_checkpoint_support=False,
+                seed_everything_default=False,  # nothing runs: no "No seed found" warning
+                parser_kwargs={"exit_on_error": False, "fit": {"exit_on_error": False}},
+            )
+    except (argparse.ArgumentError, SystemExit, ValueError, TypeError, ImportError) as err:
+        text = str(err).strip() or type(err).__name__
+        return None, Problem(
+            "config-parse",
+            f"`fit` would reject this config: {text}\n  Fix the key or value named above "
+            "(`lightning-moe-overlap fit --config ... --print_config` shows every key `fit` accepts).",
+        )
+    return cli.config["fit"].as_dict(), None
 
 
 def _strategy_config(strategy: Any) -> OverlapConfig | None:
@@ -57,15 +128,12 @@ def _strategy_config(strategy: Any) -> OverlapConfig | None:
     if isinstance(strategy, str):
         if strategy not in _REGISTERED:
             return None
-        return OverlapConfig(**_REGISTERED[strategy])
+        return OverlapConfig(**_REGISTERED[strategy], overlap=resolve_overlap(None, 1))
     if isinstance(strategy, dict) and str(strategy.get("class_path", "")).endswith("MoEOverlapStrategy"):
         init_args = dict(strategy.get("init_args") or {})
-        init_args.pop("timeout", None)
-        fields = set(OverlapConfig.__dataclass_fields__)
-        unknown = sorted(set(init_args) - fields)
-        if unknown:
-            raise ValueError(f"`check`: unknown `MoEOverlapStrategy` arguments {unknown}; valid: {sorted(fields)}.")
-        return OverlapConfig(**init_args)
+        fields = {k: v for k, v in init_args.items() if k in OverlapConfig.__dataclass_fields__}
+        fields["overlap"] = resolve_overlap(fields.get("overlap"), fields.get("num_microbatches", 1))
+        return OverlapConfig(**fields)
     return None
 
 
@@ -75,21 +143,29 @@ def _instantiate(spec: dict[str, Any]) -> Any:
     return cls(**(spec.get("init_args") or {}))
 
 
-def _world_size(trainer: dict[str, Any], override: int | None) -> int:
+def _world_size(trainer: dict[str, Any], override: int | None) -> int | None:
     if override is not None:
         return override
     devices = trainer.get("devices", 1)
-    if not isinstance(devices, int):
-        raise ValueError(
-            f"`check`: trainer.devices={devices!r} is not a number of devices; pass `--world-size N` explicitly."
-        )
-    return devices * int(trainer.get("num_nodes", 1))
+    if isinstance(devices, str) and devices.isdigit():
+        devices = int(devices)
+    if not isinstance(devices, int) or devices < 1:
+        return None
+    return devices * int(trainer.get("num_nodes") or 1)
+
+
+def _batch_size(data: Any) -> int | None:
+    if isinstance(data, dict):
+        value = (data.get("init_args") or {}).get("batch_size")
+        return value if isinstance(value, int) and not isinstance(value, bool) else None
+    return None
 
 
 def collect_problems(
     config: dict[str, Any], world_size: int | None = None, *, machine_checks: bool = True
 ) -> list[Problem]:
-    """Every validation problem of a LightningCLI config dict, for ``world_size`` processes.
+    """Every validation problem of a parsed ``fit`` config (see :func:`parse_fit_config`), for ``world_size``
+    processes (default: devices x num_nodes).
 
     ``machine_checks=False`` skips the rules about this machine (installed DeepEP, CUDA), to check a GPU job's
     config from another machine.
@@ -99,38 +175,68 @@ def collect_problems(
     if cfg is None:
         return [Problem("strategy", "`check`: trainer.strategy is not `MoEOverlapStrategy` (or `moe_overlap`).")]
     problems = check_config(cfg)
-    problems += check_world(cfg, _world_size(trainer, world_size))
+    world = _world_size(trainer, world_size)
+    if world is None:
+        problems.append(
+            Problem(
+                "world-size-unknown",
+                f"`check`: trainer.devices={trainer.get('devices')!r} is not a number of devices, so the world size "
+                "is unknown. Pass `--world-size N`.",
+            )
+        )
+    else:
+        problems += check_world(cfg, world)
     devices = trainer.get("devices")
     per_node = devices if isinstance(devices, int) and not isinstance(devices, bool) else None
     problems += check_flex(cfg, devices_per_node=per_node, precision=trainer.get("precision"))
     if machine_checks:
         accelerator = trainer.get("accelerator", "auto")
         problems += check_machine(cfg, "cuda" if accelerator in ("gpu", "cuda") else "cpu")
+    problems += check_launch(cfg, _batch_size(config.get("data")), config.get("ckpt_path"))
     automatic = True
     model_spec = config.get("model")
     if isinstance(model_spec, dict) and "class_path" in model_spec:
-        from lightning_moe_overlap.wrap import ExpertParallelModel
-
-        with torch.device("meta"):
-            model = _instantiate(model_spec)
-        problems += check_model(cfg, ExpertParallelModel(model).experts_per_block())
-        automatic = model.automatic_optimization
-    accumulate = int(trainer.get("accumulate_grad_batches", 1))
+        try:
+            automatic, experts = _model_structure(model_spec)
+        except Exception as err:  # noqa: BLE001 - a finding, never a traceback
+            problems.append(
+                Problem("model", f"`check`: building the model on the meta device failed: {type(err).__name__}: {err}")
+            )
+        else:
+            model_parallel = 0 if rule_sizes(cfg) else cfg.pp * cfg.cp * cfg.tp
+            known = world is not None and model_parallel and world % model_parallel == 0
+            dp_cp = world // (cfg.pp * cfg.tp) if known else None
+            problems += check_model(cfg, experts, dp_cp)
+    accumulate = int(trainer.get("accumulate_grad_batches") or 1)
     return problems + check_trainer(cfg, accumulate_grad_batches=accumulate, automatic_optimization=automatic)
 
 
+def _model_structure(model_spec: dict[str, Any]) -> tuple[bool, dict[str, int]]:
+    from lightning_moe_overlap.wrap import ExpertParallelModel
+
+    with torch.device("meta"):
+        model = _instantiate(model_spec)
+    return model.automatic_optimization, ExpertParallelModel(model).experts_per_block()
+
+
 def check_main(argv: Sequence[str]) -> int:
-    parser = argparse.ArgumentParser(prog="lightning-moe-overlap check", description=__doc__.split("\n\n")[-1])
-    parser.add_argument("--config", required=True, action="append", help="YAML config file(s), merged in order")
+    parser = argparse.ArgumentParser(
+        prog="lightning-moe-overlap check",
+        description="Parse a `fit` config with the parser `fit` uses and apply every validation rule for a world "
+        "size, without starting any process. Other `--section.key=value` arguments override the config as in `fit`.",
+    )
+    parser.add_argument("--config", "-c", required=True, action="append", help="YAML config file(s), merged in order")
     parser.add_argument("--world-size", type=int, default=None, help="processes (default: devices x num_nodes)")
     parser.add_argument(
         "--no-machine-checks", action="store_true", help="skip the rules about this machine (DeepEP, CUDA installed)"
     )
-    args = parser.parse_args(argv)
-    config: dict[str, Any] = {}
-    for path in args.config:
-        _merge(config, _load(path))
-    problems = collect_problems(config, args.world_size, machine_checks=not args.no_machine_checks)
+    args, overrides = parser.parse_known_args(argv)
+    config, parse_error = parse_fit_config(args.config, overrides)
+    if parse_error is not None:
+        problems = [parse_error]
+    else:
+        assert config is not None
+        problems = collect_problems(config, args.world_size, machine_checks=not args.no_machine_checks)
     errors = [p for p in problems if p.is_error]
     for p in problems:
         print(p)
@@ -138,19 +244,11 @@ def check_main(argv: Sequence[str]) -> int:
     return 1 if errors else 0
 
 
-def _merge(into: dict[str, Any], other: dict[str, Any]) -> None:
-    for key, value in other.items():
-        if isinstance(value, dict) and isinstance(into.get(key), dict):
-            _merge(into[key], value)
-        else:
-            into[key] = value
-
-
 def main(argv: Sequence[str] | None = None) -> None:
-    argv = list(sys.argv[1:] if argv is None else argv)
-    if argv and argv[0] in ("check", "validate-config"):
-        raise SystemExit(check_main(argv[1:]))
-    run_cli(argv)
+    command = list(sys.argv[1:] if argv is None else argv)
+    if command and command[0] in ("check", "validate-config"):
+        raise SystemExit(check_main(command[1:]))
+    run_cli(None if argv is None else command)  # None: LightningCLI reads sys.argv itself (no double-args warning)
 
 
-__all__ = ["MoEOverlapStrategy", "collect_problems", "main", "run_cli"]
+__all__ = ["MoEOverlapStrategy", "SaveConfigToLogDir", "collect_problems", "main", "parse_fit_config", "run_cli"]

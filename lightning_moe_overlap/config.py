@@ -18,6 +18,13 @@ START_METHODS: tuple[str, ...] = ("popen", "spawn", "fork", "forkserver")
 EXPERT_BACKENDS: tuple[str, ...] = ("torch", "te")
 
 
+def resolve_overlap(overlap: bool | None, num_microbatches: object) -> bool:
+    """``overlap=None`` (the strategy's default) means on whenever there is a second micro-batch to overlap with."""
+    if overlap is not None:
+        return overlap
+    return isinstance(num_microbatches, int) and not isinstance(num_microbatches, bool) and num_microbatches > 1
+
+
 @dataclass(frozen=True)
 class OverlapConfig:
     """Everything :class:`MoEOverlapStrategy` was asked for; see the strategy's docstring for each field."""

@@ -2,7 +2,7 @@
 
 The module is plain HF code: the strategy finds the experts of its sparse MoE blocks and makes them
 expert-parallel; the model's own routers, shared experts and loss are untouched. Needs ``transformers>=5``
-(``pip install lightning-moe-overlap[hf]``).
+(``pip install -e ".[hf]"`` in a source checkout, ``pip install "lightning-moe-overlap[hf]"`` otherwise).
 """
 
 from __future__ import annotations
@@ -12,6 +12,8 @@ from typing import Any, Literal
 import torch
 from lightning.pytorch import LightningModule
 from torch import Tensor
+
+from lightning_moe_overlap._install import install_hint
 
 ModelType = Literal["qwen3_moe", "mixtral", "qwen2_moe", "olmoe"]
 
@@ -42,7 +44,8 @@ def build_hf_model(model_type: str, **overrides: Any) -> torch.nn.Module:
         from transformers import AutoConfig, AutoModelForCausalLM
     except ImportError as err:  # pragma: no cover - depends on the environment
         raise ImportError(
-            "`build_hf_model` needs Hugging Face transformers>=5: `pip install lightning-moe-overlap[hf]`."
+            f"`build_hf_model` needs Hugging Face transformers>=5, which is not installed. Install it with "
+            f"{install_hint('hf')}."
         ) from err
     if model_type not in TINY_CONFIGS:
         raise ValueError(f"`build_hf_model`: model_type={model_type!r} is not one of {sorted(TINY_CONFIGS)}.")

@@ -25,12 +25,13 @@ from torch.nn import Module
 from typing_extensions import override
 
 from lightning_moe_overlap import _compat
+from lightning_moe_overlap._noise import quiet_third_party_noise
 from lightning_moe_overlap.checkpoint import checkpointer
 from lightning_moe_overlap.checkpoint.consolidated import gather_full
 from lightning_moe_overlap.checkpoint.target import LoadTarget
-from lightning_moe_overlap.config import OverlapConfig
+from lightning_moe_overlap.config import OverlapConfig, resolve_overlap
 from lightning_moe_overlap.grads import clip_grad_norm, global_grad_norm
-from lightning_moe_overlap.launcher import ExpertParallelSpawnLauncher
+from lightning_moe_overlap.launcher import ExpertParallelScriptLauncher, ExpertParallelSpawnLauncher
 from lightning_moe_overlap.loop import MicroBatchLoop
 from lightning_moe_overlap.overlap.engine import OverlapEngine
 from lightning_moe_overlap.overlap.failures import default_nccl_error_handling, safety_nets
@@ -70,7 +71,8 @@ class MoEOverlapStrategy(ParallelStrategy):
             over ep, reduce-scatter back; small ep), ``"flex"`` (DeepEP kernels; CUDA only).
         flex_backend: Backend of the flex dispatcher (``"deepep"``); only valid with ``dispatcher="flex"``.
         overlap: Run the forward of micro-batch ``i+1`` and the backward of micro-batch ``i`` as two contexts that
-            hand over at every all-to-all, so one's communication hides behind the other's compute.
+            hand over at every all-to-all, so one's communication hides behind the other's compute. None (the
+            default) turns it on whenever ``num_microbatches > 1``: with one micro-batch there is nothing to overlap.
         delay_wgrad: Queue expert weight-gradient GEMMs during backward and run them while the next all-to-all
             is in flight.
         num_microbatches: Micro-batches per optimizer step; each batch from the dataloader is split evenly along
@@ -92,7 +94,7 @@ class MoEOverlapStrategy(ParallelStrategy):
             export). Both are committed atomically; loading reads either (docs/checkpoints.md).
         expert_backend: Kernels of the experts' GEMMs: ``"torch"`` (pure PyTorch grouped GEMMs, runs everywhere)
             or ``"te"`` (NVIDIA Transformer Engine's ``GroupedLinear``, CUDA only, with ``delay_wgrad`` through its
-            ``backward_dw``; ``pip install lightning-moe-overlap[te]``). Parameters and checkpoints are the same.
+            ``backward_dw``; the ``te`` extra). Parameters and checkpoints are the same.
     """
 
     strategy_name = "moe_overlap"
@@ -106,7 +108,7 @@ class MoEOverlapStrategy(ParallelStrategy):
         cp: int = 1,
         dispatcher: Literal["alltoall", "allgather", "flex"] = "alltoall",
         flex_backend: Literal["deepep"] | None = None,
-        overlap: bool = True,
+        overlap: bool | None = None,
         delay_wgrad: bool = False,
         num_microbatches: int = 1,
         capacity_factor: float | None = None,
@@ -139,7 +141,7 @@ class MoEOverlapStrategy(ParallelStrategy):
             cp=cp,
             dispatcher=dispatcher,
             flex_backend=flex_backend,
-            overlap=overlap,
+            overlap=resolve_overlap(overlap, num_microbatches),
             delay_wgrad=delay_wgrad,
             num_microbatches=num_microbatches,
             capacity_factor=capacity_factor,
@@ -219,8 +221,12 @@ class MoEOverlapStrategy(ParallelStrategy):
         flex = check_flex(self.config, devices_per_node=self.num_processes, precision=self.precision_plugin.precision)
         raise_problems(check_world(self.config, world_size) + flex + check_machine(self.config, device_type))
         if self.config.start_method == "popen":
-            self._launcher = _compat._SubprocessScriptLauncher(
-                self.cluster_environment, self.num_processes, self.num_nodes
+            self._launcher = ExpertParallelScriptLauncher(
+                self,
+                self.cluster_environment,
+                self.num_processes,
+                self.num_nodes,
+                failure_grace_s=min(10.0, self._timeout.total_seconds()),
             )
         else:
             self._launcher = ExpertParallelSpawnLauncher(self, start_method=self.config.start_method)
@@ -228,6 +234,7 @@ class MoEOverlapStrategy(ParallelStrategy):
     @override
     def setup_environment(self) -> None:
         super().setup_environment()
+        quiet_third_party_noise()
         self._setup_distributed()
         self._groups = build_groups(
             self.dims, self.global_rank, backend=self._backend(), timeout=self._timeout
@@ -276,7 +283,8 @@ class MoEOverlapStrategy(ParallelStrategy):
             )
         if self._ep_model is None:
             self._ep_model = ExpertParallelModel(self.model)
-            raise_problems(check_model(self.config, self._ep_model.experts_per_block()))
+            dp_cp = self.dims.dp * self.dims.cp
+            raise_problems(check_model(self.config, self._ep_model.experts_per_block(), dp_cp))
             self._ep_model.apply(self.config, self.parallel_groups, self.runtime)
             self._ep_model.set_aux_loss_scale(1.0 / self.config.num_microbatches)
         self.precision_plugin.convert_module(self.model)

@@ -9,12 +9,16 @@ so a bad configuration fails on every rank with the same message instead of hang
 from __future__ import annotations
 
 import importlib.util
-import warnings
+import math
+import os
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from typing import Any
 
 import torch
+from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 
+from lightning_moe_overlap._install import install_hint
 from lightning_moe_overlap.config import (
     DISPATCHERS,
     DROP_POLICIES,
@@ -26,6 +30,8 @@ from lightning_moe_overlap.config import (
 from lightning_moe_overlap.parallel.dims import ParallelDims, _divisors
 
 OWNER = "`MoEOverlapStrategy`"
+SAME_ON_EVERY_RANK = "same_on_every_rank"  # set on a raised error: every rank finds it alike, rank 0 shows it
+
 
 
 @dataclass(frozen=True)
@@ -276,7 +282,7 @@ def check_machine(cfg: OverlapConfig, device_type: str, cuda_available: bool | N
                 Problem(
                     "flex-needs-deepep",
                     f"{OWNER}: `dispatcher='flex'` (backend 'deepep') needs {' and '.join(missing)}. Install it "
-                    "with `pip install lightning-moe-overlap[deepep]` on a CUDA machine, or use "
+                    f"with {install_hint('deepep')} on a CUDA machine, or use "
                     "`dispatcher='alltoall'` (plain all-to-all, runs everywhere).",
                     ImportError,
                 )
@@ -292,11 +298,21 @@ def check_machine(cfg: OverlapConfig, device_type: str, cuda_available: bool | N
                 Problem(
                     "te-needs-transformer-engine",
                     f"{OWNER}: `expert_backend='te'` runs the experts on Transformer Engine's GroupedLinear, which "
-                    f"needs {' and '.join(missing)}. Install it with `pip install lightning-moe-overlap[te]` on a "
-                    "CUDA machine, or use `expert_backend='torch'` (pure PyTorch grouped GEMMs, runs everywhere).",
+                    f"needs {' and '.join(missing)}. Install it with {install_hint('te')} "
+                    "on a CUDA machine, or use `expert_backend='torch'` (pure PyTorch grouped GEMMs, runs everywhere).",
                     ImportError,
                 )
             )
+    if device_type == "cuda" and not cuda_available:
+        out.append(
+            Problem(
+                "cuda-unavailable",
+                f"{OWNER}: the accelerator is 'gpu' but this machine has no CUDA device "
+                "(`torch.cuda.is_available()` is False). Run on a GPU machine, use `accelerator: cpu`, or check a "
+                "GPU job's config from here with `--no-machine-checks`.",
+                RuntimeError,
+            )
+        )
     if cfg.process_group_backend == "nccl" and device_type != "cuda":
         out.append(
             Problem(
@@ -387,8 +403,17 @@ def check_flex(cfg: OverlapConfig, *, devices_per_node: int | None = None, preci
 
 
 # -- rules on the model ----------------------------------------------------------------------------------------
-def check_model(cfg: OverlapConfig, experts_per_block: Mapping[str, int]) -> list[Problem]:
-    """Rules that need the model: ``experts_per_block`` maps each MoE block's name to its number of experts."""
+def valid_ep_values(experts_per_block: Mapping[str, int], dp_cp: int | None) -> list[int]:
+    """The ep values that satisfy every rule at once: divide every block's experts and, if known, dp*cp."""
+    common = math.gcd(*experts_per_block.values(), *([dp_cp] if dp_cp else []))
+    return _divisors(common)
+
+
+def check_model(
+    cfg: OverlapConfig, experts_per_block: Mapping[str, int], dp_cp: int | None = None
+) -> list[Problem]:
+    """Rules that need the model: ``experts_per_block`` maps each MoE block's name to its number of experts;
+    ``dp_cp`` (when the world size is known) narrows the suggested ep values to those valid for it too."""
     out: list[Problem] = []
     if not experts_per_block:
         if cfg.ep > 1:
@@ -408,7 +433,8 @@ def check_model(cfg: OverlapConfig, experts_per_block: Mapping[str, int]) -> lis
                 "experts-divisible-by-ep",
                 f"{OWNER}: `{name}` has num_experts={n}, which ep={cfg.ep} does not divide "
                 f"({len(bad)} block(s) affected); each ep rank must own the same number of experts. "
-                f"Choose ep among {_divisors(n)}.",
+                f"Choose ep among {valid_ep_values(experts_per_block, dp_cp)} (the values that divide every "
+                f"block's experts{' and dp*cp=' + str(dp_cp) if dp_cp else ''}).",
             )
         )
     return out
@@ -440,16 +466,66 @@ def check_trainer(cfg: OverlapConfig, *, accumulate_grad_batches: int, automatic
     return out
 
 
+# -- rules on the arguments of `fit` (before spawning) ------------------------------------------------------------
+CKPT_ALIASES = ("last", "best", "hpc", "registry")
+
+
+def known_batch_size(datamodule: Any) -> int | None:
+    """The datamodule's batch size where it says it (a ``batch_size`` attribute or hyper-parameter), else None."""
+    if datamodule is None:
+        return None
+    value = getattr(datamodule, "batch_size", None)
+    if value is None:
+        value = getattr(datamodule, "hparams", {}).get("batch_size")
+    return value if _is_pos_int(value) else None
+
+
+def check_launch(cfg: OverlapConfig, batch_size: int | None = None, ckpt_path: Any = None) -> list[Problem]:
+    """Rules on what ``fit`` was given, checked before any process starts: the batch size each dataloader yields
+    (where known, e.g. from :func:`known_batch_size`) and the checkpoint to resume from."""
+    out: list[Problem] = []
+    if batch_size is not None and _is_pos_int(cfg.num_microbatches) and batch_size % cfg.num_microbatches:
+        fits = [m for m in _divisors(batch_size) if m > 1] or [1]
+        out.append(
+            Problem(
+                "batch-size-microbatches",
+                f"{OWNER}: the datamodule's batch_size={batch_size} does not split into "
+                f"`num_microbatches={cfg.num_microbatches}` equal micro-batches; the batch size must be a multiple "
+                f"of num_microbatches. Use a batch size that is a multiple of {cfg.num_microbatches}, or pick "
+                f"num_microbatches among {fits}.",
+            )
+        )
+    if isinstance(ckpt_path, (str, os.PathLike)) and str(ckpt_path) not in CKPT_ALIASES:
+        path = os.fspath(ckpt_path)
+        if "://" not in path and not os.path.exists(path):
+            out.append(
+                Problem(
+                    "ckpt-path-exists",
+                    f"{OWNER}: `ckpt_path={path!r}` does not exist (resolved: {os.path.abspath(path)!r}); a run "
+                    "resumes from an existing checkpoint file or sharded directory. Fix the path, or pass "
+                    "`ckpt_path=None` to start fresh.",
+                    FileNotFoundError,
+                )
+            )
+    return out
+
+
 # -- raising ---------------------------------------------------------------------------------------------------
 def raise_problems(problems: list[Problem]) -> None:
-    """Emit warnings; raise the first error's type with every error listed (same text on every rank)."""
+    """Emit warnings (once, on rank 0); raise the first error's type with every error listed.
+
+    The raised error carries ``same_on_every_rank=True``: the rules read only what every rank reads alike, so the
+    launcher shows it once (rank 0) instead of once per rank."""
     for p in problems:
         if not p.is_error:
-            warnings.warn(p.message, UserWarning, stacklevel=3)
+            rank_zero_warn(p.message, category=UserWarning, stacklevel=5)
     errors = [p for p in problems if p.is_error]
     if not errors:
         return
     if len(errors) == 1:
-        raise errors[0].error(errors[0].message)  # type: ignore[misc]
-    text = "\n".join(f"  {i}. {p.message}" for i, p in enumerate(errors, 1))
-    raise errors[0].error(f"{OWNER}: {len(errors)} problems:\n{text}")  # type: ignore[misc]
+        err = errors[0].error(errors[0].message)  # type: ignore[misc]
+    else:
+        text = "\n".join(f"  {i}. {p.message}" for i, p in enumerate(errors, 1))
+        err = errors[0].error(f"{OWNER}: {len(errors)} problems:\n{text}")  # type: ignore[misc]
+    setattr(err, SAME_ON_EVERY_RANK, True)
+    raise err

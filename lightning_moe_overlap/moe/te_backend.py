@@ -34,6 +34,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from lightning_moe_overlap._install import install_hint
 from lightning_moe_overlap.config import EXPERT_BACKENDS, ExpertBackend
 from lightning_moe_overlap.moe.dispatch.comm import backward_handoff
 from lightning_moe_overlap.moe.grouped import RowSplits, gated_activation
@@ -42,7 +43,7 @@ from lightning_moe_overlap.overlap.runtime import CommRuntime
 
 __all__ = ["EXPERT_BACKENDS", "ExpertBackend", "TEExperts", "TEProjection", "check_te_layout", "import_te"]
 
-TE_INSTALL_HINT = "pip install lightning-moe-overlap[te]"
+TE_INSTALL_HINT = install_hint("te")
 
 
 def te_available() -> bool:
@@ -57,7 +58,7 @@ def import_te(owner: str = "`expert_backend='te'`") -> ModuleType:
     except ImportError as err:
         raise ImportError(
             f"{owner} needs NVIDIA Transformer Engine (`transformer_engine.pytorch`), which is not installed. "
-            f"Install it with `{TE_INSTALL_HINT}` on a CUDA machine, or use `expert_backend='torch'` (pure "
+            f"Install it with {TE_INSTALL_HINT} on a CUDA machine, or use `expert_backend='torch'` (pure "
             "PyTorch grouped GEMMs, runs everywhere)."
         ) from err
     return te

@@ -13,11 +13,6 @@ CONFIGS = ROOT / "examples" / "configs"
 SHORT = ["--trainer.max_steps=3", "--trainer.devices=2", "--trainer.val_check_interval=3"]
 
 
-@pytest.fixture(autouse=True)
-def _run_in_tmp(tmp_path, monkeypatch):
-    monkeypatch.chdir(tmp_path)  # LightningCLI saves the run's config.yaml into the working directory
-
-
 def _run(*args: str, timeout: float = 240) -> subprocess.CompletedProcess:
     return subprocess.run(
         [sys.executable, "-m", "lightning_moe_overlap", *args], capture_output=True, text=True, timeout=timeout
@@ -29,10 +24,31 @@ def _console(*args: str, timeout: float = 240) -> subprocess.CompletedProcess:
     return subprocess.run([str(script), *args], capture_output=True, text=True, timeout=timeout)
 
 
-def test_cli_fit_cpu_yaml_class_path_form():
+def test_cli_fit_cpu_yaml_class_path_form(tmp_path):
     out = _console("fit", "--config", str(CONFIGS / "cpu.yaml"), *SHORT)
     assert out.returncode == 0, out.stderr[-3000:]
     assert "`Trainer.fit` stopped: `max_steps=3` reached." in out.stderr + out.stdout
+    assert "args parameter" not in out.stderr  # the console script does not pass sys.argv twice
+    assert "Warning" not in out.stderr and "warn" not in out.stderr.lower(), out.stderr[-3000:]
+    assert not (tmp_path / "config.yaml").exists()  # `logger: false`: the run has no log directory, no stray file
+
+
+def test_cli_fit_saves_config_into_the_loggers_directory(tmp_path):
+    out = _run(
+        "fit", "--config", str(CONFIGS / "cpu.yaml"), *SHORT, "--trainer.logger=CSVLogger",
+        f"--trainer.logger.save_dir={tmp_path / 'logs'}",
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert not (tmp_path / "config.yaml").exists()
+    saved = list((tmp_path / "logs").rglob("config.yaml"))
+    assert [p.parent.name for p in saved] == ["version_0"], saved
+
+
+def test_cli_help_lists_check():
+    out = _console("--help", timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert "check" in out.stdout and "fit" in out.stdout
+    assert "args parameter" not in out.stderr
 
 
 def test_cli_fit_hf_yaml_with_registered_strategy_name():

@@ -249,7 +249,7 @@ def test_ep_experts_with_flex_via_apply_expert_parallel() -> None:
 
 def test_require_flex_backend_without_deep_ep(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setitem(sys.modules, "deep_ep", None)  # makes `import deep_ep` fail
-    with pytest.raises(ImportError, match=r"pip install lightning-moe-overlap\[deepep\]"):
+    with pytest.raises(ImportError, match=r"pip install -e \"\.\[deepep\]\"` in a source checkout, or `pip install \"lightning-moe-overlap\[deepep\]\""):
         require_flex_backend()
     with pytest.raises(ImportError, match="DeepEP package"):
         build_dispatcher("flex", None, 4, None)

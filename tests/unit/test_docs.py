@@ -34,7 +34,7 @@ RUNNABLE = [(p, line, code) for p in DOCS for line, code in _python_blocks(p)]
 def test_docs_python_block_runs(path, line, code, tmp_path):
     script = tmp_path / "block.py"  # a file, so Lightning can re-run it for the other ranks
     script.write_text(f"import torch\ntorch.set_num_threads(1)\n{code}\n")
-    out = subprocess.run([sys.executable, str(script)], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    out = subprocess.run([sys.executable, str(script)], cwd=tmp_path, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, f"{path.name}:{line}\n{out.stderr[-3000:]}"
 
 
@@ -46,3 +46,5 @@ def test_readme_main_job_runs_as_pasted():
     out = subprocess.run(command.split(), cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
     assert "final train_loss=" in out.stdout
+    ours = [line for line in out.stderr.splitlines() if "lightning_moe_overlap" in line or "MoEOverlapStrategy" in line]
+    assert ours == [], ours  # no warning of this package's on the first command

@@ -176,7 +176,7 @@ def test_expert_backend_choice_is_validated() -> None:
 
 def test_te_needs_cuda_and_transformer_engine() -> None:
     with pytest.raises(ImportError, match=r"`expert_backend='te'` .* needs .*a CUDA device \(the accelerator is 'cpu'\).*"
-                       r"pip install lightning-moe-overlap\[te\].*expert_backend='torch'"):
+                       r"pip install -e .*lightning-moe-overlap\[te\].*expert_backend='torch'"):
         raise_problems(check_machine(OverlapConfig(expert_backend="te"), "cpu", cuda_available=False))
     assert check_machine(OverlapConfig(expert_backend="torch"), "cpu", cuda_available=False) == []
 
@@ -184,12 +184,12 @@ def test_te_needs_cuda_and_transformer_engine() -> None:
 def test_import_te_names_the_install_hint() -> None:
     if te_backend.te_available():
         pytest.skip("transformer_engine is installed here")
-    with pytest.raises(ImportError, match=r"needs NVIDIA Transformer Engine .*pip install lightning-moe-overlap\[te\]"):
+    with pytest.raises(ImportError, match=r"needs NVIDIA Transformer Engine .*pip install -e .*lightning-moe-overlap\[te\]"):
         te_backend.import_te()
     holder = Holder()  # wrapping needs no TE; the first forward imports it
     apply_expert_parallel(holder, None, runtime=CommRuntime(), expert_backend="te")
     x, idx, w = _routing(0)
-    with pytest.raises(ImportError, match=r"pip install lightning-moe-overlap\[te\]"):
+    with pytest.raises(ImportError, match=r"pip install -e .*lightning-moe-overlap\[te\]"):
         holder.experts(x, idx, w)
 
 

@@ -99,8 +99,11 @@ def test_validation_machine_rules():
 
 
 def test_validation_model_rules():
-    with pytest.raises(ValueError, match=r"`layers.1.mlp.experts` has num_experts=6, which ep=4 does not divide .*\[1, 2, 3, 6\]"):
+    with pytest.raises(ValueError, match=r"`layers.1.mlp.experts` has num_experts=6, which ep=4 does not divide .*\[1, 2\]"):
         _raise(check_model(OverlapConfig(ep=4), {"layers.0.mlp.experts": 8, "layers.1.mlp.experts": 6}))
+    # the suggestions satisfy every rule at once: 6 experts on 4 processes (dp*cp=4) allow only ep in [1, 2]
+    with pytest.raises(ValueError, match=r"Choose ep among \[1, 2\] \(the values that divide every block's experts and dp\*cp=4\)"):
+        _raise(check_model(OverlapConfig(ep=4), {"experts": 6}, dp_cp=4))
     with pytest.warns(UserWarning, match=r"`ep=2` but the model has no MoE block"):
         _raise(check_model(OverlapConfig(ep=2), {}))
     assert check_model(OverlapConfig(ep=4), {"a": 8, "b": 16}) == []

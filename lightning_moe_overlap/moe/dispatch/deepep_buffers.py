@@ -26,8 +26,10 @@ from typing import Any
 import torch
 from torch.distributed import ProcessGroup
 
+from lightning_moe_overlap._install import install_hint
+
 BufferFactory = Callable[[ProcessGroup | None, int], Any]
-INSTALL_HINT = "pip install lightning-moe-overlap[deepep]"
+INSTALL_HINT = install_hint("deepep")
 
 
 def require_flex_backend() -> Any:
@@ -37,7 +39,7 @@ def require_flex_backend() -> Any:
     except ImportError as err:
         raise ImportError(
             "dispatcher='flex' needs the DeepEP package (`deep_ep`), which is not installed. Install it with "
-            f"`{INSTALL_HINT}` on a CUDA machine (Hopper GPUs with NVLink/RDMA), or use dispatcher='alltoall'."
+            f"{INSTALL_HINT} on a CUDA machine (Hopper GPUs with NVLink/RDMA), or use dispatcher='alltoall'."
         ) from err
     if not torch.cuda.is_available():
         raise ImportError(
