@@ -14,6 +14,14 @@ from lightning.fabric.utilities.seed import reset_seed
 from lightning.pytorch.strategies.launchers import _MultiProcessingLauncher, _SubprocessScriptLauncher
 from lightning.pytorch.trainer import call as trainer_call
 
+
+
+def should_update_logs(trainer: object) -> bool:
+    """Whether Lightning sends this training step's logged values to the loggers (``log_every_n_steps``)."""
+    connector = trainer._logger_connector  # type: ignore[attr-defined]
+    return bool(connector.should_update_logs or trainer.fast_dev_run)  # type: ignore[attr-defined]
+
+
 __all__ = [
     "_MultiProcessingLauncher",
     "_SubprocessScriptLauncher",
@@ -24,5 +32,6 @@ __all__ = [
     "_sync_ddp_if_available",
     "default_pg_timeout",
     "reset_seed",
+    "should_update_logs",
     "trainer_call",
 ]
