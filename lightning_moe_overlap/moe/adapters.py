@@ -36,6 +36,7 @@ from lightning_moe_overlap.moe.experts import Experts
 from lightning_moe_overlap.moe.grouped import GemmImpl
 from lightning_moe_overlap.moe.layer import MoELayer
 from lightning_moe_overlap.moe.layout import ExpertsLayout, method_without_weights
+from lightning_moe_overlap.moe.shared import overlap_shared_experts
 from lightning_moe_overlap.overlap.runtime import CommRuntime
 
 
@@ -261,13 +262,15 @@ def apply_expert_parallel(
     capacity_factor: float | None = None,
     token_drop_policy: DropPolicy = "probs",
     impl: GemmImpl = "auto",
+    shared_expert_overlap: bool = False,
     **knobs: Any,
 ) -> list[ExpertParallelExperts]:
     """Replace every recognised experts module of ``model`` by its expert-parallel version, in place.
 
     Collective-free (each rank slices its own experts), but every rank of the ep group must call it on the same
     model so their layers line up. Every :class:`~lightning_moe_overlap.moe.layer.MoELayer` parent also gets
-    ``runtime`` (for ``shared_expert_overlap``).
+    ``runtime`` (for ``shared_expert_overlap``); with ``shared_expert_overlap=True`` every block with shared
+    experts runs them inside the dispatch window (``MoELayer``, and HF blocks through ``moe/shared.py``).
 
     Args:
         model: the user's model.
@@ -277,6 +280,8 @@ def apply_expert_parallel(
         capacity_factor: per-expert capacity factor on local tokens; ``None`` is dropless.
         token_drop_policy: ``"probs"`` or ``"position"``.
         impl: grouped GEMM implementation.
+        shared_expert_overlap: run each block's shared experts between issuing the dispatch and waiting on it
+            (needs ``runtime``); blocks without shared experts are left as they are.
         **knobs: dispatcher knobs (see :func:`~lightning_moe_overlap.moe.dispatch.build_dispatcher`).
 
     Returns:
@@ -310,6 +315,10 @@ def apply_expert_parallel(
         setattr(item.parent, item.attr, ep_module)
         if isinstance(item.parent, MoELayer):
             item.parent.runtime = runtime
+            if shared_expert_overlap and item.parent.shared_experts is not None:
+                item.parent.shared_expert_overlap = True
+        elif shared_expert_overlap and runtime is not None:
+            overlap_shared_experts(item.parent, runtime)
         wrapped.append(ep_module)
     return wrapped
 
