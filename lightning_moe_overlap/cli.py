@@ -3,9 +3,14 @@
     lightning-moe-overlap fit --config examples/configs/cpu.yaml
     lightning-moe-overlap fit --config examples/configs/cpu.yaml --print_config
     lightning-moe-overlap check --config examples/configs/gpu_multinode.yaml --world-size 64
+    lightning-moe-overlap fit --config examples/configs/cpu.yaml --trace_step 2 --trace_dir timeline
 
 ``check`` loads a config, applies every validation rule for a world size without starting any process or
 building the model's weights (the model is instantiated on the meta device), and prints every problem with its fix.
+
+``--trace_step N`` (with ``fit``) adds an :class:`~lightning_moe_overlap.callbacks.OverlapTimeline` for global step
+``N``: a Chrome trace and a PNG of that step on every rank, written to ``--trace_dir`` (default
+``<default_root_dir>/timeline``).
 """
 
 from __future__ import annotations
@@ -35,14 +40,34 @@ from lightning_moe_overlap.validation import (
 _REGISTERED = {"moe_overlap": {}, "moe_overlap_spawn": {"start_method": "spawn"}}
 
 
-def run_cli(args: Sequence[str] | None = None) -> LightningCLI:
+def run_cli(args: Sequence[str] | None = None, trainer_defaults: dict[str, Any] | None = None) -> LightningCLI:
     """LightningCLI over any LightningModule / LightningDataModule, chosen by class path in the config."""
     return LightningCLI(
         subclass_mode_model=True,
         subclass_mode_data=True,
         save_config_kwargs={"overwrite": True},
+        trainer_defaults=trainer_defaults,
         args=args,
     )
+
+
+def pop_trace_args(argv: list[str]) -> tuple[list[str], dict[str, Any] | None]:
+    """Take ``--trace_step N`` / ``--trace_dir D`` out of ``argv``; returns the rest and the trainer defaults that
+    add the :class:`OverlapTimeline` callback (``None`` without ``--trace_step``)."""
+    from lightning_moe_overlap.callbacks import OverlapTimeline
+
+    parser = argparse.ArgumentParser(add_help=False)
+    parser.add_argument("--trace_step", type=int, default=None)
+    parser.add_argument("--trace_dir", default=None)
+    known, rest = parser.parse_known_args(argv)
+    if known.trace_step is None:
+        if known.trace_dir is not None:
+            raise ValueError(
+                f"`--trace_dir {known.trace_dir}` was given without `--trace_step`; the directory is where the "
+                "timeline of that step goes. Add `--trace_step N` (a global step), or drop `--trace_dir`."
+            )
+        return rest, None
+    return rest, {"callbacks": [OverlapTimeline(step=known.trace_step, dirpath=known.trace_dir)]}
 
 
 # -- check ------------------------------------------------------------------------------------------------------
@@ -146,7 +171,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv and argv[0] in ("check", "validate-config"):
         raise SystemExit(check_main(argv[1:]))
-    run_cli(argv)
+    argv, trainer_defaults = pop_trace_args(argv)
+    run_cli(argv, trainer_defaults)
 
 
 __all__ = ["MoEOverlapStrategy", "collect_problems", "main", "run_cli"]
