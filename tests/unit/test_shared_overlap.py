@@ -100,3 +100,25 @@ def test_shared_window_outside_training_and_without_grad() -> None:
     x = torch.randn(3, 16).view(1, 3, 16)
     with torch.no_grad():
         assert torch.equal(block.eval()(x), ref.eval()(x))
+
+
+def test_strategy_flag_reaches_the_layers() -> None:
+    from types import SimpleNamespace
+
+    from lightning_moe_overlap.config import OverlapConfig
+    from lightning_moe_overlap.demo import MoEGPT
+    from lightning_moe_overlap.wrap import ExpertParallelModel
+
+    def wrapped(flag: bool) -> MoEGPT:
+        model = MoEGPT(vocab_size=32, hidden_size=16, num_layers=2, num_heads=2, num_experts=4,
+                       shared_expert_ffn_hidden_size=8)
+        config = OverlapConfig(overlap=False, shared_expert_overlap=flag)
+        ExpertParallelModel(model).apply(config, SimpleNamespace(ep=None), EventRuntime())
+        return model
+
+    on, off = wrapped(True), wrapped(False)
+    assert [layer.mlp.shared_expert_overlap for layer in on.layers] == [True, True]
+    assert [layer.mlp.shared_expert_overlap for layer in off.layers] == [False, False]
+    tokens = torch.randint(0, 32, (2, 6))
+    assert torch.equal(on(tokens), off(tokens))
+    assert on.layers[0].mlp.runtime.events.count("handoff") > 0
