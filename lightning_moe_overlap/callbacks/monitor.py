@@ -110,7 +110,8 @@ class MoEMonitor(Callback):
             return
         summary = self._read(trainer, pl_module)
         for name, value in summary.metrics.items():
-            pl_module.log(name, value, on_step=True, on_epoch=False, prog_bar=self.progress_bar and name in PROGRESS_BAR)
+            prog_bar = self.progress_bar and name in PROGRESS_BAR
+            pl_module.log(name, value, on_step=True, on_epoch=False, prog_bar=prog_bar)
         self.last = summary.metrics
         if self.histogram and trainer.is_global_zero:
             _log_histograms(trainer, summary, trainer.global_step)

@@ -20,7 +20,7 @@ from typing_extensions import override
 
 from lightning_moe_overlap.overlap.runtime import CommRuntime
 from lightning_moe_overlap.overlap.timeline import StepTimeline, TimelineRecorder, write_chrome_trace
-from lightning_moe_overlap.overlap.timeline_plot import PLOT_HINT, plot_timelines
+from lightning_moe_overlap.overlap.timeline_plot import DEFAULT_TITLE, PLOT_HINT, plot_timelines
 
 
 class OverlapTimeline(Callback):
@@ -77,7 +77,7 @@ class OverlapTimeline(Callback):
             folder = Path(self.dirpath or Path(trainer.default_root_dir) / "timeline")
             self.written.append(write_chrome_trace(folder / f"step{self.step}.trace.json", timelines, self.step))
             if self.png:
-                title = f"Step {self.step}: compute per context (colour = micro-batch), all-to-all in flight (grey), exposed (red)"
+                title = f"Step {self.step}: {DEFAULT_TITLE}"
                 self.written.append(plot_timelines(timelines, folder / f"step{self.step}.png", title=title))
         else:
             self.written.append(Path())

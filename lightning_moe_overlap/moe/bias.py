@@ -73,7 +73,9 @@ class CorrectionBiasBalancer:
         self._handle.remove()
 
 
-def correction_bias_balancers(model: nn.Module, update_rate: float = DEFAULT_UPDATE_RATE) -> list[CorrectionBiasBalancer]:
+def correction_bias_balancers(
+    model: nn.Module, update_rate: float = DEFAULT_UPDATE_RATE
+) -> list[CorrectionBiasBalancer]:
     """A balancer for every router of ``model`` with an ``e_score_correction_bias`` tensor (not ``TopKRouter``,
     which updates its own ``expert_bias``).
 
@@ -91,7 +93,7 @@ def correction_bias_balancers(model: nn.Module, update_rate: float = DEFAULT_UPD
                     f"`{name}.{attr}` ({type(router).__name__}) has an `{BIAS_NAME}` for aux-loss-free balancing, but "
                     f"its block `{name}` has no `experts` module whose input gives the routed experts, so the bias "
                     "cannot be updated and the routing would never balance. Give the block an `experts` module with "
-                    "forward(hidden_states, top_k_index, top_k_weights), or freeze the bias deliberately by removing it."
+                    "forward(hidden_states, top_k_index, top_k_weights), or remove the bias to freeze it deliberately."
                 )
             balancers.append(CorrectionBiasBalancer(router, experts, update_rate))
     return balancers

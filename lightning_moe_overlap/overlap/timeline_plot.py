@@ -16,7 +16,8 @@ from typing import Any
 
 from lightning_moe_overlap.overlap.timeline import StepTimeline
 
-PLOT_HINT = 'Install matplotlib to draw timelines: pip install "lightning-moe-overlap[plot]" (or pip install matplotlib).'
+PLOT_HINT = 'Install it: pip install "lightning-moe-overlap[plot]" (or pip install matplotlib).'
+DEFAULT_TITLE = "compute per context (colour = micro-batch), all-to-all in flight (grey), exposed (red)"
 
 
 def _pyplot() -> Any:
@@ -60,7 +61,7 @@ def plot_timelines(
     ax.set_yticks([y_of[row] for row in rows])
     ax.set_yticklabels([f"rank {rank} {role[0].upper()}" for rank, role in rows])
     ax.set_xlabel("ms since the step's first task")
-    ax.set_title(title or "One step: compute per context (colour = micro-batch), all-to-all in flight (grey), exposed (red)")
+    ax.set_title(title or f"One step: {DEFAULT_TITLE}")
     ax.grid(axis="x", alpha=0.3)
     fig.tight_layout()
     path = Path(path)
