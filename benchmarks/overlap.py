@@ -5,7 +5,10 @@ trains one model three ways in the same run, steps interleaved (A B C A B C ...)
 
 - ``sequential``: ``OverlapEngine(overlap=False)``, ``F0, B0, F1, B1, ...``;
 - ``overlap``: ``overlap=True``, the forward of micro-batch ``i+1`` paired with the backward of ``i``;
-- ``overlap+wgrad``: ``overlap=True`` with ``CommRuntime(delay_wgrad=True)``.
+- ``overlap+wgrad``: ``overlap=True`` with ``CommRuntime(delay_wgrad=True)``;
+- ``overlap+monitor`` (with ``--monitor``): ``overlap`` plus the hot-path instrumentation of ``MoEMonitor``
+  (routing statistics on the device) and its read-out every step (one all-reduce, one device-to-host copy), the
+  worst case of ``log_every_n_steps=1``; its ratio to ``overlap`` is the monitor's overhead.
 
 The model is a stack of blocks ``x + MoE(x + MLP(x))``: a dense GELU MLP (the compute before the dispatch) and
 an expert-parallel :class:`MoELayer`, trained with the engine, ``sync_gradients`` and SGD. Every all-to-all
@@ -44,6 +47,7 @@ from simulated_ep import attach_loopback, count_host_syncs, export_trace, make_d
 from lightning_moe_overlap.grads import sync_gradients
 from lightning_moe_overlap.moe.adapters import apply_expert_parallel
 from lightning_moe_overlap.moe.layer import MoELayer
+from lightning_moe_overlap.moe.stats import RoutingStats, summarize
 from lightning_moe_overlap.overlap.engine import OverlapEngine
 from lightning_moe_overlap.overlap.runtime import CommRuntime, CommTimer
 from lightning_moe_overlap.overlap.schedule import Task
@@ -54,6 +58,13 @@ MODES: dict[str, tuple[bool, bool]] = {  # name -> (overlap, delay_wgrad)
     "overlap": (True, False),
     "overlap+wgrad": (True, True),
 }
+MONITOR_MODE = "overlap+monitor"
+ALL_MODES = {**MODES, MONITOR_MODE: (True, False)}
+
+
+def modes_of(cfg: Config) -> list[str]:
+    """The modes a run measures."""
+    return [*MODES, MONITOR_MODE] if cfg.monitor else list(MODES)
 
 
 @dataclass(frozen=True)
@@ -78,6 +89,7 @@ class Config:
         seed: initialisation seed (the same model on every rank and in every mode).
         simulate_ep_ms: > 0: simulated expert parallelism (one rank, every all-to-all a loopback of this many ms).
         trace: with ``simulate_ep_ms``, write one overlapped step as a Chrome trace to this path.
+        monitor: also measure ``overlap+monitor`` (the overhead of ``MoEMonitor``).
     """
 
     ranks: int = 2
@@ -99,6 +111,7 @@ class Config:
     seed: int = 0
     simulate_ep_ms: float = 0.0
     trace: str | None = None
+    monitor: bool = False
 
     @property
     def ep_size(self) -> int:
@@ -208,11 +221,12 @@ class Trainer:
     optimizer: torch.optim.Optimizer
     dense: list[nn.Parameter]
     expert: list[nn.Parameter]
+    stats: RoutingStats | None = None
 
 
 def build_trainer(cfg: Config, mode: str, groups: ParallelGroups, device: torch.device) -> Trainer:
     """Build the model of ``cfg`` for ``mode`` on ``device``, expert-parallel over ``groups.ep``."""
-    overlap, delay_wgrad = MODES[mode]
+    overlap, delay_wgrad = ALL_MODES[mode]
     runtime = CommRuntime(delay_wgrad=delay_wgrad)
     if cfg.simulate_ep_ms > 0:
         attach_loopback(runtime, cfg.simulate_ep_ms, device)
@@ -232,7 +246,17 @@ def build_trainer(cfg: Config, mode: str, groups: ParallelGroups, device: torch.
         optimizer=torch.optim.SGD(params, lr=1e-3),
         dense=[p for p in params if id(p) not in expert_ids],
         expert=[p for p in params if id(p) in expert_ids],
+        stats=RoutingStats(net) if mode == MONITOR_MODE else None,
     )
+
+
+def read_monitor(stats: RoutingStats, groups: ParallelGroups, device: torch.device) -> None:
+    """What ``MoEMonitor`` does at a logging step: pack, all-reduce over dp x cp, read once."""
+    packed, layout = stats.pack(device)
+    timing = torch.zeros(4, dtype=torch.float64, device=device)
+    reduced = torch.cat([packed, timing])
+    dist.all_reduce(reduced, group=groups.dp_cp)
+    summarize([b.name for b in stats.blocks], reduced[: packed.numel()], layout, stats.bias_norms(device), steps=1)
 
 
 def make_batch(cfg: Config, rank: int, device: torch.device) -> tuple[Tensor, Tensor]:
@@ -256,6 +280,8 @@ def train_step(t: Trainer, cfg: Config, groups: ParallelGroups, batch: tuple[Ten
     dp_cp_size = dist.get_world_size(groups.dp_cp)
     sync_gradients(t.dense, t.expert, dp_cp_group=groups.dp_cp, edp_group=groups.edp, dp_cp_size=dp_cp_size)
     t.optimizer.step()
+    if t.stats is not None:
+        read_monitor(t.stats, groups, x.device)
     device_sync(x.device)
     end = time.perf_counter()
     cpu = time.process_time() - cpu_start
@@ -300,9 +326,9 @@ def rank_main(rank: int, cfg: Config) -> dict[str, Any]:
     """Run every mode, interleaved; return this rank's per-step records."""
     device = torch.device(f"cuda:{rank}") if cfg.device == "cuda" else torch.device("cpu")
     groups = build_groups(ParallelDims.from_world_size(cfg.ranks, ep=cfg.ep_size), rank)
-    trainers = {mode: build_trainer(cfg, mode, groups, device) for mode in MODES}
+    trainers = {mode: build_trainer(cfg, mode, groups, device) for mode in modes_of(cfg)}
     batch = make_batch(cfg, rank, device)
-    records: dict[str, list[dict[str, float]]] = {mode: [] for mode in MODES}
+    records: dict[str, list[dict[str, float]]] = {mode: [] for mode in modes_of(cfg)}
     for step in range(cfg.warmup + cfg.steps):
         for mode, trainer in trainers.items():
             align(device)
@@ -415,7 +441,7 @@ def mode_summary(results: list[dict[str, Any]], mode: str) -> dict[str, Any]:
 
 def summarise(results: list[dict[str, Any]], cfg: Config) -> dict[str, Any]:
     """Every mode's figures, the sequential run's split into compute and communication, and the limit."""
-    modes = {mode: mode_summary(results, mode) for mode in MODES}
+    modes = {mode: mode_summary(results, mode) for mode in modes_of(cfg)}
     seq = modes["sequential"]
     probe = results[0]["device_comm_s"]
     comm = statistics.median(probe) if probe else seq["blocked_s"]
@@ -436,6 +462,11 @@ def summarise(results: list[dict[str, Any]], cfg: Config) -> dict[str, Any]:
         "bitwise_equal": all(r["bitwise_equal"] for r in results),
         "simulated": results[0]["simulated"],
         "modes": modes,
+        "monitor_overhead": (
+            statistics.median(a / b for a, b in zip(modes[MONITOR_MODE]["steps_s"], modes["overlap"]["steps_s"])) - 1
+            if MONITOR_MODE in modes
+            else None
+        ),
     }
 
 
@@ -466,6 +497,8 @@ def print_summary(summary: dict[str, Any]) -> None:
             f"{mode:<14} {1e3 * v['step_s']:8.1f} {v['ratio']:6.3f} {exposed} {1e3 * v['exposed_est_s']:16.1f} "
             f"{v['cpu_busy']:9.2f} {1e3 * v['run_delay_s']:13.1f}"
         )
+    if summary["monitor_overhead"] is not None:
+        print(f"MoEMonitor overhead (overlap+monitor / overlap - 1, median of steps): {summary['monitor_overhead']:+.2%}")
 
 
 HELP = {
@@ -503,6 +536,7 @@ def parse_args(argv: list[str] | None = None) -> tuple[Config, bool]:
     )
     parser.add_argument("--trace", default=None, help="with --simulate-ep: Chrome trace of one overlapped step")
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
+    parser.add_argument("--monitor", action="store_true", help="also measure overlap+monitor (MoEMonitor's overhead)")
     args = vars(parser.parse_args(argv))
     as_json = args.pop("json")
     if args["simulate_ep_ms"] > 0:

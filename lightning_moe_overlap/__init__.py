@@ -6,7 +6,7 @@ Importing the package registers the strategy under the names ``moe_overlap`` and
 
 from lightning.pytorch.strategies import StrategyRegistry
 
-from lightning_moe_overlap.callbacks import ActivationOffload, SelectiveRecompute
+from lightning_moe_overlap.callbacks import ActivationOffload, MoEMonitor, OverlapTimeline, SelectiveRecompute
 from lightning_moe_overlap.config import OverlapConfig
 from lightning_moe_overlap.parallel import ParallelDims, ParallelGroups
 from lightning_moe_overlap.strategy import MoEOverlapStrategy
@@ -17,8 +17,10 @@ MoEOverlapStrategy.register_strategies(StrategyRegistry)  # idempotent: skips na
 
 __all__ = [
     "ActivationOffload",
+    "MoEMonitor",
     "MoEOverlapStrategy",
     "OverlapConfig",
+    "OverlapTimeline",
     "ParallelDims",
     "ParallelGroups",
     "SelectiveRecompute",

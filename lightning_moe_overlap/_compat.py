@@ -30,6 +30,14 @@ def start_script_children(launcher: _SubprocessScriptLauncher) -> None:
     launcher._call_children_scripts()
 
 
+
+
+def should_update_logs(trainer: object) -> bool:
+    """Whether Lightning sends this training step's logged values to the loggers (``log_every_n_steps``)."""
+    connector = trainer._logger_connector  # type: ignore[attr-defined]
+    return bool(connector.should_update_logs or trainer.fast_dev_run)  # type: ignore[attr-defined]
+
+
 __all__ = [
     "_MultiProcessingLauncher",
     "_SubprocessScriptLauncher",
@@ -45,6 +53,7 @@ __all__ = [
     "default_pg_timeout",
     "reset_seed",
     "start_script_children",
+    "should_update_logs",
     "trainer_call",
 ]
 

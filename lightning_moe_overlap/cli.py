@@ -3,10 +3,15 @@
     lightning-moe-overlap fit --config examples/configs/cpu.yaml
     lightning-moe-overlap fit --config examples/configs/cpu.yaml --print_config
     lightning-moe-overlap check --config examples/configs/gpu_multinode.yaml --world-size 64 --no-machine-checks
+    lightning-moe-overlap fit --config examples/configs/cpu.yaml --trace_step 2 --trace_dir timeline
 
 ``check`` parses the config with the parser ``fit`` uses (every key ``fit`` accepts, every key it rejects),
 applies every validation rule for a world size without starting any process or building the model's weights (the
 model is instantiated on the meta device), and prints every problem with its fix.
+
+``--trace_step N`` (with ``fit``) adds an :class:`~lightning_moe_overlap.callbacks.OverlapTimeline` for global step
+``N``: a Chrome trace and a PNG of that step on every rank, written to ``--trace_dir`` (default
+``<default_root_dir>/timeline``).
 """
 
 from __future__ import annotations
@@ -58,18 +63,39 @@ class SaveConfigToLogDir(SaveConfigCallback):
         super().setup(trainer, pl_module, stage)
 
 
-def run_cli(args: Sequence[str] | None = None) -> LightningCLI:
+def run_cli(args: Sequence[str] | None = None, trainer_defaults: dict[str, Any] | None = None) -> LightningCLI:
     """LightningCLI over any LightningModule / LightningDataModule, chosen by class path in the config.
 
-    ``args=None`` reads the command line (``sys.argv``), as the console script does."""
+    ``args=None`` reads the command line (``sys.argv``), as the console script does; ``trainer_defaults`` adds
+    to the Trainer's defaults (the ``--trace_step`` callback)."""
     return LightningCLI(
         subclass_mode_model=True,
         subclass_mode_data=True,
         save_config_callback=SaveConfigToLogDir,
         save_config_kwargs={"overwrite": True},
         parser_kwargs={"description": DESCRIPTION},
+        trainer_defaults=trainer_defaults,
         args=args,
     )
+
+
+def pop_trace_args(argv: list[str]) -> tuple[list[str], dict[str, Any] | None]:
+    """Take ``--trace_step N`` / ``--trace_dir D`` out of ``argv``; returns the rest and the trainer defaults that
+    add the :class:`OverlapTimeline` callback (``None`` without ``--trace_step``)."""
+    from lightning_moe_overlap.callbacks import OverlapTimeline
+
+    parser = argparse.ArgumentParser(add_help=False)
+    parser.add_argument("--trace_step", type=int, default=None)
+    parser.add_argument("--trace_dir", default=None)
+    known, rest = parser.parse_known_args(argv)
+    if known.trace_step is None:
+        if known.trace_dir is not None:
+            raise ValueError(
+                f"`--trace_dir {known.trace_dir}` was given without `--trace_step`; the directory is where the "
+                "timeline of that step goes. Add `--trace_step N` (a global step), or drop `--trace_dir`."
+            )
+        return rest, None
+    return rest, {"callbacks": [OverlapTimeline(step=known.trace_step, dirpath=known.trace_dir)]}
 
 
 # -- check: the fit parser, without instantiating anything --------------------------------------------------------
@@ -248,7 +274,15 @@ def main(argv: Sequence[str] | None = None) -> None:
     command = list(sys.argv[1:] if argv is None else argv)
     if command and command[0] in ("check", "validate-config"):
         raise SystemExit(check_main(command[1:]))
-    run_cli(None if argv is None else command)  # None: LightningCLI reads sys.argv itself (no double-args warning)
+    rest, trainer_defaults = pop_trace_args(command)
+    if argv is None and trainer_defaults is None:
+        run_cli(None)  # LightningCLI reads sys.argv itself (no double-args warning)
+        return
+    # sys.argv keeps the trace flags: the launcher re-runs it for the other ranks, which need the same callback
+    with warnings.catch_warnings():
+        # `rest` is this command line less the trace flags: not a second command line
+        warnings.filterwarnings("ignore", message="LightningCLI's args parameter")
+        run_cli(rest, trainer_defaults)
 
 
 __all__ = ["MoEOverlapStrategy", "SaveConfigToLogDir", "collect_problems", "main", "parse_fit_config", "run_cli"]

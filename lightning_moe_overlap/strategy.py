@@ -80,7 +80,8 @@ class MoEOverlapStrategy(ParallelStrategy):
         capacity_factor: Expert capacity as a multiple of the even share of tokens; None is dropless.
         token_drop_policy: Which assignments an over-capacity expert drops: ``"probs"`` (lowest probability) or
             ``"position"`` (latest tokens).
-        shared_expert_overlap: Run shared experts while the dispatch all-to-all is in flight (``overlap=False``).
+        shared_expert_overlap: Run the shared experts (``MoELayer``'s, HF blocks' ``shared_expert(s)``) while the
+            dispatch all-to-all is in flight; needs ``overlap=False``.
         deepep_num_sms: Streaming multiprocessors the DeepEP kernels may use (even).
         process_group_backend: ``"gloo"`` or ``"nccl"``; None picks the default for the device. On NCCL the
             strategy sets ``TORCH_NCCL_ASYNC_ERROR_HANDLING=3`` unless it is set (docs/overlap.md, "Errors on NCCL").

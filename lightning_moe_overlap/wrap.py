@@ -11,6 +11,7 @@ from torch import nn
 from lightning_moe_overlap.config import OverlapConfig
 from lightning_moe_overlap.grads import sync_gradients
 from lightning_moe_overlap.moe.adapters import apply_expert_parallel, find_experts
+from lightning_moe_overlap.moe.bias import CorrectionBiasBalancer, correction_bias_balancers
 from lightning_moe_overlap.moe.ep import ExpertParallelExperts
 from lightning_moe_overlap.moe.router import TopKRouter
 from lightning_moe_overlap.overlap.runtime import CommRuntime
@@ -23,6 +24,7 @@ class ExpertParallelModel:
     def __init__(self, model: nn.Module) -> None:
         self.model = model
         self._ep_modules: list[ExpertParallelExperts] = []
+        self._bias_balancers: list[CorrectionBiasBalancer] = []
 
     def experts_per_block(self) -> Mapping[str, int]:
         """``{module name: num_experts}`` for every experts module found (for validation before wrapping)."""
@@ -39,7 +41,9 @@ class ExpertParallelModel:
             token_drop_policy=config.token_drop_policy,
             deepep_num_sms=config.deepep_num_sms,
             expert_backend=config.expert_backend,
+            shared_expert_overlap=config.shared_expert_overlap,
         )
+        self._bias_balancers = correction_bias_balancers(self.model)
 
     @property
     def ep_modules(self) -> list[ExpertParallelExperts]:
@@ -58,6 +62,8 @@ class ExpertParallelModel:
         for router in self.routers():
             if router.expert_bias is not None:
                 router.update_expert_bias(group)
+        for balancer in self._bias_balancers:  # HF routers' `e_score_correction_bias` (moe/bias.py)
+            balancer.update(group)
 
     def _expert_ids(self) -> set[int]:
         return {id(p) for m in self._ep_modules for p in m.parameters()}

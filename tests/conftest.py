@@ -9,3 +9,12 @@ import pytest
 @pytest.fixture(autouse=True)
 def _run_in_tmp_path(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
+
+
+@pytest.fixture(autouse=True)
+def _restore_rank_zero(monkeypatch):
+    """Lightning sets the process-wide ``rank_zero_only.rank`` when a Trainer reads a cluster environment (a test
+    emulating SLURM rank 11 does); put it back so later tests' rank-zero warnings are not swallowed."""
+    from lightning.pytorch.utilities.rank_zero import rank_zero_only
+
+    monkeypatch.setattr(rank_zero_only, "rank", getattr(rank_zero_only, "rank", 0))

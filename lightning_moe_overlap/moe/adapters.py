@@ -38,6 +38,7 @@ from lightning_moe_overlap.moe.grouped import GemmImpl
 from lightning_moe_overlap.moe.te_backend import ExpertBackend
 from lightning_moe_overlap.moe.layer import MoELayer
 from lightning_moe_overlap.moe.layout import ExpertsLayout, method_without_weights
+from lightning_moe_overlap.moe.shared import overlap_shared_experts
 from lightning_moe_overlap.overlap.runtime import CommRuntime
 
 
@@ -264,13 +265,15 @@ def apply_expert_parallel(
     token_drop_policy: DropPolicy = "probs",
     impl: GemmImpl = "auto",
     expert_backend: ExpertBackend = "torch",
+    shared_expert_overlap: bool = False,
     **knobs: Any,
 ) -> list[ExpertParallelExperts]:
     """Replace every recognised experts module of ``model`` by its expert-parallel version, in place.
 
     Collective-free (each rank slices its own experts), but every rank of the ep group must call it on the same
     model so their layers line up. Every :class:`~lightning_moe_overlap.moe.layer.MoELayer` parent also gets
-    ``runtime`` (for ``shared_expert_overlap``).
+    ``runtime`` (for ``shared_expert_overlap``); with ``shared_expert_overlap=True`` every block with shared
+    experts runs them inside the dispatch window (``MoELayer``, and HF blocks through ``moe/shared.py``).
 
     Args:
         model: the user's model.
@@ -281,6 +284,8 @@ def apply_expert_parallel(
         token_drop_policy: ``"probs"`` or ``"position"``.
         impl: grouped GEMM implementation.
         expert_backend: ``"torch"`` (pure PyTorch GEMMs) or ``"te"`` (Transformer Engine ``GroupedLinear``).
+        shared_expert_overlap: run each block's shared experts between issuing the dispatch and waiting on it
+            (needs ``runtime``); blocks without shared experts are left as they are.
         **knobs: dispatcher knobs (see :func:`~lightning_moe_overlap.moe.dispatch.build_dispatcher`). With
             ``dispatcher="flex"`` and no ``deepep_buffers`` / ``deepep_buffer``, one
             :class:`~lightning_moe_overlap.moe.dispatch.DeepEPBuffers` is made here and shared by every layer.
@@ -320,6 +325,10 @@ def apply_expert_parallel(
         setattr(item.parent, item.attr, ep_module)
         if isinstance(item.parent, MoELayer):
             item.parent.runtime = runtime
+            if shared_expert_overlap and item.parent.shared_experts is not None:
+                item.parent.shared_expert_overlap = True
+        elif shared_expert_overlap and runtime is not None:
+            overlap_shared_experts(item.parent, runtime)
         wrapped.append(ep_module)
     return wrapped
 

@@ -118,6 +118,11 @@ class Baton:
         return self._stopped
 
     @property
+    def holder(self) -> Role:
+        """The role that holds the baton now (the running context, when read from model code)."""
+        return self._holder
+
+    @property
     def progress(self) -> int:
         """Hand-overs and finished contexts so far; the engine's stall detector watches it."""
         return self._progress

@@ -212,13 +212,20 @@ class _StepTasks:
     settled: bool = True  # False once a phase stalled: its lanes may be stuck
 
     def execute(self, task: Task) -> None:
-        with self.state.applied(), self.context_factory(task):
-            i = task.microbatch
-            if task.role is Role.FORWARD:
-                self.outputs[i] = self.forward_fn(i)
-            else:
-                self.backward_fn(i, self.outputs[i])
-                self.runtime.flush_wgrad()  # this micro-batch's weight gradients land before the next backward
+        trace = self.runtime.trace  # the timeline of a traced step (overlap/timeline.py); usually None
+        if trace is not None:
+            trace.task_started(task)
+        try:
+            with self.state.applied(), self.context_factory(task):
+                i = task.microbatch
+                if task.role is Role.FORWARD:
+                    self.outputs[i] = self.forward_fn(i)
+                else:
+                    self.backward_fn(i, self.outputs[i])
+                    self.runtime.flush_wgrad()  # this micro-batch's weight gradients land before the next backward
+        finally:
+            if trace is not None:
+                trace.task_finished(task)
 
 
 def _close(lanes: Iterable[_Lane], timeout_s: float) -> None:

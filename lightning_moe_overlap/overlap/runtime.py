@@ -19,6 +19,10 @@ Timing (opt-in): attach a :class:`CommTimer` (``runtime.timing = CommTimer()`` o
 timer:``) and every ``runtime.wait(work)`` records how long the caller was blocked in the wait, i.e. the
 communication that nothing hid, and how long the collective was in flight (from the hand-over that followed its
 issue to the end of the wait). Without a timer ``wait`` is ``work.wait()`` plus one attribute test.
+
+Timeline (opt-in): attach a :class:`TraceSink` (``runtime.trace = TimelineRecorder()``, see ``timeline.py``) and
+every comm point also reports its issue, hand-over, resumption and wait, with the role holding the baton.
+Without one, each comm point pays one more attribute test.
 """
 
 from __future__ import annotations
@@ -36,6 +40,28 @@ class Baton(Protocol):
     """What the engine provides while a schedule runs: a hand-over to the other context."""
 
     def handoff(self) -> None: ...
+
+
+class TraceSink(Protocol):
+    """Receives the comm-point events of a :class:`CommRuntime` (``overlap/timeline.py`` records them).
+
+    ``baton`` is the active phase's baton (``baton.holder`` is the running context), or ``None`` outside a
+    schedule.
+    """
+
+    def task_started(self, task: Any) -> None: ...
+
+    def task_finished(self, task: Any) -> None: ...
+
+    def comm_issued(self, baton: Any) -> None: ...
+
+    def handing_over(self, baton: Any) -> None: ...
+
+    def resumed(self, baton: Any) -> None: ...
+
+    def wait_started(self, baton: Any) -> float: ...
+
+    def wait_ended(self, baton: Any, started: float) -> None: ...
 
 
 class Waitable(Protocol):
@@ -157,18 +183,25 @@ class CommRuntime:
         # Simulated expert parallelism (benchmarks, ``overlap/loopback.py``): with one rank in the ep group, the
         # all-to-alls are issued through ``loopback(out, inp) -> Waitable`` instead of being skipped.
         self.loopback: Callable[[Any, Any], Waitable] | None = None
+        self.trace: TraceSink | None = None  # opt-in: the timeline of a step (overlap/timeline.py)
 
     # -- comm points -------------------------------------------------------------------------------------------
     def handoff(self) -> None:
         """Call right after issuing an async collective and before waiting on it."""
-        timing = self.timing
+        timing, trace, baton = self.timing, self.trace, self._baton
         if timing is not None:
             timing.mark_issued()
+        if trace is not None:
+            trace.comm_issued(baton)
         self.run_side_work()
         self.flush_wgrad()
-        baton = self._baton
         if baton is not None:
+            if trace is None:
+                baton.handoff()
+                return
+            trace.handing_over(baton)
             baton.handoff()
+            trace.resumed(baton)
 
     def wait(self, work: Waitable) -> Any:
         """Wait for an issued collective (call after ``handoff``); timed when a :class:`CommTimer` is attached.
@@ -176,10 +209,14 @@ class CommRuntime:
         Returns:
             What ``work.wait()`` returns.
         """
-        timing = self.timing
-        if timing is None:
-            return work.wait()
-        return timing.wait(work)
+        timing, trace = self.timing, self.trace
+        if trace is None:
+            return work.wait() if timing is None else timing.wait(work)
+        baton = self._baton
+        started = trace.wait_started(baton)
+        result = work.wait() if timing is None else timing.wait(work)
+        trace.wait_ended(baton, started)
+        return result
 
     @contextmanager
     def timed(self, timer: CommTimer | None = None) -> Iterator[CommTimer]:

@@ -92,3 +92,21 @@ def test_cli_check_invalid_config_lists_every_problem_and_fails():
     ):
         assert f"[{rule}]" in out.stdout, rule
     assert "5 error(s)" in out.stdout
+
+
+def test_cli_fit_trace_step_writes_the_timeline(tmp_path):
+    out = _run("fit", "--config", str(CONFIGS / "cpu.yaml"), *SHORT, "--trace_step", "1", "--trace_dir", "tl")
+    assert out.returncode == 0, out.stderr[-3000:]
+    import json
+
+    trace = json.loads((tmp_path / "tl" / "step1.trace.json").read_text())
+    assert {e["pid"] for e in trace["traceEvents"]} == {0, 1}
+    assert {e["name"] for e in trace["traceEvents"] if e.get("cat") == "compute"} == {"F0", "F1", "B0", "B1"}
+
+
+def test_cli_trace_dir_without_trace_step_is_refused():
+    from lightning_moe_overlap.cli import pop_trace_args
+
+    assert pop_trace_args(["fit", "--trace_step", "3"])[0] == ["fit"]
+    with pytest.raises(ValueError, match="`--trace_dir tl` was given without `--trace_step`"):
+        pop_trace_args(["fit", "--trace_dir", "tl"])

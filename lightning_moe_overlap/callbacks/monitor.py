@@ -1,0 +1,194 @@
+"""``MoEMonitor``: routing balance and hidden communication in the user's own logger (docs/monitoring.md).
+
+Off unless listed in ``trainer.callbacks``. On the hot path it only adds on the device (tokens per expert,
+dropped assignments, router losses; see ``moe/stats.py``) and, at each comm point, reads the host clock (CPU) or
+records CUDA events; nothing is copied to the host. At each step Lightning sends to the loggers
+(``log_every_n_steps``) it reduces the sums over the ranks that see distinct tokens with one all-reduce, reads
+them with one device-to-host copy and logs, through ``LightningModule.log``:
+
+- per MoE block ``moe/<block>/...`` and over all blocks ``moe/...``: ``aux_loss``, ``z_loss`` (mean per forward;
+  summed over blocks), ``tokens_per_expert_min`` / ``_max`` / ``_cv`` (per step, all ranks), ``imbalance``
+  (max / mean tokens per expert), ``dropped_fraction`` (under the block's capacity factor, or the monitor's),
+  ``expert_bias_norm``;
+- per step, averaged over the interval and the ranks: ``moe/a2a_exposed_ms`` (the all-to-all time nothing hid),
+  ``moe/a2a_total_ms`` (in flight), ``moe/a2a_hidden_fraction`` (``1 - exposed / total``),
+  ``moe/microbatches``, ``moe/tokens_per_s`` (all ranks' tokens over the training-step time);
+- a tokens-per-expert histogram per block to loggers whose ``experiment`` has ``add_histogram_raw`` /
+  ``add_histogram`` (TensorBoard), on global rank 0.
+
+The progress bar shows ``moe/tokens_per_s`` and ``moe/a2a_hidden_fraction``.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from lightning.pytorch import Callback, LightningModule, Trainer
+from typing_extensions import override
+
+from lightning_moe_overlap import _compat
+from lightning_moe_overlap.moe.capacity import validate_capacity
+from lightning_moe_overlap.moe.stats import RoutingStats, Summary, summarize
+from lightning_moe_overlap.overlap.event_timer import EventCommTimer
+from lightning_moe_overlap.overlap.runtime import CommRuntime, CommTimer
+from lightning_moe_overlap.strategy import MoEOverlapStrategy
+
+PROGRESS_BAR = ("moe/tokens_per_s", "moe/a2a_hidden_fraction")
+
+
+class MoEMonitor(Callback):
+    """Log MoE routing statistics and the hidden all-to-all time of each logging interval.
+
+    Args:
+        capacity_factor: capacity factor for the ``dropped_fraction`` of blocks without one of their own (what a
+            dropless run would drop under it); blocks built with a capacity factor report their own drops.
+        histogram: send a tokens-per-expert histogram per block to loggers that take histograms.
+        progress_bar: show tokens/s and the hidden fraction in the progress bar.
+    """
+
+    def __init__(self, capacity_factor: float | None = None, histogram: bool = True, progress_bar: bool = True) -> None:
+        validate_capacity(capacity_factor, "probs", owner="`MoEMonitor`")
+        self.capacity_factor = capacity_factor
+        self.histogram = histogram
+        self.progress_bar = progress_bar
+        self.stats: RoutingStats | None = None
+        self.last: dict[str, float] = {}  # the metrics logged last (also in trainer.callback_metrics)
+        self._runtime: CommRuntime | None = None
+        self._timer: CommTimer | None = None
+        self._previous_timer: CommTimer | None = None
+        self._steps = 0
+        self._step_s = 0.0
+        self._step_start: float | None = None
+
+    # -- attach / detach -------------------------------------------------------------------------------------------
+    @override
+    def on_fit_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        self.stats = RoutingStats(pl_module, capacity_factor=self.capacity_factor)
+        runtime = getattr(trainer.strategy, "runtime", None)
+        if isinstance(runtime, CommRuntime):
+            self._runtime = runtime
+            self._timer = EventCommTimer() if pl_module.device.type == "cuda" else CommTimer()
+            self._previous_timer, runtime.timing = runtime.timing, self._timer
+        self._reset_interval()
+
+    @override
+    def on_fit_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        self._detach()
+
+    @override
+    def on_exception(self, trainer: Trainer, pl_module: LightningModule, exception: BaseException) -> None:
+        self._detach()
+
+    def _detach(self) -> None:
+        if self.stats is not None:
+            self.stats.remove()
+        if self._runtime is not None and self._runtime.timing is self._timer:
+            self._runtime.timing = self._previous_timer
+        self._runtime = self._timer = None
+
+    # -- per step --------------------------------------------------------------------------------------------------
+    @override
+    def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int) -> None:
+        self._step_start = time.perf_counter()
+
+    @override
+    def on_train_batch_end(
+        self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
+        if self.stats is None or self._step_start is None:
+            return
+        logging = _compat.should_update_logs(trainer)
+        if logging and pl_module.device.type == "cuda":
+            torch.cuda.synchronize(pl_module.device)  # NOTE: D2H sync (once per logging interval: the step's time)
+        self._steps += 1
+        self._step_s += time.perf_counter() - self._step_start
+        self._step_start = None
+        if not logging:
+            return
+        summary = self._read(trainer, pl_module)
+        for name, value in summary.metrics.items():
+            prog_bar = self.progress_bar and name in PROGRESS_BAR
+            pl_module.log(name, value, on_step=True, on_epoch=False, prog_bar=prog_bar)
+        self.last = summary.metrics
+        if self.histogram and trainer.is_global_zero:
+            _log_histograms(trainer, summary, trainer.global_step)
+
+    # -- one read per interval -------------------------------------------------------------------------------------
+    def _read(self, trainer: Trainer, pl_module: LightningModule) -> Summary:
+        assert self.stats is not None
+        device = pl_module.device
+        packed, layout = self.stats.pack(device)
+        times = self._timer.reset() if self._timer is not None else None
+        timing = torch.tensor(
+            [self._step_s, times.blocked_s if times else 0.0, times.in_flight_s if times else 0.0, 1.0],
+            dtype=torch.float64,
+            device=device,
+        )
+        group = _token_group(trainer)
+        if group is not False:
+            reduced = torch.cat([packed, timing])
+            dist.all_reduce(reduced, group=group)  # one collective per logging interval
+            packed, timing = reduced[: packed.numel()], reduced[packed.numel() :]
+        names = [b.name for b in self.stats.blocks]
+        summary = summarize(names, packed, layout, self.stats.bias_norms(device), steps=self._steps)
+        step_s, blocked_s, in_flight_s, ranks = timing.tolist()  # NOTE: D2H sync (once per logging interval)
+        steps = max(self._steps, 1)
+        metrics = summary.metrics
+        metrics["moe/microbatches"] = float(_num_microbatches(trainer))
+        if times is not None:
+            metrics["moe/a2a_exposed_ms"] = 1e3 * blocked_s / ranks / steps
+            metrics["moe/a2a_total_ms"] = 1e3 * in_flight_s / ranks / steps
+            metrics["moe/a2a_hidden_fraction"] = 1.0 - blocked_s / in_flight_s if in_flight_s > 0 else 0.0
+        mean_step_s = step_s / ranks
+        if mean_step_s > 0 and summary.tokens:
+            metrics["moe/tokens_per_s"] = summary.tokens / mean_step_s
+        self._reset_interval()
+        return summary
+
+    def _reset_interval(self) -> None:
+        self._steps = 0
+        self._step_s = 0.0
+
+
+def _token_group(trainer: Trainer) -> Any:
+    """The group whose ranks see distinct tokens (dp x cp of this package's strategy, else the world); False when
+    there is nothing to reduce."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return False
+    strategy = trainer.strategy
+    return strategy.parallel_groups.dp_cp if isinstance(strategy, MoEOverlapStrategy) else None
+
+
+def _num_microbatches(trainer: Trainer) -> int:
+    config = getattr(trainer.strategy, "config", None)
+    return int(getattr(config, "num_microbatches", 1))
+
+
+def _log_histograms(trainer: Trainer, summary: Summary, step: int) -> None:
+    """Tokens per expert as a histogram over the expert index (bucket ``e`` holds expert ``e``'s tokens)."""
+    for logger in trainer.loggers:
+        experiment = getattr(logger, "experiment", None)
+        raw = getattr(experiment, "add_histogram_raw", None)
+        plain = getattr(experiment, "add_histogram", None)
+        if raw is None and plain is None:
+            continue
+        for name, counts in summary.tokens_per_expert.items():
+            tag = f"moe/{name}/tokens_per_expert"
+            if raw is not None:
+                total = sum(counts)
+                raw(
+                    tag,
+                    min=0.0,
+                    max=float(len(counts) - 1),
+                    num=total,
+                    sum=sum(e * c for e, c in enumerate(counts)),
+                    sum_squares=sum(e * e * c for e, c in enumerate(counts)),
+                    bucket_limits=[e + 0.5 for e in range(len(counts))],
+                    bucket_counts=counts,
+                    global_step=step,
+                )
+            else:
+                plain(tag, torch.tensor(counts), global_step=step)

@@ -1,0 +1,94 @@
+"""``OverlapTimeline``: the timeline of one training step on every rank, as a Chrome trace and a PNG.
+
+For the step whose ``trainer.global_step`` is ``step`` when it starts, a
+:class:`~lightning_moe_overlap.overlap.timeline.TimelineRecorder` is attached to the strategy's comm runtime; at
+the end of the step every rank's records are gathered (one ``all_gather_object``) and global rank 0 writes
+``<dirpath>/step<N>.trace.json`` (Perfetto / ``chrome://tracing``) and ``<dirpath>/step<N>.png`` (matplotlib).
+Other steps pay one attribute test per comm point. The CLI adds it with ``--trace_step N``.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import warnings
+from pathlib import Path
+from typing import Any
+
+import torch.distributed as dist
+from lightning.pytorch import Callback, LightningModule, Trainer
+from typing_extensions import override
+
+from lightning_moe_overlap.overlap.runtime import CommRuntime
+from lightning_moe_overlap.overlap.timeline import StepTimeline, TimelineRecorder, write_chrome_trace
+from lightning_moe_overlap.overlap.timeline_plot import DEFAULT_TITLE, PLOT_HINT, plot_timelines
+
+
+class OverlapTimeline(Callback):
+    """Write the timeline of training step ``step`` (see the module docstring).
+
+    Args:
+        step: the ``global_step`` of the traced step (0 is the first; later steps show the steady state).
+        dirpath: where to write; ``None``: ``<trainer.default_root_dir>/timeline``.
+        png: ``True``: also draw the PNG (needs matplotlib); ``False``: the trace only; ``None``: the PNG when
+            matplotlib is installed.
+
+    Raises:
+        ValueError: ``step`` is negative or not an int.
+        ImportError: ``png=True`` without matplotlib.
+    """
+
+    def __init__(self, step: int = 2, dirpath: str | None = None, png: bool | None = None) -> None:
+        if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+            raise ValueError(f"`OverlapTimeline(step={step!r})`: the step must be an int >= 0 (a `global_step`).")
+        has_matplotlib = importlib.util.find_spec("matplotlib") is not None
+        if png and not has_matplotlib:
+            raise ImportError(f"`OverlapTimeline(png=True)` needs matplotlib, which is not installed. {PLOT_HINT}")
+        self.step = step
+        self.dirpath = dirpath
+        self.png = has_matplotlib if png is None else png
+        self.written: list[Path] = []  # on global rank 0, once the step ran
+        self._runtime: CommRuntime | None = None
+        self._recorder: TimelineRecorder | None = None
+
+    @override
+    def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int) -> None:
+        runtime = getattr(trainer.strategy, "runtime", None)
+        if trainer.global_step != self.step or not isinstance(runtime, CommRuntime) or self.written:
+            return
+        self._runtime = runtime
+        self._recorder = runtime.trace = TimelineRecorder(rank=trainer.global_rank)
+
+    @override
+    def on_train_batch_end(
+        self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
+        recorder, runtime = self._recorder, self._runtime
+        if recorder is None or runtime is None:
+            return
+        runtime.trace = None
+        self._recorder = self._runtime = None
+        mine = recorder.timeline().to_dict()
+        gathered: list[Any] = [mine]
+        if dist.is_available() and dist.is_initialized():
+            gathered = [None] * dist.get_world_size()
+            dist.all_gather_object(gathered, mine)
+        if trainer.is_global_zero:
+            timelines = [StepTimeline.from_dict(d) for d in gathered]
+            folder = Path(self.dirpath or Path(trainer.default_root_dir) / "timeline")
+            self.written.append(write_chrome_trace(folder / f"step{self.step}.trace.json", timelines, self.step))
+            if self.png:
+                title = f"Step {self.step}: {DEFAULT_TITLE}"
+                self.written.append(plot_timelines(timelines, folder / f"step{self.step}.png", title=title))
+        else:
+            self.written.append(Path())
+
+    @override
+    def on_fit_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        if not self.written and trainer.is_global_zero:
+            warnings.warn(
+                f"`OverlapTimeline(step={self.step})`: training ended at global_step={trainer.global_step} without "
+                "reaching the step, or the strategy has no comm runtime (use `MoEOverlapStrategy`); nothing was "
+                "written. Pick a smaller step.",
+                RuntimeWarning,
+                stacklevel=1,
+            )

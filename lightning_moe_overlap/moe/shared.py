@@ -1,0 +1,122 @@
+"""Shared experts of Hugging Face MoE blocks inside the dispatch window (``shared_expert_overlap``).
+
+Megatron's ``moe_shared_expert_overlap`` computes the shared experts between issuing the dispatch all-to-all and
+waiting on it. This package's ``MoELayer`` does it itself (it submits the shared-expert forward to the comm
+runtime); HF v5 blocks call their shared experts inline, in one of two orders:
+
+- before the routed experts (Qwen2-MoE: ``shared_expert_output = self.shared_expert(x)`` first): the call returns a
+  placeholder of the right shape and dtype (probed on zero rows) and the real forward is submitted to the runtime;
+  it runs at the routed experts' first comm point and copies into the placeholder, which the block only reads
+  after the routed experts returned;
+- after them (DeepSeek-V3: ``self.shared_experts(residuals)`` last): when the routed experts start, the shared
+  forward on the block's input is submitted; the later call with that input returns its result.
+
+Either way the same operations run on the same inputs (the copy is exact and its backward the identity), so the
+results are bitwise equal to the inline block. When the routed experts had no comm point, the work runs right
+after them. Per-call state is thread-local: the two contexts of a schedule never share it.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from lightning_moe_overlap.overlap.runtime import CommRuntime, SideWork
+
+SHARED_NAMES = ("shared_experts", "shared_expert")  # DeepSeek-V2/V3, Dots1, ... / Qwen2-MoE
+
+
+class _CallState:
+    """One block call: its input, whether the routed experts ran, the submitted shared work."""
+
+    def __init__(self, block_input: Tensor | None) -> None:
+        self.block_input = block_input
+        self.experts_started = False
+        self.shared_called = False
+        self.work: SideWork | None = None
+        self.cancelled = False
+
+
+class SharedExpertWindow:
+    """Runs one HF block's shared experts inside its routed experts' dispatch window (module docstring).
+
+    Args:
+        block: the MoE block (parent of ``experts`` and the shared experts).
+        shared_name: the shared experts' attribute on ``block``.
+        runtime: the comm runtime the routed experts' comm points call ``handoff`` on.
+    """
+
+    def __init__(self, block: nn.Module, shared_name: str, runtime: CommRuntime) -> None:
+        self.shared: nn.Module = getattr(block, shared_name)
+        self.runtime = runtime
+        self._forward = self.shared.forward  # the bound original forward (no hooks)
+        self._local = threading.local()
+        experts = block.experts
+        self._handles = [
+            block.register_forward_pre_hook(self._block_started),
+            block.register_forward_hook(self._block_finished),
+            experts.register_forward_pre_hook(self._experts_started),
+            experts.register_forward_hook(self._experts_finished),
+        ]
+        self.shared.forward = self._shared_forward  # an instance attribute: hooks and names stay the module's
+
+    def remove(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+        del self.shared.forward
+
+    # -- hooks -----------------------------------------------------------------------------------------------------
+    def _state(self) -> _CallState | None:
+        return getattr(self._local, "call", None)
+
+    def _block_started(self, module: nn.Module, args: Any) -> None:
+        first = args[0] if args and isinstance(args[0], Tensor) else None
+        self._local.call = _CallState(first)
+
+    def _block_finished(self, module: nn.Module, args: Any, output: Any) -> None:
+        state = self._state()
+        if state is not None and state.work is not None and not state.shared_called:
+            state.cancelled = True  # the block did not call its shared experts with its input: drop the work
+        self._local.call = None
+
+    def _experts_started(self, module: nn.Module, args: Any) -> None:
+        state = self._state()
+        if state is None or state.experts_started:
+            return
+        state.experts_started = True
+        if not state.shared_called and state.block_input is not None:
+            x = state.block_input
+            state.work = self.runtime.submit(lambda: None if state.cancelled else self._forward(x))
+
+    def _experts_finished(self, module: nn.Module, args: Any, output: Any) -> None:
+        state = self._state()
+        if state is not None and state.work is not None and state.shared_called:
+            state.work.run()  # no comm point ran it: fill the placeholder before the block reads it
+
+    # -- the shared experts' forward -------------------------------------------------------------------------------
+    def _shared_forward(self, x: Tensor, *args: Any, **kwargs: Any) -> Tensor:
+        state = self._state()
+        if state is None or args or kwargs or state.shared_called:
+            return self._forward(x, *args, **kwargs)
+        state.shared_called = True
+        if state.experts_started:  # called after the routed experts (DeepSeek-V3 order)
+            if state.work is not None and x is state.block_input:
+                return state.work.result()
+            return self._forward(x)
+        # Called before the routed experts (Qwen2-MoE order): a placeholder now, the forward in the window.
+        with torch.no_grad():
+            probe = self._forward(x.reshape(-1, x.shape[-1])[:0])
+        out = torch.empty(*x.shape[:-1], probe.shape[-1], dtype=probe.dtype, device=probe.device)
+        state.work = self.runtime.submit(lambda: out.copy_(self._forward(x)))
+        return out
+
+
+def overlap_shared_experts(block: nn.Module, runtime: CommRuntime) -> SharedExpertWindow | None:
+    """Install a :class:`SharedExpertWindow` on ``block`` when it has shared experts; ``None`` otherwise."""
+    for name in SHARED_NAMES:
+        if isinstance(getattr(block, name, None), nn.Module) and isinstance(getattr(block, "experts", None), nn.Module):
+            return SharedExpertWindow(block, name, runtime)
+    return None

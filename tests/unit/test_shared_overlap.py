@@ -1,0 +1,124 @@
+"""``shared_expert_overlap``: the shared experts of this package's and HF blocks run inside the dispatch window
+(after the dispatch is issued, before it is waited on), bitwise equal to running them inline."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from lightning_moe_overlap.moe import MoELayer, apply_expert_parallel
+from lightning_moe_overlap.overlap.runtime import CommRuntime
+
+
+class EventRuntime(CommRuntime):
+    """Logs hand-overs and waits."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.events: list[str] = []
+
+    def handoff(self) -> None:
+        self.events.append("handoff")
+        super().handoff()
+
+    def wait(self, work):  # noqa: ANN001, ANN201
+        self.events.append("wait")
+        return super().wait(work)
+
+
+def qwen2_block() -> tuple[torch.nn.Module, str]:
+    from transformers import Qwen2MoeConfig
+    from transformers.models.qwen2_moe.modeling_qwen2_moe import Qwen2MoeSparseMoeBlock
+
+    config = Qwen2MoeConfig(hidden_size=16, moe_intermediate_size=8, shared_expert_intermediate_size=12,
+                            num_experts=4, num_experts_per_tok=2)
+    config._experts_implementation = "eager"
+    return Qwen2MoeSparseMoeBlock(config), "shared_expert"
+
+
+def deepseek_block() -> tuple[torch.nn.Module, str]:
+    from transformers import DeepseekV3Config
+    from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3MoE
+
+    config = DeepseekV3Config(hidden_size=16, moe_intermediate_size=8, n_routed_experts=4, num_experts_per_tok=2,
+                              n_group=2, topk_group=1, n_shared_experts=1)
+    config._experts_implementation = "eager"
+    return DeepseekV3MoE(config), "shared_experts"
+
+
+def own_block() -> tuple[torch.nn.Module, str]:
+    return MoELayer(16, 8, 4, 2, shared_expert_ffn_hidden_size=12), "shared_experts"
+
+
+@pytest.mark.parametrize("make", [qwen2_block, deepseek_block, own_block], ids=["qwen2_moe", "deepseek_v3", "own"])
+def test_shared_experts_run_in_the_dispatch_window_bitwise_equal(make) -> None:  # noqa: ANN001
+    torch.manual_seed(0)
+    block, shared_name = make()
+    with torch.no_grad():
+        for p in block.parameters():  # HF blocks built alone are not initialised
+            p.normal_(0.0, 0.2)
+    ref = copy.deepcopy(block)
+    runtime, ref_runtime = EventRuntime(), EventRuntime()
+    apply_expert_parallel(block, None, runtime=runtime, shared_expert_overlap=True)
+    apply_expert_parallel(ref, None, runtime=ref_runtime, shared_expert_overlap=False)
+    shared = getattr(block, shared_name)
+    last = list(shared.modules())[-1] if not hasattr(shared, "down_proj") else shared.down_proj
+    # The real forward (the zero-row probe that sizes the Qwen2 placeholder is not counted).
+    last.register_forward_hook(lambda m, args, out: runtime.events.append("shared") if out.numel() else None)
+    x = torch.randn(2, 5, 16)
+    x1, x2 = x.clone().requires_grad_(), x.clone().requires_grad_()
+    out, want = block(x1), ref(x2)
+    # Inside the window: after the first hand-over (the dispatch issue), before the first wait.
+    assert runtime.events.index("shared") > runtime.events.index("handoff")
+    if "wait" in runtime.events:
+        assert runtime.events.index("shared") < runtime.events.index("wait")
+    assert runtime.events.count("shared") == 1
+    assert torch.equal(out, want)
+    out.square().sum().backward()
+    want.square().sum().backward()
+    if make is qwen2_block:
+        # The block's input feeds the shared MLP twice (gate_proj, up_proj); created later, those two gradients
+        # reach it in another order, so the input gradient may differ by one rounding (docs/overlap.md).
+        torch.testing.assert_close(x1.grad, x2.grad, rtol=1e-6, atol=1e-7)
+    else:
+        assert torch.equal(x1.grad, x2.grad)
+    for (name, a), (_, b) in zip(block.named_parameters(), ref.named_parameters()):
+        assert torch.equal(a.grad, b.grad), name
+
+
+def test_shared_window_outside_training_and_without_grad() -> None:
+    torch.manual_seed(0)
+    block, _ = qwen2_block()
+    with torch.no_grad():
+        for p in block.parameters():
+            p.normal_(0.0, 0.2)
+    ref = copy.deepcopy(block)
+    apply_expert_parallel(block, None, runtime=CommRuntime(), shared_expert_overlap=True)
+    apply_expert_parallel(ref, None, runtime=CommRuntime())
+    x = torch.randn(3, 16).view(1, 3, 16)
+    with torch.no_grad():
+        assert torch.equal(block.eval()(x), ref.eval()(x))
+
+
+def test_strategy_flag_reaches_the_layers() -> None:
+    from types import SimpleNamespace
+
+    from lightning_moe_overlap.config import OverlapConfig
+    from lightning_moe_overlap.demo import MoEGPT
+    from lightning_moe_overlap.wrap import ExpertParallelModel
+
+    def wrapped(flag: bool) -> MoEGPT:
+        model = MoEGPT(vocab_size=32, hidden_size=16, num_layers=2, num_heads=2, num_experts=4,
+                       shared_expert_ffn_hidden_size=8)
+        config = OverlapConfig(overlap=False, shared_expert_overlap=flag)
+        ExpertParallelModel(model).apply(config, SimpleNamespace(ep=None), EventRuntime())
+        return model
+
+    on, off = wrapped(True), wrapped(False)
+    assert [layer.mlp.shared_expert_overlap for layer in on.layers] == [True, True]
+    assert [layer.mlp.shared_expert_overlap for layer in off.layers] == [False, False]
+    tokens = torch.randint(0, 32, (2, 6))
+    assert torch.equal(on(tokens), off(tokens))
+    assert on.layers[0].mlp.runtime.events.count("handoff") > 0
