@@ -21,7 +21,7 @@ pytestmark = [
     pytest.mark.gpu,
     pytest.mark.skipif(
         not torch.cuda.is_available() or importlib.util.find_spec("transformer_engine") is None,
-        reason="Requires: CUDA and transformer-engine (pip install lightning-moe-overlap[te])",
+        reason="Requires: CUDA and transformer-engine (the `te` extra)",
     ),
 ]
 
