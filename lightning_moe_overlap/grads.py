@@ -23,7 +23,7 @@ from torch import Tensor
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 from torch.distributed import ProcessGroup
 
-from lightning_moe_overlap import _compat
+from lightning_moe_overlap._compat import torch as torch_compat
 
 _BUCKET_BYTES = 64 << 20
 
@@ -96,7 +96,7 @@ def _sum_of_squares(params: Iterable[torch.nn.Parameter], device: torch.device) 
     ``torch.nn.utils.clip_grad_norm_`` does), computed in float64.
     """
     partials = [
-        torch.stack(_compat.foreach_norm(grads, 2.0, dtype=torch.float64)).square().sum().to(device)
+        torch.stack(torch_compat.foreach_norm(grads, 2.0, dtype=torch.float64)).square().sum().to(device)
         for grads in _by_device_and_dtype(_present_grads(params)).values()
     ]
     if not partials:
@@ -147,5 +147,5 @@ def clip_grad_norm(
     norm = global_grad_norm(dense, expert, ep_group=ep_group, device=device)
     coef = torch.clamp(max_norm / (norm + eps), max=1.0)
     for (grad_device, dtype), grads in _by_device_and_dtype(_present_grads([*dense, *expert])).items():
-        _compat.foreach_mul_(grads, coef.to(grad_device, dtype))
+        torch_compat.foreach_mul_(grads, coef.to(grad_device, dtype))
     return norm

@@ -26,7 +26,7 @@ import torch.distributed as dist
 from lightning.pytorch import LightningModule
 from torch.nn import Module
 
-from lightning_moe_overlap import _compat
+from lightning_moe_overlap._compat import lightning as pl_compat
 from lightning_moe_overlap.overlap.failures import PeerFailure
 from lightning_moe_overlap.parallel.exits import ExitBoard
 from lightning_moe_overlap.parallel.lifeline import LAUNCHER_PID_ENV, ChildReaper, describe_exit, die_with_parent
@@ -49,7 +49,7 @@ PEER_LOSS_MARKERS = ("Connection closed by peer", "Connection reset by peer", "T
 PEER_WAIT_S = 1.0  # how long an error that looks like a lost peer waits for that peer's report
 
 
-class ExpertParallelScriptLauncher(_compat._SubprocessScriptLauncher):
+class ExpertParallelScriptLauncher(pl_compat._SubprocessScriptLauncher):
     """Lightning's script launcher, with pre-spawn checks, no orphans, and failures attributed.
 
     Args:
@@ -85,7 +85,7 @@ class ExpertParallelScriptLauncher(_compat._SubprocessScriptLauncher):
         elif launcher_pid is not None:
             self._child = True
             die_with_parent(int(launcher_pid))
-        _compat._set_num_threads_if_needed(num_processes=self.num_processes)
+        pl_compat._set_num_threads_if_needed(num_processes=self.num_processes)
         try:
             return function(*args, **kwargs)
         except BaseException as err:
@@ -113,7 +113,7 @@ class ExpertParallelScriptLauncher(_compat._SubprocessScriptLauncher):
     def _start_children(self) -> None:
         os.environ[LAUNCHER_PID_ENV] = str(os.getpid())  # copied into the children's environment only
         try:
-            _compat.start_script_children(self)
+            pl_compat.start_script_children(self)
         finally:
             del os.environ[LAUNCHER_PID_ENV]
         self._reaper = ChildReaper(self.procs, self._child_ended).start()
@@ -191,7 +191,7 @@ def _fit_arguments(function: Callable, args: tuple) -> tuple[Any, Any, Any]:
     return tuple(args[i] if len(args) > i else None for i in (0, 3, 4))  # type: ignore[return-value]
 
 
-class ExpertParallelSpawnLauncher(_compat._MultiProcessingLauncher):
+class ExpertParallelSpawnLauncher(pl_compat._MultiProcessingLauncher):
     def _collect_rank_zero_results(self, trainer: Trainer, results: Any) -> Any:
         module = trainer.lightning_module
         full = self._strategy.full_state_dict()  # collective: every rank takes part, rank 0 receives

@@ -24,7 +24,7 @@ from torch import Tensor
 from torch.nn import Module
 from typing_extensions import override
 
-from lightning_moe_overlap import _compat
+from lightning_moe_overlap._compat import lightning as pl_compat
 from lightning_moe_overlap._noise import quiet_third_party_noise
 from lightning_moe_overlap.checkpoint import checkpointer
 from lightning_moe_overlap.checkpoint.consolidated import gather_full
@@ -246,18 +246,18 @@ class MoEOverlapStrategy(ParallelStrategy):
         log.debug("%s: %s", type(self).__name__, self.dims.describe())
 
     def _backend(self) -> str:
-        return self.config.process_group_backend or _compat._get_default_process_group_backend_for_device(
+        return self.config.process_group_backend or pl_compat._get_default_process_group_backend_for_device(
             self.root_device
         )
 
     def _setup_distributed(self) -> None:
-        _compat.reset_seed()
+        pl_compat.reset_seed()
         self.set_world_ranks()
         assert self.cluster_environment is not None
         device_id = self.root_device if self.root_device.type != "cpu" else None
         if "nccl" in self._backend():  # read when the NCCL process group is created, so before it
             default_nccl_error_handling()
-        _compat._init_dist_connection(
+        pl_compat._init_dist_connection(
             self.cluster_environment, self._backend(), timeout=self._timeout, device_id=device_id
         )
         destroy_process_groups_at_exit()
@@ -295,7 +295,7 @@ class MoEOverlapStrategy(ParallelStrategy):
             self.setup_optimizers(trainer)
         self.setup_precision_plugin()
         if fitting:
-            _compat._optimizers_to_device(self.optimizers, self.root_device)
+            pl_compat._optimizers_to_device(self.optimizers, self.root_device)
             nets = safety_nets(self._timeout.total_seconds(), self._backend())
             engine = OverlapEngine(
                 self.runtime, overlap=self.config.overlap, timeout_s=nets.wait_s, stall_timeout_s=nets.stall_s
@@ -420,12 +420,12 @@ class MoEOverlapStrategy(ParallelStrategy):
         self, tensor: Tensor | Any, group: Any | None = None, reduce_op: ReduceOp | str | None = "mean"
     ) -> Tensor | Any:
         if isinstance(tensor, Tensor):
-            return _compat._sync_ddp_if_available(tensor, group, reduce_op=reduce_op)
+            return pl_compat._sync_ddp_if_available(tensor, group, reduce_op=reduce_op)
         return tensor
 
     @override
     def barrier(self, name: str | None = None) -> None:
-        if not _compat._distributed_is_initialized():
+        if not pl_compat._distributed_is_initialized():
             return
         if dist.get_backend() == "nccl":
             dist.barrier(device_ids=[self.root_device.index])
@@ -434,7 +434,7 @@ class MoEOverlapStrategy(ParallelStrategy):
 
     @override
     def broadcast(self, obj: TBroadcast, src: int = 0) -> TBroadcast:
-        if not _compat._distributed_is_initialized():
+        if not pl_compat._distributed_is_initialized():
             return obj
         holder = [obj]
         dist.broadcast_object_list(holder, src)
@@ -462,7 +462,7 @@ class MoEOverlapStrategy(ParallelStrategy):
 
 def _as_timedelta(timeout: float | timedelta | None) -> timedelta:
     if timeout is None:
-        return _compat.default_pg_timeout
+        return pl_compat.default_pg_timeout
     if isinstance(timeout, timedelta):
         return timeout
     if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or timeout <= 0:

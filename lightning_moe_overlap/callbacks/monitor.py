@@ -29,7 +29,7 @@ import torch.distributed as dist
 from lightning.pytorch import Callback, LightningModule, Trainer
 from typing_extensions import override
 
-from lightning_moe_overlap import _compat
+from lightning_moe_overlap._compat import lightning as pl_compat
 from lightning_moe_overlap.moe.capacity import validate_capacity
 from lightning_moe_overlap.moe.stats import RoutingStats, Summary, summarize
 from lightning_moe_overlap.overlap.event_timer import EventCommTimer
@@ -100,7 +100,7 @@ class MoEMonitor(Callback):
     ) -> None:
         if self.stats is None or self._step_start is None:
             return
-        logging = _compat.should_update_logs(trainer)
+        logging = pl_compat.should_update_logs(trainer)
         if logging and pl_module.device.type == "cuda":
             torch.cuda.synchronize(pl_module.device)  # NOTE: D2H sync (once per logging interval: the step's time)
         self._steps += 1

@@ -24,7 +24,7 @@ import time
 import torch
 from torch import Tensor
 
-from lightning_moe_overlap import _compat
+from lightning_moe_overlap._compat import torch as torch_compat
 
 
 class ThreadLoopbackWork:
@@ -51,7 +51,7 @@ class CudaLoopbackWork:
         self._device = inp.device
         stream.wait_stream(torch.cuda.current_stream(self._device))  # the input is ready, as NCCL does at issue
         with torch.cuda.stream(stream):
-            _compat.cuda_sleep(cycles)
+            torch_compat.cuda_sleep(cycles)
             out.copy_(inp)
             self._done = torch.cuda.Event()
             self._done.record(stream)
@@ -93,11 +93,11 @@ def cycles_per_second(device: torch.device, probe_cycles: int = 10_000_000, repe
     """GPU clock cycles of ``torch.cuda._sleep`` per second on ``device`` (median of ``repeats`` timings)."""
     rates = []
     with torch.cuda.device(device):
-        _compat.cuda_sleep(probe_cycles)  # warm-up
+        torch_compat.cuda_sleep(probe_cycles)  # warm-up
         for _ in range(repeats):
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record()
-            _compat.cuda_sleep(probe_cycles)
+            torch_compat.cuda_sleep(probe_cycles)
             end.record()
             end.synchronize()  # NOTE: D2H sync (calibration, before training)
             rates.append(probe_cycles / (start.elapsed_time(end) / 1e3))

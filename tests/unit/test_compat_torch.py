@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from lightning_moe_overlap import _compat
+from lightning_moe_overlap._compat import torch as torch_compat
 
 
 def test_private_torch_names_exist() -> None:
@@ -15,8 +15,8 @@ def test_private_torch_names_exist() -> None:
 
 def test_foreach_helpers_match_the_plain_ops() -> None:
     tensors = [torch.arange(4.0), torch.full((2, 3), -2.0)]
-    norms = _compat.foreach_norm(tensors, 2.0, dtype=torch.float64)
+    norms = torch_compat.foreach_norm(tensors, 2.0, dtype=torch.float64)
     assert [n.dtype for n in norms] == [torch.float64] * 2
     assert torch.equal(torch.stack(norms), torch.stack([t.double().norm() for t in tensors]))
-    _compat.foreach_mul_(tensors, torch.tensor(0.5))
+    torch_compat.foreach_mul_(tensors, torch.tensor(0.5))
     assert torch.equal(tensors[0], torch.arange(4.0) / 2) and torch.equal(tensors[1], torch.full((2, 3), -1.0))

@@ -1,13 +1,6 @@
-"""Every private Lightning and torch name this package uses, in one place (the supported range is pinned in pyproject).
-
-torch names are reached through functions, looked up when called, so importing this module never touches CUDA.
-"""
+"""Every private Lightning name this package uses, in one place (the supported range is pinned in pyproject)."""
 
 from __future__ import annotations
-
-from collections.abc import Sequence
-
-import torch
 
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 from lightning.fabric.utilities.distributed import (
@@ -21,15 +14,11 @@ from lightning.fabric.utilities.optimizer import _optimizers_to_device
 from lightning.fabric.utilities.seed import reset_seed
 from lightning.pytorch.strategies.launchers import _MultiProcessingLauncher, _SubprocessScriptLauncher
 from lightning.pytorch.trainer import call as trainer_call
-from torch import Tensor
-
 
 
 def start_script_children(launcher: _SubprocessScriptLauncher) -> None:
     """Start the other local ranks (``_SubprocessScriptLauncher._call_children_scripts``; fills ``launcher.procs``)."""
     launcher._call_children_scripts()
-
-
 
 
 def should_update_logs(trainer: object) -> bool:
@@ -47,28 +36,9 @@ __all__ = [
     "_optimizers_to_device",
     "_set_num_threads_if_needed",
     "_sync_ddp_if_available",
-    "cuda_sleep",
-    "foreach_mul_",
-    "foreach_norm",
     "default_pg_timeout",
     "reset_seed",
     "start_script_children",
     "should_update_logs",
     "trainer_call",
 ]
-
-
-# -- torch ----------------------------------------------------------------------------------------------------------
-def foreach_norm(tensors: Sequence[Tensor], ord: float, *, dtype: torch.dtype | None = None) -> tuple[Tensor, ...]:
-    """``torch._foreach_norm``: one fused kernel for the norms of many tensors (same device and dtype)."""
-    return torch._foreach_norm(list(tensors), ord, dtype=dtype)
-
-
-def foreach_mul_(tensors: Sequence[Tensor], scalar: Tensor) -> None:
-    """``torch._foreach_mul_`` by a 0-d tensor: scales many tensors in place without reading ``scalar`` back."""
-    torch._foreach_mul_(list(tensors), scalar)
-
-
-def cuda_sleep(cycles: int) -> None:
-    """``torch.cuda._sleep``: a kernel that spins the current stream for ``cycles`` GPU clock cycles."""
-    torch.cuda._sleep(int(cycles))
