@@ -57,7 +57,7 @@ from lightning_moe_overlap.validation import (
     check_world,
     raise_problems,
 )
-from lightning_moe_overlap.wrap import ExpertParallelModel
+from lightning_moe_overlap.wrap import MoEModelHandle
 
 log = logging.getLogger(__name__)
 
@@ -168,7 +168,7 @@ class MoEOverlapStrategy(ParallelStrategy):
         self._dims: ParallelDims | None = None
         self._groups: ParallelGroups | None = None
         self.runtime = CommRuntime(delay_wgrad=delay_wgrad)
-        self._ep_model: ExpertParallelModel | None = None
+        self._ep_model: MoEModelHandle | None = None
         self._loop: MicroBatchLoop | None = None
         self.checkpoint_format = checkpointer.check_format(checkpoint_format)
 
@@ -292,7 +292,7 @@ class MoEOverlapStrategy(ParallelStrategy):
                 )
             )
         if self._ep_model is None:
-            self._ep_model = ExpertParallelModel(self.model)
+            self._ep_model = MoEModelHandle(self.model)
             dp_cp = self.dims.dp * self.dims.cp
             raise_problems(check_model(self.config, self._ep_model.experts_per_block(), dp_cp))
             self._ep_model.apply(self.config, self.parallel_groups, self.runtime)
