@@ -238,11 +238,11 @@ def collect_problems(
 
 
 def _model_structure(model_spec: dict[str, Any]) -> tuple[bool, dict[str, int]]:
-    from lightning_moe_overlap.wrap import ExpertParallelModel
+    from lightning_moe_overlap.wrap import MoEModelHandle
 
     with torch.device("meta"):
         model = _instantiate(model_spec)
-    return model.automatic_optimization, ExpertParallelModel(model).experts_per_block()
+    return model.automatic_optimization, MoEModelHandle(model).experts_per_block()
 
 
 def check_main(argv: Sequence[str]) -> int:

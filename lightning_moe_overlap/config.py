@@ -1,21 +1,27 @@
-"""The strategy's settings as one frozen value, so validation and the ``check`` command read the same thing."""
+"""The strategy's settings as one frozen value, so validation and the ``check`` command read the same thing.
+
+The option sets are spelled once, here, as ``Literal`` types (the strategy's signature uses them, so LightningCLI
+offers exactly these) and as tuples derived from them (what validation and the factories check against).
+"""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal
+from typing import Literal, get_args
 
 Dispatcher = Literal["alltoall", "allgather", "flex"]
 FlexBackend = Literal["deepep"]
 DropPolicy = Literal["probs", "position"]
 StartMethod = Literal["popen", "spawn", "fork", "forkserver"]
 ExpertBackend = Literal["torch", "te"]
+CheckpointFormat = Literal["sharded", "consolidated"]
 
-DISPATCHERS: tuple[str, ...] = ("alltoall", "allgather", "flex")
-FLEX_BACKENDS: tuple[str, ...] = ("deepep",)
-DROP_POLICIES: tuple[str, ...] = ("probs", "position")
-START_METHODS: tuple[str, ...] = ("popen", "spawn", "fork", "forkserver")
-EXPERT_BACKENDS: tuple[str, ...] = ("torch", "te")
+DISPATCHERS: tuple[str, ...] = get_args(Dispatcher)
+FLEX_BACKENDS: tuple[str, ...] = get_args(FlexBackend)
+DROP_POLICIES: tuple[str, ...] = get_args(DropPolicy)
+START_METHODS: tuple[str, ...] = get_args(StartMethod)
+EXPERT_BACKENDS: tuple[str, ...] = get_args(ExpertBackend)
+CHECKPOINT_FORMATS: tuple[str, ...] = get_args(CheckpointFormat)
 
 
 def resolve_overlap(overlap: bool | None, num_microbatches: object) -> bool:

@@ -39,7 +39,7 @@ from lightning_moe_overlap.validation import (
     known_batch_size,
     raise_problems,
 )
-from lightning_moe_overlap.wrap import ExpertParallelModel
+from lightning_moe_overlap.wrap import MoEModelHandle
 
 if TYPE_CHECKING:
     from lightning.pytorch import Trainer
@@ -105,7 +105,7 @@ class ExpertParallelScriptLauncher(pl_compat._SubprocessScriptLauncher):
             )
         if isinstance(model, Module) and not problems:
             dims = self._strategy.dims
-            experts = ExpertParallelModel(model).experts_per_block()
+            experts = MoEModelHandle(model).experts_per_block()
             problems = [p for p in check_model(config, experts, dims.dp * dims.cp) if p.is_error]
         return problems
 

@@ -6,7 +6,7 @@ import logging
 import os
 from collections.abc import Callable, Mapping
 from datetime import timedelta
-from typing import Any, Literal
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -29,7 +29,16 @@ from lightning_moe_overlap._noise import quiet_third_party_noise
 from lightning_moe_overlap.checkpoint import checkpointer
 from lightning_moe_overlap.checkpoint.consolidated import gather_full
 from lightning_moe_overlap.checkpoint.target import LoadTarget
-from lightning_moe_overlap.config import OverlapConfig, resolve_overlap
+from lightning_moe_overlap.config import (
+    CheckpointFormat,
+    Dispatcher,
+    DropPolicy,
+    ExpertBackend,
+    FlexBackend,
+    OverlapConfig,
+    StartMethod,
+    resolve_overlap,
+)
 from lightning_moe_overlap.grads import clip_grad_norm, global_grad_norm
 from lightning_moe_overlap.launcher import ExpertParallelScriptLauncher, ExpertParallelSpawnLauncher
 from lightning_moe_overlap.loop import MicroBatchLoop
@@ -48,7 +57,7 @@ from lightning_moe_overlap.validation import (
     check_world,
     raise_problems,
 )
-from lightning_moe_overlap.wrap import ExpertParallelModel
+from lightning_moe_overlap.wrap import MoEModelHandle
 
 log = logging.getLogger(__name__)
 
@@ -107,20 +116,20 @@ class MoEOverlapStrategy(ParallelStrategy):
         pp: int = 1,
         vpp: int | None = None,
         cp: int = 1,
-        dispatcher: Literal["alltoall", "allgather", "flex"] = "alltoall",
-        flex_backend: Literal["deepep"] | None = None,
+        dispatcher: Dispatcher = "alltoall",
+        flex_backend: FlexBackend | None = None,
         overlap: bool | None = None,
         delay_wgrad: bool = False,
         num_microbatches: int = 1,
         capacity_factor: float | None = None,
-        token_drop_policy: Literal["probs", "position"] = "probs",
+        token_drop_policy: DropPolicy = "probs",
         shared_expert_overlap: bool = False,
         deepep_num_sms: int = 20,
         process_group_backend: str | None = None,
         timeout: float | timedelta | None = None,
-        start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
-        checkpoint_format: Literal["sharded", "consolidated"] = "sharded",
-        expert_backend: Literal["torch", "te"] = "torch",
+        start_method: StartMethod = "popen",
+        checkpoint_format: CheckpointFormat = "sharded",
+        expert_backend: ExpertBackend = "torch",
         accelerator: Accelerator | None = None,
         parallel_devices: list[torch.device] | None = None,
         cluster_environment: ClusterEnvironment | None = None,
@@ -159,7 +168,7 @@ class MoEOverlapStrategy(ParallelStrategy):
         self._dims: ParallelDims | None = None
         self._groups: ParallelGroups | None = None
         self.runtime = CommRuntime(delay_wgrad=delay_wgrad)
-        self._ep_model: ExpertParallelModel | None = None
+        self._ep_model: MoEModelHandle | None = None
         self._loop: MicroBatchLoop | None = None
         self.checkpoint_format = checkpointer.check_format(checkpoint_format)
 
@@ -283,7 +292,7 @@ class MoEOverlapStrategy(ParallelStrategy):
                 )
             )
         if self._ep_model is None:
-            self._ep_model = ExpertParallelModel(self.model)
+            self._ep_model = MoEModelHandle(self.model)
             dp_cp = self.dims.dp * self.dims.cp
             raise_problems(check_model(self.config, self._ep_model.experts_per_block(), dp_cp))
             self._ep_model.apply(self.config, self.parallel_groups, self.runtime)

@@ -18,6 +18,7 @@ from typing import Any
 import torch
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 
+from lightning_moe_overlap._checks import divisors, is_positive_int, is_positive_number
 from lightning_moe_overlap._install import install_hint
 from lightning_moe_overlap.config import (
     DISPATCHERS,
@@ -27,7 +28,7 @@ from lightning_moe_overlap.config import (
     START_METHODS,
     OverlapConfig,
 )
-from lightning_moe_overlap.parallel.dims import ParallelDims, _divisors
+from lightning_moe_overlap.parallel.dims import ParallelDims, ParallelDimsError
 
 OWNER = "`MoEOverlapStrategy`"
 SAME_ON_EVERY_RANK = "same_on_every_rank"  # set on a raised error: every rank finds it alike, rank 0 shows it
@@ -55,28 +56,30 @@ def _warn(rule: str, message: str) -> Problem:
     return Problem(rule, message, None)
 
 
-def _is_pos_int(value: object) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool) and value >= 1
-
-
 # -- rules on the configuration alone --------------------------------------------------------------------------
+def _failing(*checks: tuple[str, bool, str]) -> list[Problem]:
+    """One problem for each ``(rule, ok, message)`` that is not ``ok``."""
+    return [Problem(rule, f"{OWNER}: {message}") for rule, ok, message in checks if not ok]
+
+
+def _when(broken: bool, rule: str, message: str, error: type[Exception] | None = ValueError) -> list[Problem]:
+    """``[the problem]`` when the rule is ``broken`` (a warning with ``error=None``), else ``[]``."""
+    return [Problem(rule, f"{OWNER}: {message}", error)] if broken else []
+
+
 def rule_sizes(cfg: OverlapConfig) -> list[Problem]:
-    out = [
-        Problem("sizes", f"{OWNER}: `{name}={value!r}` must be a positive integer. Pass an int >= 1.")
-        for name, value in (("ep", cfg.ep), ("tp", cfg.tp), ("pp", cfg.pp), ("cp", cfg.cp))
-        if not _is_pos_int(value)
-    ]
-    if cfg.vpp is not None and not _is_pos_int(cfg.vpp):
-        out.append(Problem("sizes", f"{OWNER}: `vpp={cfg.vpp!r}` must be None or a positive integer."))
-    if not _is_pos_int(cfg.num_microbatches):
-        out.append(
-            Problem(
-                "num-microbatches",
-                f"{OWNER}: `num_microbatches={cfg.num_microbatches!r}` must be a positive integer; "
-                "each batch the dataloader yields is split into that many micro-batches.",
-            )
-        )
-    return out
+    sizes = {"ep": cfg.ep, "tp": cfg.tp, "pp": cfg.pp, "cp": cfg.cp}
+    vpp_ok = cfg.vpp is None or is_positive_int(cfg.vpp)
+    return _failing(
+        *(("sizes", is_positive_int(v), f"`{n}={v!r}` must be a positive integer.") for n, v in sizes.items()),
+        ("sizes", vpp_ok, f"`vpp={cfg.vpp!r}` must be None or a positive integer."),
+        (
+            "num-microbatches",
+            is_positive_int(cfg.num_microbatches),
+            f"`num_microbatches={cfg.num_microbatches!r}` must be a positive integer; each batch the dataloader "
+            "yields is split into that many micro-batches.",
+        ),
+    )
 
 
 def rule_choices(cfg: OverlapConfig) -> list[Problem]:
@@ -86,98 +89,76 @@ def rule_choices(cfg: OverlapConfig) -> list[Problem]:
         ("start_method", cfg.start_method, START_METHODS),
         ("expert_backend", cfg.expert_backend, EXPERT_BACKENDS),
     )
-    out = [
-        Problem("choices", f"{OWNER}: `{name}={value!r}` is not one of {list(valid)}. Pick one of them.")
-        for name, value, valid in choices
-        if value not in valid
-    ]
-    if cfg.flex_backend is not None and cfg.flex_backend not in FLEX_BACKENDS:
-        out.append(
-            Problem(
-                "choices", f"{OWNER}: `flex_backend={cfg.flex_backend!r}` is not one of {list(FLEX_BACKENDS)}."
-            )
-        )
-    if cfg.capacity_factor is not None and not (
-        isinstance(cfg.capacity_factor, (int, float)) and cfg.capacity_factor > 0
-    ):
-        out.append(
-            Problem(
-                "capacity-factor",
-                f"{OWNER}: `capacity_factor={cfg.capacity_factor!r}` must be None (dropless) or a number > 0.",
-            )
-        )
-    if not _is_pos_int(cfg.deepep_num_sms) or cfg.deepep_num_sms % 2:
-        out.append(
-            Problem(
-                "deepep-num-sms",
-                f"{OWNER}: `deepep_num_sms={cfg.deepep_num_sms!r}` must be a positive even integer "
-                "(DeepEP splits its SMs into send/receive pairs). Try 20, DeepSeek-V3's setting.",
-            )
-        )
-    return out
+    sms = cfg.deepep_num_sms
+    return _failing(
+        *(("choices", v in ok, f"`{n}={v!r}` is not one of {list(ok)}. Pick one of them.") for n, v, ok in choices),
+        (
+            "choices",
+            cfg.flex_backend is None or cfg.flex_backend in FLEX_BACKENDS,
+            f"`flex_backend={cfg.flex_backend!r}` is not one of {list(FLEX_BACKENDS)}.",
+        ),
+        (
+            "capacity-factor",
+            cfg.capacity_factor is None or is_positive_number(cfg.capacity_factor),
+            f"`capacity_factor={cfg.capacity_factor!r}` must be None (dropless) or a number > 0.",
+        ),
+        (
+            "deepep-num-sms",
+            is_positive_int(sms) and sms % 2 == 0,
+            f"`deepep_num_sms={sms!r}` must be a positive even integer (DeepEP splits its SMs into send/receive "
+            "pairs). Try 20, DeepSeek-V3's setting.",
+        ),
+    )
 
 
 def rule_flex_backend_without_flex(cfg: OverlapConfig) -> list[Problem]:
     """Megatron-Bridge pitfall: the backend flag alone does not activate the flex dispatcher."""
-    if cfg.flex_backend is not None and cfg.dispatcher != "flex":
-        return [
-            Problem(
-                "flex-backend-without-flex",
-                f"{OWNER}: `flex_backend={cfg.flex_backend!r}` does nothing with `dispatcher={cfg.dispatcher!r}`; "
-                "the backend is only used by the flex dispatcher. Set `dispatcher='flex'` too, or drop `flex_backend`.",
-            )
-        ]
-    return []
+    return _when(
+        cfg.flex_backend is not None and cfg.dispatcher != "flex",
+        "flex-backend-without-flex",
+        f"`flex_backend={cfg.flex_backend!r}` does nothing with `dispatcher={cfg.dispatcher!r}`; the backend is only "
+        "used by the flex dispatcher. Set `dispatcher='flex'` too, or drop `flex_backend`.",
+    )
 
 
 def rule_shared_expert_overlap(cfg: OverlapConfig) -> list[Problem]:
     """Megatron-Bridge pitfall: shared-expert overlap and dispatch overlap both claim the dispatch window."""
-    if cfg.shared_expert_overlap and cfg.overlap:
-        return [
-            Problem(
-                "shared-expert-overlap",
-                f"{OWNER}: `shared_expert_overlap=True` conflicts with `overlap=True`: the dispatch overlap already "
-                "hides each all-to-all behind the other micro-batch's compute. Set `shared_expert_overlap=False` "
-                "(or `overlap=False` to hide the dispatch behind the shared experts only).",
-            )
-        ]
-    return []
+    return _when(
+        cfg.shared_expert_overlap and cfg.overlap,
+        "shared-expert-overlap",
+        "`shared_expert_overlap=True` conflicts with `overlap=True`: the dispatch overlap already hides each "
+        "all-to-all behind the other micro-batch's compute. Set `shared_expert_overlap=False` (or `overlap=False` "
+        "to hide the dispatch behind the shared experts only).",
+    )
 
 
 def rule_pipeline(cfg: OverlapConfig) -> list[Problem]:
-    out: list[Problem] = []
-    if cfg.pp > 1 and cfg.overlap and cfg.vpp is None:
-        out.append(
-            Problem(
-                "pp-without-vpp",
-                f"{OWNER}: `overlap=True` with `pp={cfg.pp}` needs `vpp` set: without interleaving, forward and "
-                "backward on the last stage depend on each other and cannot overlap. Set `vpp` (1 is allowed).",
-            )
-        )
-    if cfg.pp == 1 and cfg.vpp is not None and cfg.vpp > 1:
-        out.append(
-            _warn(
-                "vpp-without-pp",
-                f"{OWNER}: `vpp={cfg.vpp}` with `pp=1` has nothing to interleave and is ignored.",
-            )
-        )
-    return out
+    return _when(
+        cfg.pp > 1 and cfg.overlap and cfg.vpp is None,
+        "pp-without-vpp",
+        f"`overlap=True` with `pp={cfg.pp}` needs `vpp` set: without interleaving, forward and backward on the last "
+        "stage depend on each other and cannot overlap. Set `vpp` (1 is allowed).",
+    ) + _when(
+        cfg.pp == 1 and cfg.vpp is not None and cfg.vpp > 1,
+        "vpp-without-pp",
+        f"`vpp={cfg.vpp}` with `pp=1` has nothing to interleave and is ignored.",
+        error=None,
+    )
 
 
 def rule_overlap_needs_microbatches(cfg: OverlapConfig) -> list[Problem]:
-    if cfg.overlap and cfg.num_microbatches == 1:
-        return [
-            _warn(
-                "overlap-one-microbatch",
-                f"{OWNER}: `overlap=True` with `num_microbatches=1`: there is no second micro-batch to overlap "
-                "with, so each step runs sequentially. Set `num_microbatches>=2` to hide the all-to-all.",
-            )
-        ]
-    return []
+    return _when(
+        cfg.overlap and cfg.num_microbatches == 1,
+        "overlap-one-microbatch",
+        "`overlap=True` with `num_microbatches=1`: there is no second micro-batch to overlap with, so each step runs "
+        "sequentially. Set `num_microbatches>=2` to hide the all-to-all.",
+        error=None,
+    )
 
 
 def rule_not_implemented(cfg: OverlapConfig) -> list[Problem]:
-    unsupported = [f"{n}={v}" for n, v in (("tp", cfg.tp), ("pp", cfg.pp), ("cp", cfg.cp)) if _is_pos_int(v) and v > 1]
+    sizes = (("tp", cfg.tp), ("pp", cfg.pp), ("cp", cfg.cp))
+    unsupported = [f"{n}={v}" for n, v in sizes if is_positive_int(v) and v > 1]
     if unsupported:
         return [
             Problem(
@@ -229,37 +210,19 @@ def check_world(cfg: OverlapConfig, world_size: int) -> list[Problem]:
     """Rules that need the number of processes (before any is spawned)."""
     if rule_sizes(cfg):
         return []  # the sizes themselves are wrong; reported by check_config
-    out: list[Problem] = []
-    model = cfg.pp * cfg.cp * cfg.tp
-    if world_size % model:
-        out.append(
-            Problem(
-                "world-size",
-                f"{OWNER}: world_size={world_size} (devices x num_nodes) is not a multiple of pp*cp*tp={model} "
-                f"(pp={cfg.pp}, cp={cfg.cp}, tp={cfg.tp}); the rule is world_size = pp * dp * cp * tp. "
-                f"Choose pp*cp*tp among {_divisors(world_size)}, or run on a multiple of {model} processes.",
-            )
-        )
-        return out
-    dp_cp = world_size // model * cfg.cp
-    if dp_cp % cfg.ep:
-        out.append(
-            Problem(
-                "ep-divides-dp-cp",
-                f"{OWNER}: ep={cfg.ep} does not divide dp*cp={dp_cp} (world_size={world_size}); expert parallelism "
-                f"folds into the data-parallel ranks. Valid ep values here: {_divisors(dp_cp)}; or run on a "
-                f"multiple of {cfg.ep * model} processes.",
-            )
-        )
-    elif cfg.overlap and cfg.ep == 1 and world_size > 1:
-        out.append(
+    try:
+        build_dims(cfg, world_size)  # the one implementation of the layout rules
+    except ParallelDimsError as err:
+        return [Problem(err.rule, f"{OWNER}: {err.detail}")]
+    if cfg.overlap and cfg.ep == 1 and world_size > 1:
+        return [
             _warn(
                 "overlap-ep1",
                 f"{OWNER}: `overlap=True` with `ep=1`: no all-to-all crosses processes, so there is nothing to hide. "
                 "Set `ep>1` for expert parallelism.",
             )
-        )
-    return out
+        ]
+    return []
 
 
 def build_dims(cfg: OverlapConfig, world_size: int) -> ParallelDims:
@@ -338,7 +301,7 @@ def normalize_precision(precision: object) -> str:
 
 def rule_flex_ep_size(cfg: OverlapConfig, devices_per_node: int | None) -> list[Problem]:
     """DeepEP runs on 2, 4 or 8 ranks of one node, or on a multiple of 8 ranks across nodes of 8 GPUs."""
-    if cfg.resolved_flex_backend != "deepep" or not _is_pos_int(cfg.ep):
+    if cfg.resolved_flex_backend != "deepep" or not is_positive_int(cfg.ep):
         return []
     ep = cfg.ep
     per_node = f"devices per node={devices_per_node}" if devices_per_node else "devices per node unknown"
@@ -406,7 +369,7 @@ def check_flex(cfg: OverlapConfig, *, devices_per_node: int | None = None, preci
 def valid_ep_values(experts_per_block: Mapping[str, int], dp_cp: int | None) -> list[int]:
     """The ep values that satisfy every rule at once: divide every block's experts and, if known, dp*cp."""
     common = math.gcd(*experts_per_block.values(), *([dp_cp] if dp_cp else []))
-    return _divisors(common)
+    return divisors(common)
 
 
 def check_model(
@@ -477,15 +440,15 @@ def known_batch_size(datamodule: Any) -> int | None:
     value = getattr(datamodule, "batch_size", None)
     if value is None:
         value = getattr(datamodule, "hparams", {}).get("batch_size")
-    return value if _is_pos_int(value) else None
+    return value if is_positive_int(value) else None
 
 
 def check_launch(cfg: OverlapConfig, batch_size: int | None = None, ckpt_path: Any = None) -> list[Problem]:
     """Rules on what ``fit`` was given, checked before any process starts: the batch size each dataloader yields
     (where known, e.g. from :func:`known_batch_size`) and the checkpoint to resume from."""
     out: list[Problem] = []
-    if batch_size is not None and _is_pos_int(cfg.num_microbatches) and batch_size % cfg.num_microbatches:
-        fits = [m for m in _divisors(batch_size) if m > 1] or [1]
+    if batch_size is not None and is_positive_int(cfg.num_microbatches) and batch_size % cfg.num_microbatches:
+        fits = [m for m in divisors(batch_size) if m > 1] or [1]
         out.append(
             Problem(
                 "batch-size-microbatches",

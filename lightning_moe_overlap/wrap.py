@@ -10,7 +10,7 @@ from torch import nn
 
 from lightning_moe_overlap.config import OverlapConfig
 from lightning_moe_overlap.grads import sync_gradients
-from lightning_moe_overlap.moe.adapters import apply_expert_parallel, find_experts
+from lightning_moe_overlap.moe.adapters import apply_expert_parallel, find_moe_blocks
 from lightning_moe_overlap.moe.bias import CorrectionBiasBalancer, correction_bias_balancers
 from lightning_moe_overlap.moe.ep import ExpertParallelExperts
 from lightning_moe_overlap.moe.router import TopKRouter
@@ -18,8 +18,9 @@ from lightning_moe_overlap.overlap.runtime import CommRuntime
 from lightning_moe_overlap.parallel import ParallelGroups
 
 
-class ExpertParallelModel:
-    """The strategy's view of the model: which parameters are experts, and the per-step gradient work."""
+class MoEModelHandle:
+    """A handle over a model's MoE layers (not a module itself): makes its experts expert-parallel, tells expert from
+    dense parameters, and does the per-step work on them (replica broadcast, gradient sync, router updates)."""
 
     def __init__(self, model: nn.Module) -> None:
         self.model = model
@@ -28,7 +29,7 @@ class ExpertParallelModel:
 
     def experts_per_block(self) -> Mapping[str, int]:
         """``{module name: num_experts}`` for every experts module found (for validation before wrapping)."""
-        return {name: found.num_experts for name, found in find_experts(self.model).items()}
+        return find_moe_blocks(self.model)
 
     def apply(self, config: OverlapConfig, groups: ParallelGroups, runtime: CommRuntime) -> None:
         """Replace every experts module by its expert-parallel version holding only this rank's experts."""
@@ -44,10 +45,6 @@ class ExpertParallelModel:
             shared_expert_overlap=config.shared_expert_overlap,
         )
         self._bias_balancers = correction_bias_balancers(self.model)
-
-    @property
-    def ep_modules(self) -> list[ExpertParallelExperts]:
-        return self._ep_modules
 
     def routers(self) -> list[TopKRouter]:
         return [m for m in self.model.modules() if isinstance(m, TopKRouter)]

@@ -18,3 +18,13 @@ def _restore_rank_zero(monkeypatch):
     from lightning.pytorch.utilities.rank_zero import rank_zero_only
 
     monkeypatch.setattr(rank_zero_only, "rank", getattr(rank_zero_only, "rank", 0))
+
+
+@pytest.fixture(autouse=True)
+def _scoped_registries():
+    """Adapters and layer names are process-wide registries: undo whatever a test registers."""
+    from lightning_moe_overlap.callbacks.names import LAYER_SPECS
+    from lightning_moe_overlap.moe.adapters import ADAPTERS
+
+    with ADAPTERS.scoped(), LAYER_SPECS.scoped():
+        yield

@@ -25,6 +25,7 @@ from typing import Literal
 from torch import nn
 
 from lightning_moe_overlap.moe.ep import ExpertParallelExperts
+from lightning_moe_overlap.registry import Registry
 
 # Megatron / LoongForge names (``--recompute-modules``, ``--offload-modules``, ``--offload-tensors``).
 RECOMPUTE_NAMES: tuple[str, ...] = (
@@ -156,8 +157,7 @@ HF_LAYER = LayerSpec(
     "transformers_v5", _has("input_layernorm", "self_attn", "post_attention_layernorm", "mlp"),
     _decoder_targets("self_attn", "input_layernorm", "post_attention_layernorm", "self_attn.o_proj"),
 )
-_BUILTIN: tuple[LayerSpec, ...] = (OWN_LAYER, HF_LAYER)
-_USER: list[LayerSpec] = []
+LAYER_SPECS = Registry("spec", (OWN_LAYER, HF_LAYER), ("register_layer_names", "unregister_layer_names"))
 
 
 def register_layer_names(
@@ -167,7 +167,8 @@ def register_layer_names(
 
     Used by :class:`~lightning_moe_overlap.callbacks.SelectiveRecompute` (module names) and
     :class:`~lightning_moe_overlap.callbacks.ActivationOffload` (module and tensor names). For a layer several
-    specs match, later registrations win name by name over earlier ones and over the built-in specs.
+    specs match, later registrations win name by name over earlier ones and over the built-in specs. The specs
+    are process-wide (see ``registry.py``); ``with LAYER_SPECS.scoped(): ...`` undoes registrations on exit.
 
     Args:
         layer_type: the layer class (instances of subclasses match too) or a predicate on modules.
@@ -199,28 +200,13 @@ def register_layer_names(
         )
     for key, target in names.items():
         _check_target(key, target)
-    spec_name = name or default_name
-    if any(s.name == spec_name for s in (*_USER, *_BUILTIN)):
-        raise ValueError(
-            f"`register_layer_names`: a spec named {spec_name!r} is already registered; names must be unique. "
-            f"Pass `name=...`, or `unregister_layer_names(...)` the old one first."
-        )
-    spec = LayerSpec(spec_name, matches, dict(names))
-    _USER.append(spec)
-    return spec
+    fix = "Pass `name=...`, or `unregister_layer_names(...)` the old one first."
+    return LAYER_SPECS.add(LayerSpec(name or default_name, matches, dict(names)), fix=fix)
 
 
 def unregister_layer_names(spec: LayerSpec | str) -> None:
     """Remove a spec added by :func:`register_layer_names` (by the spec or its name)."""
-    key = spec if isinstance(spec, str) else spec.name
-    for i, s in enumerate(_USER):
-        if s.name == key:
-            del _USER[i]
-            return
-    raise ValueError(
-        f"`unregister_layer_names`: no user spec named {key!r}; registered: {[s.name for s in _USER]}. Built-in "
-        "specs cannot be removed."
-    )
+    LAYER_SPECS.remove(spec if isinstance(spec, str) else spec.name)
 
 
 def _check_target(key: str, target: object) -> None:
@@ -234,15 +220,10 @@ def _check_target(key: str, target: object) -> None:
     )
 
 
-def known_names() -> set[str]:
-    """Every name some spec (built-in or user) defines."""
-    return {key for spec in (*_BUILTIN, *_USER) for key in spec.targets}
-
-
 def user_names() -> set[str]:
     """Names only user specs define (valid for both callbacks, as modules or tensors by their target)."""
-    builtin = {key for spec in _BUILTIN for key in spec.targets}
-    return {key for spec in _USER for key in spec.targets} - builtin
+    builtin = {key for spec in LAYER_SPECS.builtin for key in spec.targets}
+    return {key for spec in LAYER_SPECS.user for key in spec.targets} - builtin
 
 
 # -- layers of a model -------------------------------------------------------------------------------------------
@@ -270,7 +251,7 @@ def find_layers(model: nn.Module) -> list[Layer]:
 def _walk(parent: nn.Module, prefix: str, found: list[Layer]) -> None:
     for attr, child in parent.named_children():
         qualname = f"{prefix}{attr}"
-        specs = [s for s in (*_BUILTIN, *_USER) if s.matches(child)]
+        specs = [s for s in (*LAYER_SPECS.builtin, *LAYER_SPECS.user) if s.matches(child)]
         if specs:
             merged: dict[str, Target] = {}
             for spec in specs:  # built-in first, then user specs in registration order: later ones win

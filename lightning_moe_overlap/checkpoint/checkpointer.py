@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import os
 import uuid
-from typing import Any, Literal, get_args
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -24,10 +24,10 @@ from lightning_moe_overlap.checkpoint.optimizer import optimizer_from_canonical,
 from lightning_moe_overlap.checkpoint.rng import capture_rng, restore_rng
 from lightning_moe_overlap.checkpoint.sharded import read_sharded, write_sharded
 from lightning_moe_overlap.checkpoint.target import LoadTarget
+from lightning_moe_overlap.config import CHECKPOINT_FORMATS, CheckpointFormat
 from lightning_moe_overlap.parallel import ParallelGroups
 
-CheckpointFormat = Literal["sharded", "consolidated"]
-FORMATS: tuple[str, ...] = get_args(CheckpointFormat)
+FORMATS = CHECKPOINT_FORMATS
 FORMAT_VERSION = 1
 _OWNER = "`MoEOverlapStrategy`"
 

@@ -40,6 +40,7 @@ from lightning_moe_overlap.moe.layer import MoELayer
 from lightning_moe_overlap.moe.layout import ExpertsLayout, method_without_weights
 from lightning_moe_overlap.moe.shared import overlap_shared_experts
 from lightning_moe_overlap.overlap.runtime import CommRuntime
+from lightning_moe_overlap.registry import Registry
 
 
 @dataclass(frozen=True)
@@ -146,11 +147,10 @@ def _has_custom_apply_gate(module: nn.Module) -> bool:
 
 OWN_ADAPTER = ExpertsAdapter(name="lightning_moe_overlap", matches=lambda m: isinstance(m, Experts), layout=_own_layout)
 HF_V5_ADAPTER = ExpertsAdapter(name="transformers_v5", matches=_hf_matches, layout=_hf_layout)
-_BUILTIN: tuple[ExpertsAdapter, ...] = (OWN_ADAPTER, HF_V5_ADAPTER)
-_USER: list[ExpertsAdapter] = []
+ADAPTERS = Registry("adapter", (OWN_ADAPTER, HF_V5_ADAPTER), ("register_experts_adapter", "unregister_experts_adapter"))
 
 
-# -- registry --------------------------------------------------------------------------------------------------
+# -- registry (process-wide, see registry.py) ------------------------------------------------------------------
 def register_experts_adapter(
     name: str,
     matches: Callable[[nn.Module], bool],
@@ -160,7 +160,7 @@ def register_experts_adapter(
 
     The module must have the experts interface: per-expert weights as parameters whose first dimension is the
     expert, and ``forward(hidden_states_TD, top_k_index_TK, top_k_weights_TK) -> out_TD``. User adapters are
-    tried before the built-in ones, newest first.
+    tried before the built-in ones, newest first. ``with ADAPTERS.scoped(): ...`` undoes registrations on exit.
 
     Args:
         name: a unique name.
@@ -174,36 +174,23 @@ def register_experts_adapter(
         ValueError: ``name`` is already registered.
         TypeError: ``matches`` or ``layout`` is not callable.
     """
-    if any(a.name == name for a in (*_USER, *_BUILTIN)):
-        raise ValueError(
-            f"`register_experts_adapter`: an adapter named {name!r} is already registered; names must be unique. "
-            f"Pick another name, or `unregister_experts_adapter({name!r})` first."
-        )
     if not callable(matches) or not callable(layout):
         raise TypeError(
             f"`register_experts_adapter`: matches={type(matches).__name__} and layout={type(layout).__name__} "
             "must both be callables taking the module. Pass functions."
         )
-    adapter = ExpertsAdapter(name=name, matches=matches, layout=layout)
-    _USER.insert(0, adapter)
-    return adapter
+    fix = f"Pick another name, or `unregister_experts_adapter({name!r})` first."
+    return ADAPTERS.add(ExpertsAdapter(name=name, matches=matches, layout=layout), fix=fix)
 
 
 def unregister_experts_adapter(name: str) -> None:
     """Remove a user adapter registered with :func:`register_experts_adapter`."""
-    for i, adapter in enumerate(_USER):
-        if adapter.name == name:
-            del _USER[i]
-            return
-    raise ValueError(
-        f"`unregister_experts_adapter`: no user adapter named {name!r}; registered: {[a.name for a in _USER]}. "
-        "Built-in adapters cannot be removed."
-    )
+    ADAPTERS.remove(name)
 
 
 def registered_adapters() -> tuple[ExpertsAdapter, ...]:
     """Every adapter in the order they are tried."""
-    return (*_USER, *_BUILTIN)
+    return (*reversed(ADAPTERS.user), *ADAPTERS.builtin)
 
 
 def adapter_for(module: nn.Module) -> ExpertsAdapter | None:
@@ -346,6 +333,7 @@ def layout_of(module: nn.Module) -> ExpertsLayout:
 
 
 __all__ = [
+    "ADAPTERS",
     "HF_V5_ADAPTER",
     "OWN_ADAPTER",
     "ExpertsAdapter",

@@ -16,15 +16,14 @@ Shape legend:
 from __future__ import annotations
 
 import math
-from typing import Literal
 
 import torch
 from torch import Tensor
 
+from lightning_moe_overlap._checks import is_positive_number
+from lightning_moe_overlap.config import DROP_POLICIES, DropPolicy
 from lightning_moe_overlap.moe.permute import count_per_expert
 
-DropPolicy = Literal["probs", "position"]
-DROP_POLICIES: tuple[str, ...] = ("probs", "position")
 
 
 def expert_capacity(num_tokens: int, top_k: int, num_experts: int, capacity_factor: float) -> int:
@@ -34,9 +33,7 @@ def expert_capacity(num_tokens: int, top_k: int, num_experts: int, capacity_fact
 
 def validate_capacity(capacity_factor: float | None, token_drop_policy: str, *, owner: str) -> None:
     """Raise ``ValueError`` for a non-positive factor or an unknown policy, naming ``owner``."""
-    if capacity_factor is not None and (
-        isinstance(capacity_factor, bool) or not isinstance(capacity_factor, (int, float)) or capacity_factor <= 0
-    ):
+    if capacity_factor is not None and not is_positive_number(capacity_factor):
         raise ValueError(
             f"{owner}: capacity_factor={capacity_factor!r} must be None (dropless) or a positive number; "
             "values around 1.0-2.0 are usual."

@@ -139,9 +139,6 @@ class FailureBoard:
             poll_s=poll_s, ack_timeout_s=2 * poll_s + 1.0,
         )
 
-    def watch(self, step: int) -> FailureWatch:
-        return FailureWatch(self, step)
-
 
 class FailureWatch:
     """One step's view of a :class:`FailureBoard` (or a no-op without one)."""

@@ -36,8 +36,9 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 
-class Baton(Protocol):
-    """What the engine provides while a schedule runs: a hand-over to the other context."""
+class HandOff(Protocol):
+    """What the engine provides while a schedule runs: a hand-over to the other context (``overlap/baton.py``'s
+    :class:`~lightning_moe_overlap.overlap.baton.Baton` is one)."""
 
     def handoff(self) -> None: ...
 
@@ -176,7 +177,7 @@ class CommRuntime:
 
     def __init__(self, delay_wgrad: bool = False) -> None:
         self.delay_wgrad = delay_wgrad
-        self._baton: Baton | None = None
+        self._baton: HandOff | None = None
         self._wgrad: deque[Callable[[], None]] = deque()
         self._side: deque[SideWork] = deque()
         self.timing: CommTimer | None = None  # opt-in: see `timed` and `wait`
@@ -264,7 +265,7 @@ class CommRuntime:
 
     # -- engine side -------------------------------------------------------------------------------------------
     @contextmanager
-    def overlapping(self, baton: Baton) -> Iterator[None]:
+    def overlapping(self, baton: HandOff) -> Iterator[None]:
         """Route hand-overs to ``baton`` for the duration of one overlapped phase."""
         if self._baton is not None:
             raise RuntimeError("`CommRuntime.overlapping`: a schedule is already active on this runtime.")

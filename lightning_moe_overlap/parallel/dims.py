@@ -16,12 +16,20 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
+from lightning_moe_overlap._checks import divisors, is_positive_int
+
 GroupKind = Literal["dp", "cp", "dp_cp", "tp", "pp", "ep", "edp"]
 GROUP_KINDS: tuple[GroupKind, ...] = ("dp", "cp", "dp_cp", "tp", "pp", "ep", "edp")
 
 
-def _divisors(n: int) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]
+class ParallelDimsError(ValueError):
+    """Sizes that do not fit together. ``rule`` names the broken rule (``docs/validation.md``) and ``detail`` says
+    what is wrong without naming the caller, so the strategy's validation reports the same text as its own."""
+
+    def __init__(self, rule: str, detail: str) -> None:
+        super().__init__(f"`ParallelDims`: {detail}")
+        self.rule = rule
+        self.detail = detail
 
 
 @dataclass(frozen=True)
@@ -55,28 +63,31 @@ class ParallelDims:
         """Infer ``dp = world_size / (pp * cp * tp)`` and check that the sizes fit together.
 
         Raises:
-            ValueError: a size is not a positive integer, the world size is not a multiple of ``pp * cp * tp``,
-                or ``ep`` does not divide ``dp * cp``. The message lists the valid choices.
+            ParallelDimsError: (a ``ValueError``) a size is not a positive integer, the world size is not a
+                multiple of ``pp * cp * tp``, or ``ep`` does not divide ``dp * cp``. The message lists the valid
+                choices.
         """
         for name, value in (("world_size", world_size), ("tp", tp), ("pp", pp), ("cp", cp), ("ep", ep)):
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"`ParallelDims`: `{name}={value!r}` must be a positive integer.")
-        if vpp is not None and (isinstance(vpp, bool) or not isinstance(vpp, int) or vpp < 1):
-            raise ValueError(f"`ParallelDims`: `vpp={vpp!r}` must be None or a positive integer.")
+            if not is_positive_int(value):
+                raise ParallelDimsError("sizes", f"`{name}={value!r}` must be a positive integer.")
+        if vpp is not None and not is_positive_int(vpp):
+            raise ParallelDimsError("sizes", f"`vpp={vpp!r}` must be None or a positive integer.")
         model = pp * cp * tp
         if world_size % model != 0:
-            raise ValueError(
-                f"`ParallelDims`: world_size={world_size} is not a multiple of pp*cp*tp={model} "
+            raise ParallelDimsError(
+                "world-size",
+                f"world_size={world_size} (devices x num_nodes) is not a multiple of pp*cp*tp={model} "
                 f"(pp={pp}, cp={cp}, tp={tp}); the rule is world_size = pp * dp * cp * tp. "
-                f"Choose pp*cp*tp among the divisors of {world_size}: {_divisors(world_size)}, "
-                f"or run on a multiple of {model} processes."
+                f"Choose pp*cp*tp among the divisors of {world_size}: {divisors(world_size)}, "
+                f"or run on a multiple of {model} processes.",
             )
         dp = world_size // model
         if (dp * cp) % ep != 0:
-            raise ValueError(
-                f"`ParallelDims`: ep={ep} does not divide dp*cp={dp * cp} (dp={dp}, cp={cp}, world_size={world_size}); "
-                f"expert parallelism folds into the data-parallel ranks, so ep must divide dp*cp. "
-                f"Valid ep values here: {_divisors(dp * cp)}."
+            raise ParallelDimsError(
+                "ep-divides-dp-cp",
+                f"ep={ep} does not divide dp*cp={dp * cp} (dp={dp}, cp={cp}, world_size={world_size}); expert "
+                f"parallelism folds into the data-parallel ranks, so ep must divide dp*cp. Valid ep values here: "
+                f"{divisors(dp * cp)}; or run on a multiple of {ep * model} processes.",
             )
         return cls(world_size=world_size, dp=dp, tp=tp, pp=pp, cp=cp, ep=ep, vpp=vpp)
 

@@ -17,7 +17,8 @@ class ParallelGroups:
     """This rank's process group in each dimension, plus the sizes they were built from.
 
     ``dp_cp`` is the group dense gradients are averaged over; ``edp`` the one expert gradients are averaged over;
-    ``ep`` the one tokens are exchanged in.
+    ``ep`` the one tokens are exchanged in. Kinds with the same members may be the same object, and every kind of
+    size 1 is this rank's one single-rank group (:func:`build_groups`).
     """
 
     dims: ParallelDims
@@ -38,10 +39,18 @@ class ParallelGroups:
 def build_groups(
     dims: ParallelDims, rank: int, *, backend: str | None = None, timeout: timedelta | None = None
 ) -> ParallelGroups:
-    """Create the groups of every kind. Collective: every rank must call it with the same ``dims``.
+    """Create the groups the layout uses. Collective: every rank must call it with the same ``dims``.
 
-    Every rank creates every group in the same order (``torch.distributed.new_group`` requires it) and keeps
-    the one it belongs to. On NCCL the ep groups get a high-priority stream (see :func:`group_options`).
+    Only what is used is built:
+
+    - a kind whose groups hold one rank each (a dimension of size 1) gets no group of its own: all such kinds share
+      one single-rank group per process, which the rank makes alone (``use_local_synchronization``, no collective);
+    - kinds that split the ranks alike share one group (``dp`` and ``dp_cp`` when ``cp=1``, ``dp_cp`` and ``edp``
+      when ``ep=1``), except ``ep``: the all-to-all the overlap hides keeps a communicator of its own, on NCCL with a
+      high-priority stream (see :func:`group_options`).
+
+    The other groups are created by every rank in the same order (kinds in ``GROUP_KINDS`` order, each kind's groups
+    in rank order), as ``torch.distributed.new_group`` requires, and each rank keeps the one it belongs to.
     """
     if not dist.is_initialized():
         raise RuntimeError("`build_groups` needs an initialised default process group; call it after init.")
@@ -51,13 +60,24 @@ def build_groups(
             f"for world_size={dims.world_size}. Build `ParallelDims` from the running world size."
         )
     resolved = backend or str(dist.get_backend())
+    solo: ProcessGroup | None = None
+    built: dict[tuple[object, ...], ProcessGroup] = {}  # (partition, own communicator?) -> this rank's group
     mine: dict[str, ProcessGroup] = {}
     for kind in GROUP_KINDS:
-        options = group_options(kind, resolved)
-        for ranks in dims.group_ranks(kind):
-            group = dist.new_group(ranks, backend=backend, timeout=timeout, pg_options=options)
-            if rank in ranks:
-                mine[kind] = group
+        partition = dims.group_ranks(kind)
+        if len(partition[0]) == 1:
+            if solo is None:
+                solo = dist.new_group([rank], backend=backend, timeout=timeout, use_local_synchronization=True)
+            mine[kind] = solo
+            continue
+        key = (tuple(map(tuple, partition)), kind == "ep")
+        if key not in built:
+            options = group_options(kind, resolved)
+            for ranks in partition:
+                group = dist.new_group(ranks, backend=backend, timeout=timeout, pg_options=options)
+                if rank in ranks:
+                    built[key] = group
+        mine[kind] = built[key]
     return ParallelGroups(dims=dims, rank=rank, **mine)
 
 

@@ -18,9 +18,28 @@ SHAPES = {  # world -> list of (tp, pp, cp, ep)
 
 def _worker_groups(rank: int, world: int, shapes: list[tuple[int, int, int, int]]) -> int:
     checked = 0
+    created: list[list[int]] = []
+    new_group = dist.new_group
+
+    def counting_new_group(ranks, **kwargs):
+        created.append(list(ranks))
+        return new_group(ranks, **kwargs)
+
+    dist.new_group = counting_new_group  # this worker process only
     for tp, pp, cp, ep in shapes:
         dims = ParallelDims.from_world_size(world, tp=tp, pp=pp, cp=cp, ep=ep)
+        created.clear()
         groups = build_groups(dims, rank)
+        # Built: one single-rank group when some kind has size 1, then each distinct partition once (ep apart).
+        partitions = {
+            (tuple(map(tuple, dims.group_ranks(k))), k == "ep") for k in GROUP_KINDS if len(dims.group_of(k, rank)) > 1
+        }
+        solo = any(len(dims.group_of(k, rank)) == 1 for k in GROUP_KINDS)
+        assert len(created) == solo + sum(len(p) for p, _ in partitions), (dims, created)
+        singles = {id(getattr(groups, k)) for k in GROUP_KINDS if len(dims.group_of(k, rank)) == 1}
+        assert len(singles) <= 1, dims  # every size-1 kind is the same single-rank group
+        if cp == 1:
+            assert groups.dp is groups.dp_cp
         for kind in GROUP_KINDS:
             group = getattr(groups, kind)
             expected = dims.group_of(kind, rank)

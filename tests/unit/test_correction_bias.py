@@ -10,7 +10,7 @@ from torch import nn
 
 from lightning_moe_overlap.config import OverlapConfig
 from lightning_moe_overlap.moe.bias import CorrectionBiasBalancer, correction_bias_balancers
-from lightning_moe_overlap.wrap import ExpertParallelModel
+from lightning_moe_overlap.wrap import MoEModelHandle
 
 E = 8
 
@@ -47,17 +47,17 @@ def imbalance(block: nn.Module, x: torch.Tensor) -> float:
 
 def test_bias_moves_toward_balance_over_steps() -> None:
     model = Holder()
-    ep_model = ExpertParallelModel(model)
-    ep_model.apply(OverlapConfig(), SimpleNamespace(ep=None), runtime=None)  # the strategy's path, one process
+    moe = MoEModelHandle(model)
+    moe.apply(OverlapConfig(), SimpleNamespace(ep=None), runtime=None)  # the strategy's path, one process
     block = model.mlp
     x = torch.randn(64, 16) + 0.5
     before = imbalance(block, x)
     rate = 0.01
-    ep_model._bias_balancers[0].update_rate = rate
+    moe._bias_balancers[0].update_rate = rate
     for _ in range(40):
         block.train()
         block(x.view(4, 16, 16)).sum().backward()
-        ep_model.update_expert_bias(group=None)
+        moe.update_expert_bias(group=None)
     after = imbalance(block, x)
     bias = block.gate.e_score_correction_bias
     assert before > 1.5

@@ -7,10 +7,14 @@ import dataclasses
 import pytest
 import torch
 
+from lightning_moe_overlap.config import DISPATCHERS
 from lightning_moe_overlap.moe import Experts
 from lightning_moe_overlap.moe.dispatch import (
+    DISPATCHER_CLASSES,
+    DISPATCHER_KNOBS,
     AllGatherDispatcher,
     AllToAllDispatcher,
+    FlexDispatcher,
     build_dispatcher,
     check_expert_split,
 )
@@ -120,5 +124,12 @@ def test_expert_split_rule() -> None:
     check_expert_split(8, 4, owner="x")
     with pytest.raises(ValueError, match=r"num_experts=6 is not divisible by ep=4.*Choose ep among \[1, 2, 3, 6\]"):
         check_expert_split(6, 4, owner="x")
-    with pytest.raises(ValueError, match="num_experts=0 must be a positive integer"):
-        AllToAllDispatcher(None, 0, None)
+    with pytest.raises(ValueError, match="`build_dispatcher`: num_experts=0 must be a positive integer"):
+        build_dispatcher("alltoall", None, 0, None)
+    with pytest.raises(RuntimeError, match=r"`AllToAllDispatcher`: num_experts=0 cannot split over ep=1"):
+        AllToAllDispatcher(None, 0, None)  # internal: the boundary above checked it
+
+
+def test_dispatcher_names_have_one_spelling() -> None:
+    assert tuple(DISPATCHER_CLASSES) == DISPATCHERS
+    assert DISPATCHER_KNOBS["flex"] == FlexDispatcher.knobs and DISPATCHER_KNOBS["alltoall"] == ()

@@ -16,7 +16,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from lightning_moe_overlap.overlap import CommRuntime, OverlapEngine, PeerFailure, Role, Task, run_schedule
-from lightning_moe_overlap.overlap.failures import FailureBoard
+from lightning_moe_overlap.overlap.failures import FailureBoard, FailureWatch
 from lightning_moe_overlap.overlap.streams import device_max_connections_warning
 from lightning_moe_overlap.overlap.thread_state import ThreadState
 
@@ -202,7 +202,7 @@ def boards(world_size: int = 2, ack_timeout_s: float = 0.2) -> list[FailureBoard
 
 def test_first_failure_is_posted_and_named_by_the_others() -> None:
     rank0, rank1 = boards()
-    watch0, watch1 = rank0.watch(1), rank1.watch(1)
+    watch0, watch1 = FailureWatch(rank0, 1), FailureWatch(rank1, 1)
     time.sleep(0.02)
     assert watch0.poll() is None
     boom = ValueError("boom")
@@ -214,14 +214,14 @@ def test_first_failure_is_posted_and_named_by_the_others() -> None:
     assert isinstance(failure, PeerFailure) and failure.__cause__ is local
     assert "stopped on rank 0 because another rank failed first: rank 1: ValueError: boom" in str(failure)
     assert rank0.store.add("run/1/acks", 0) == 1  # acknowledged once
-    assert rank0.watch(2).poll() is None  # reports are per step
+    assert FailureWatch(rank0, 2).poll() is None  # reports are per step
 
 
 def test_failed_rank_stops_waiting_once_acknowledged() -> None:
     rank0, rank1 = boards(ack_timeout_s=30.0)
     rank0.store.add("run/5/acks", 1)
     start = time.monotonic()
-    rank1.watch(5).explain(ValueError("x"))
+    FailureWatch(rank1, 5).explain(ValueError("x"))
     assert time.monotonic() - start < 5
 
 

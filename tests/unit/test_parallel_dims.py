@@ -6,7 +6,7 @@ import itertools
 
 import pytest
 
-from lightning_moe_overlap.parallel import ParallelDims
+from lightning_moe_overlap.parallel import ParallelDims, ParallelDimsError
 from lightning_moe_overlap.parallel.dims import GROUP_KINDS
 
 SHAPES = [  # (world, tp, pp, cp, ep)
@@ -61,13 +61,17 @@ def test_dims_rank_layout_by_hand():
 
 
 def test_dims_world_not_multiple_lists_divisors():
-    with pytest.raises(ValueError, match=r"world_size=6 is not a multiple of pp\*cp\*tp=4.*\[1, 2, 3, 6\]"):
+    rule = r"world_size=6 .* is not a multiple of pp\*cp\*tp=4.*\[1, 2, 3, 6\]"
+    with pytest.raises(ParallelDimsError, match=rule) as err:
         ParallelDims.from_world_size(6, tp=2, pp=2)
+    assert err.value.rule == "world-size" and isinstance(err.value, ValueError)
 
 
 def test_dims_ep_must_divide_dp_cp_lists_valid_ep():
-    with pytest.raises(ValueError, match=r"ep=3 does not divide dp\*cp=4.*Valid ep values here: \[1, 2, 4\]"):
+    rule = r"ep=3 does not divide dp\*cp=4.*Valid ep values here: \[1, 2, 4\]"
+    with pytest.raises(ParallelDimsError, match=rule) as err:
         ParallelDims.from_world_size(4, ep=3)
+    assert err.value.rule == "ep-divides-dp-cp"
 
 
 @pytest.mark.parametrize("field,value", [("tp", 0), ("ep", -1), ("pp", 1.5), ("cp", True)])

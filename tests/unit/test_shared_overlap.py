@@ -107,13 +107,13 @@ def test_strategy_flag_reaches_the_layers() -> None:
 
     from lightning_moe_overlap.config import OverlapConfig
     from lightning_moe_overlap.demo import MoEGPT
-    from lightning_moe_overlap.wrap import ExpertParallelModel
+    from lightning_moe_overlap.wrap import MoEModelHandle
 
     def wrapped(flag: bool) -> MoEGPT:
         model = MoEGPT(vocab_size=32, hidden_size=16, num_layers=2, num_heads=2, num_experts=4,
                        shared_expert_ffn_hidden_size=8)
         config = OverlapConfig(overlap=False, shared_expert_overlap=flag)
-        ExpertParallelModel(model).apply(config, SimpleNamespace(ep=None), EventRuntime())
+        MoEModelHandle(model).apply(config, SimpleNamespace(ep=None), EventRuntime())
         return model
 
     on, off = wrapped(True), wrapped(False)

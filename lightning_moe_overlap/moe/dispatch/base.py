@@ -29,6 +29,7 @@ from typing import Any, Protocol, runtime_checkable
 from torch import Tensor
 from torch.distributed import ProcessGroup
 
+from lightning_moe_overlap._checks import divisors, is_positive_int
 from lightning_moe_overlap.moe.dispatch.comm import group_rank, group_size
 from lightning_moe_overlap.overlap.runtime import CommRuntime
 
@@ -49,14 +50,17 @@ class TokenDispatcher(Protocol):
 
 
 def check_expert_split(num_experts: int, ep: int, *, owner: str) -> None:
-    """Raise ``ValueError`` unless ``ep`` divides ``num_experts`` (every rank must own as many experts)."""
-    if isinstance(num_experts, bool) or not isinstance(num_experts, int) or num_experts < 1:
+    """Raise ``ValueError`` unless ``ep`` divides ``num_experts`` (every rank must own as many experts).
+
+    The boundary check of :func:`build_dispatcher` and :func:`apply_expert_parallel` (the strategy checks the
+    model the same way in ``validation.check_model``); the dispatcher classes only assert it.
+    """
+    if not is_positive_int(num_experts):
         raise ValueError(f"{owner}: num_experts={num_experts!r} must be a positive integer.")
     if num_experts % ep:
-        divisors = [d for d in range(1, num_experts + 1) if num_experts % d == 0]
         raise ValueError(
             f"{owner}: num_experts={num_experts} is not divisible by ep={ep}; each expert-parallel rank must own "
-            f"the same number of experts (num_experts % ep == 0). Choose ep among {divisors}."
+            f"the same number of experts (num_experts % ep == 0). Choose ep among {divisors(num_experts)}."
         )
 
 
@@ -70,6 +74,7 @@ class DispatcherBase:
     """
 
     name = "base"
+    knobs: tuple[str, ...] = ()  # keyword arguments of this backend that `build_dispatcher` passes on
     # Forward comm points of one dispatch + combine that have no backward twin (metadata exchanges). The experts'
     # backward hands over this many extra times, so that forward and backward hand over equally often per layer.
     backward_handoffs = 0
@@ -78,7 +83,11 @@ class DispatcherBase:
         self.ep_group = ep_group
         self.ep_size = group_size(ep_group)
         self.ep_rank = group_rank(ep_group)
-        check_expert_split(num_experts, self.ep_size, owner=f"`{type(self).__name__}`")
+        if not is_positive_int(num_experts) or num_experts % self.ep_size:  # users get `check_expert_split`
+            raise RuntimeError(
+                f"`{type(self).__name__}`: num_experts={num_experts!r} cannot split over ep={self.ep_size}; build "
+                "dispatchers with `build_dispatcher`, which checks the sizes."
+            )
         self.num_experts = num_experts
         self.num_local_experts = num_experts // self.ep_size
         self.first_expert = self.ep_rank * self.num_local_experts

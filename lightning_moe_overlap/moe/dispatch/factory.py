@@ -8,21 +8,17 @@ from torch.distributed import ProcessGroup
 
 from lightning_moe_overlap.moe.dispatch.allgather import AllGatherDispatcher
 from lightning_moe_overlap.moe.dispatch.alltoall import AllToAllDispatcher
-from lightning_moe_overlap.moe.dispatch.base import DispatcherBase
+from lightning_moe_overlap.moe.dispatch.base import DispatcherBase, check_expert_split
+from lightning_moe_overlap.moe.dispatch.comm import group_size
 from lightning_moe_overlap.moe.dispatch.flex import FlexDispatcher
 from lightning_moe_overlap.overlap.runtime import CommRuntime
 
+# In the order of `config.DISPATCHERS` (the one spelling of the names; a unit test holds the two together).
 DISPATCHER_CLASSES: dict[str, type[DispatcherBase]] = {
-    "alltoall": AllToAllDispatcher,
-    "allgather": AllGatherDispatcher,
-    "flex": FlexDispatcher,
+    cls.name: cls for cls in (AllToAllDispatcher, AllGatherDispatcher, FlexDispatcher)
 }
 # The knobs each backend reads; a knob of another backend is ignored, so one set of settings can serve any choice.
-DISPATCHER_KNOBS: dict[str, tuple[str, ...]] = {
-    "alltoall": (),
-    "allgather": (),
-    "flex": ("deepep_num_sms", "deepep_buffers", "deepep_buffer"),
-}
+DISPATCHER_KNOBS: dict[str, tuple[str, ...]] = {name: cls.knobs for name, cls in DISPATCHER_CLASSES.items()}
 
 
 def build_dispatcher(
@@ -48,6 +44,7 @@ def build_dispatcher(
             f"`build_dispatcher`: dispatcher={name!r} is not one of {list(DISPATCHER_CLASSES)}. Use 'alltoall' "
             "(default, any backend), 'allgather' (small ep, few tokens) or 'flex' (DeepEP, CUDA)."
         )
+    check_expert_split(num_experts, group_size(ep_group), owner="`build_dispatcher`")
     known = {knob for names in DISPATCHER_KNOBS.values() for knob in names}
     unknown = sorted(set(knobs) - known)
     if unknown:

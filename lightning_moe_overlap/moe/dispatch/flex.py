@@ -46,7 +46,6 @@ from lightning_moe_overlap.moe.dispatch.comm import handoff, wait
 from lightning_moe_overlap.moe.dispatch.deepep_buffers import (
     INSTALL_HINT,
     DeepEPBuffers,
-    check_num_sms,
     require_flex_backend,
 )
 from lightning_moe_overlap.moe.permute import gather_rows, scatter_weighted, sort_by_expert
@@ -185,7 +184,8 @@ class FlexDispatcher(DispatcherBase):
         num_experts: global number of experts.
         runtime: comm-point hand-over target.
         deepep_num_sms: streaming multiprocessors DeepEP's kernels may use (``Buffer.set_num_sms``); what is
-            left runs the overlapped compute. Used when this dispatcher makes its own ``DeepEPBuffers``.
+            left runs the overlapped compute. Used (and checked) when this dispatcher makes its own
+            ``DeepEPBuffers``.
         deepep_buffers: the process's :class:`DeepEPBuffers`, shared by the flex dispatchers of every layer
             (``apply_expert_parallel`` makes one per model). Without it (and without ``deepep_buffer``) this
             dispatcher makes its own, which then serves this layer only.
@@ -195,6 +195,7 @@ class FlexDispatcher(DispatcherBase):
     """
 
     name = "flex"
+    knobs = ("deepep_num_sms", "deepep_buffers", "deepep_buffer")
 
     def __init__(
         self,
@@ -206,7 +207,6 @@ class FlexDispatcher(DispatcherBase):
         deepep_buffers: DeepEPBuffers | None = None,
         deepep_buffer: Any = None,
     ) -> None:
-        check_num_sms(deepep_num_sms, owner="`FlexDispatcher`")
         if deepep_buffers is not None and deepep_buffer is not None:
             raise ValueError(
                 "`FlexDispatcher`: got both deepep_buffers and deepep_buffer; they are two ways to say where the "
