@@ -5,7 +5,8 @@ Names are reached through functions, looked up when called, so importing this mo
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -24,3 +25,10 @@ def foreach_mul_(tensors: Sequence[Tensor], scalar: Tensor) -> None:
 def cuda_sleep(cycles: int) -> None:
     """``torch.cuda._sleep``: a kernel that spins the current stream for ``cycles`` GPU clock cycles."""
     torch.cuda._sleep(int(cycles))
+
+
+def top_saved_tensors_hooks() -> tuple[Callable[..., Any], Callable[..., Any]] | None:
+    """``torch._C._autograd._top_saved_tensors_default_hooks``: this thread's innermost ``saved_tensors_hooks``
+    pair ``(pack, unpack)``, or None when none is active (or this torch has no such function)."""
+    top = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
+    return None if top is None else top(False)

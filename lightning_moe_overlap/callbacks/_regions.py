@@ -1,7 +1,9 @@
-"""Where the forward is, per thread: named regions, the core-attention call, and the stages of the local experts.
+"""Where the forward is, per thread: named regions and the core-attention call.
 
 All of it is thread-local: with the overlap, the forward of one micro-batch and the backward (and recompute) of
-another run in two threads, and each must see only its own regions.
+another run in two threads, and each must see only its own regions. A module (a stage of the experts included,
+``experts.stage(name)``) is marked with its forward pre-hook and forward hook (:func:`enter`, :func:`leave`); the
+core attention is a function call inside a module, marked by intercepting that call (:func:`around_sdpa`).
 """
 
 from __future__ import annotations
@@ -10,16 +12,12 @@ import threading
 from collections import Counter
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import replace
 from typing import Any
 
-import torch
 import torch.nn.functional as F
-from torch import Tensor
 from torch.overrides import TorchFunctionMode
 
-from lightning_moe_overlap.moe.grouped import gated_activation
-from lightning_moe_overlap.moe.layout import ExpertsLayout
+from lightning_moe_overlap._compat.torch import top_saved_tensors_hooks
 
 _local = threading.local()
 
@@ -61,10 +59,7 @@ def inside_checkpoint() -> bool:
     Offload must not push its saved-tensor hooks there: the tensors are recomputed, not saved, and a hook pushed
     on top would take them from the checkpoint.
     """
-    top = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
-    if top is None:  # pragma: no cover - older torch
-        return False
-    hooks = top(False)
+    hooks = top_saved_tensors_hooks()
     return hooks is not None and getattr(hooks[0], "__module__", "") == "torch.utils.checkpoint"
 
 
@@ -106,97 +101,3 @@ def in_region(name: str) -> Around:
             return func(*args, **kwargs)
 
     return around
-
-
-def gate_of(layout: ExpertsLayout) -> Callable[[Tensor], Tensor]:
-    """The activation stage of a layout as one function of the first projection's output (what grouped_mlp runs)."""
-    if layout.gate_fn is not None:
-        return layout.gate_fn
-    act_fn = layout.act_fn
-    if act_fn is None:
-        raise ValueError("`gate_of`: the layout has neither gate_fn nor act_fn; it cannot compute the activation.")
-    if layout.gated:
-        return lambda h: gated_activation(h, act_fn)
-    return act_fn
-
-
-def wrap_gate(wrap: Callable[[Callable[[Tensor], Tensor]], Callable[[Tensor], Tensor]]) -> Callable[[Any], Any]:
-    """A wrapper factory for an experts module's ``layout``: its activation stage becomes ``wrap(stage)``."""
-
-    def on_layout(layout: ExpertsLayout) -> ExpertsLayout:
-        return replace(layout, gate_fn=wrap(gate_of(layout)))
-
-    return on_layout
-
-
-class ExpertStages:
-    """Marks the stages of the local experts: region ``fc1`` from the start of ``local_experts`` until the
-    activation starts, region ``act`` during the activation (per thread and call; either name may be None)."""
-
-    def __init__(self, fc1: str | None, act: str | None) -> None:
-        self.fc1, self.act = fc1, act
-
-    def local_experts(self, fn: Callable[..., Tensor]) -> Callable[..., Tensor]:
-        fc1 = self.fc1
-
-        def run(*args: Any, **kwargs: Any) -> Tensor:
-            if fc1 is None:
-                return fn(*args, **kwargs)
-            stack = _fc1_stack()
-            stack.append(True)
-            enter(fc1)
-            try:
-                return fn(*args, **kwargs)
-            finally:
-                if stack.pop():
-                    leave(fc1)
-
-        return run
-
-    def gate(self, fn: Callable[[Tensor], Tensor]) -> Callable[[Tensor], Tensor]:
-        fc1, act = self.fc1, self.act
-
-        def run(h: Tensor) -> Tensor:
-            stack = _fc1_stack()
-            if fc1 is not None and stack and stack[-1]:  # the first projection is over
-                stack[-1] = False
-                leave(fc1)
-            if act is None:
-                return fn(h)
-            with region(act):
-                return fn(h)
-
-        return run
-
-
-def tagging(tag: Callable[[Tensor], None]) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
-    """A wrapper factory for ``local_experts``: ``tag(rows)`` on the dispatched rows before the experts run."""
-
-    def wrap(fn: Callable[..., Any]) -> Callable[..., Any]:
-        def run(x_RD: Tensor, *args: Any, **kwargs: Any) -> Any:
-            tag(x_RD)
-            return fn(x_RD, *args, **kwargs)
-
-        return run
-
-    return wrap
-
-
-def in_region_wrapper(name: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
-    """A wrapper factory: the wrapped function runs inside region ``name``."""
-
-    def wrap(fn: Callable[..., Any]) -> Callable[..., Any]:
-        def run(*args: Any, **kwargs: Any) -> Any:
-            with region(name):
-                return fn(*args, **kwargs)
-
-        return run
-
-    return wrap
-
-
-def _fc1_stack() -> list[bool]:
-    stack = getattr(_local, "fc1", None)
-    if stack is None:
-        stack = _local.fc1 = []
-    return stack

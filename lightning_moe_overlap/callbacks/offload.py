@@ -4,24 +4,25 @@ and ``--bindpcie``).
 
 The model's code is not changed. When training starts the callback hooks the model's decoder layers (a group per
 layer forward, see :mod:`~lightning_moe_overlap.callbacks.offload_engine`), marks the named regions with forward
-hooks (or, for the core attention and the expert stages, with wrappers of the owning module's ``forward`` /
-``local_experts`` / activation), and tags the named tensors where they are produced (the pre-MLP norm's output
-by a forward hook, the dispatched rows at the entry of the experts' ``local_experts``). All of it runs in the
-thread that runs the forward, where saved-tensor hooks must be installed: with the overlap, the forward of one
-micro-batch and the backward of another run in two threads.
+pre-hooks and forward hooks (on the named modules and on the stages of the experts, ``experts.stage("fc1" |
+"act")``; the core attention, a function call, through a wrapper of the owning module's ``forward``), and tags the
+named tensors where they are produced (the pre-MLP norm's output by a forward hook, the dispatched rows by a
+forward pre-hook of the experts' ``local`` stage). All of it runs in the thread that runs the forward, where
+saved-tensor hooks must be installed: with the overlap, the forward of one micro-batch and the backward of another
+run in two threads.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-from lightning.pytorch import Callback, LightningModule, Trainer
+from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch import Tensor, nn
-from torch.utils.hooks import RemovableHandle
 from typing_extensions import override
 
 from lightning_moe_overlap.callbacks import _patch, _regions
+from lightning_moe_overlap.callbacks._attach import LayerCallback
 from lightning_moe_overlap.callbacks.names import (
     OFFLOAD_MODULE_NAMES,
     OFFLOAD_TENSOR_NAMES,
@@ -30,14 +31,13 @@ from lightning_moe_overlap.callbacks.names import (
     ModuleRegion,
     OutputTag,
     StageRegion,
-    find_layers,
     is_tensor_name,
     present_names,
     user_names,
 )
 from lightning_moe_overlap.callbacks.numa import bind_to_device_numa_node
 from lightning_moe_overlap.callbacks.offload_engine import OffloadEngine
-from lightning_moe_overlap.callbacks.validation import check_names, missing_names_error, no_layers_error
+from lightning_moe_overlap.callbacks.validation import check_names, missing_names_error
 
 _EXPERT_NAMES = ("dispatched_input", "expert_fc1", "moe_act")
 # Offload names whose tensors a recomputed module does not save at all (nothing left to offload).
@@ -53,7 +53,7 @@ _RECOMPUTED_AWAY = {
 }
 
 
-class ActivationOffload(Callback):
+class ActivationOffload(LayerCallback):
     """Move selected saved activations to host memory in forward and bring them back for backward.
 
     Args:
@@ -71,6 +71,8 @@ class ActivationOffload(Callback):
             ``min_tensor_size``; at fit start, names the model does not have.
         TypeError: ``modules`` or ``tensors`` is not a list of strings.
     """
+
+    owner = "`ActivationOffload`"
 
     def __init__(
         self,
@@ -104,22 +106,14 @@ class ActivationOffload(Callback):
         self.numa_bind = numa_bind
         self.engine: OffloadEngine | None = None
         self.bound_cpus: set[int] | None = None
-        self._hooks: list[RemovableHandle] = []
-        self._patches: list[_patch.PatchHandle] = []
 
-    # -- Lightning hooks ----------------------------------------------------------------------------------------
     @override
     def on_fit_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         if self.numa_bind:
             self.bound_cpus = bind_to_device_numa_node(trainer.strategy.root_device)
         self._warn_if_recomputed(trainer)
-        self.apply(pl_module)
+        super().on_fit_start(trainer, pl_module)
 
-    @override
-    def teardown(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
-        self.remove()
-
-    # -- plain PyTorch ------------------------------------------------------------------------------------------
     def apply(self, model: nn.Module) -> OffloadEngine:
         """Install the offload on ``model`` (after expert parallelism was applied, for the expert names).
 
@@ -129,10 +123,7 @@ class ActivationOffload(Callback):
         Raises:
             ValueError: no decoder layer recognised, or names absent from the model or of the wrong kind.
         """
-        self.remove()
-        layers = find_layers(model)
-        if not layers:
-            raise no_layers_error("`ActivationOffload`", model)
+        layers = self._layers(model)
         self._check_present(model, layers)
         engine = OffloadEngine(
             modules=self.modules,
@@ -146,14 +137,6 @@ class ActivationOffload(Callback):
             if regions:
                 self._install_layer(layer.module, regions, engine)
         return engine
-
-    def remove(self) -> None:
-        """Remove every hook and wrapper."""
-        for hook in self._hooks:
-            hook.remove()
-        for handle in reversed(self._patches):
-            handle.remove()
-        self._hooks, self._patches = [], []
 
     def _check_present(self, model: nn.Module, layers: list[Layer]) -> None:
         owner = "`ActivationOffload`"
@@ -172,35 +155,28 @@ class ActivationOffload(Callback):
                 raise missing_names_error(owner, arg, missing, valid, model, _EXPERT_NAMES)
 
     def _install_layer(self, layer: nn.Module, regions: list[tuple[str, Any]], engine: OffloadEngine) -> None:
-        self._hooks.append(layer.register_forward_pre_hook(lambda module, args: engine.open_group()))
-        self._hooks.append(
+        self._handles.append(layer.register_forward_pre_hook(lambda module, args: engine.open_group()))
+        self._handles.append(
             layer.register_forward_hook(lambda module, args, out: engine.close_group(), always_call=True)
         )
-        stages: dict[int, tuple[Any, dict[str, str]]] = {}
         for name, region in regions:
             if isinstance(region, ModuleRegion):
-                self._mark_module(region.module, name)
+                self._mark(region.module, name)
             elif isinstance(region, CallRegion):
                 wrap = _regions.around_sdpa(_regions.in_region(name))
-                self._patches.append(_patch.patch(region.module, "forward", wrap, order=_patch.INNER))
+                self._handles.append(_patch.wrap_forward(region.module, wrap, order=_patch.INNER))
             elif isinstance(region, OutputTag):
-                self._hooks.append(region.module.register_forward_hook(_tag_output(engine, name)))
-            elif isinstance(region, StageRegion) and region.stage == "input":
-                wrap = _regions.tagging(lambda rows, n=name: engine.tag(n, rows))
-                self._patches.append(_patch.patch(region.experts, "local_experts", wrap, order=_patch.INNER))
-            elif isinstance(region, StageRegion) and region.stage == "local":
-                wrap = _regions.in_region_wrapper(name)
-                self._patches.append(_patch.patch(region.experts, "local_experts", wrap, order=_patch.INNER))
+                self._handles.append(region.module.register_forward_hook(_tag_output(engine, name)))
+            elif isinstance(region, StageRegion) and region.stage == "input":  # the rows entering the expert MLP
+                local = region.experts.stage("local")
+                self._handles.append(local.register_forward_pre_hook(_tag_input(engine, name)))
             elif isinstance(region, StageRegion):
-                stages.setdefault(id(region.experts), (region.experts, {}))[1][region.stage] = name
-        for experts, names in stages.values():
-            marks = _regions.ExpertStages(fc1=names.get("fc1"), act=names.get("act"))
-            self._patches.append(_patch.patch(experts, "local_experts", marks.local_experts, order=_patch.INNER))
-            self._patches.append(_patch.patch(experts, "layout", _regions.wrap_gate(marks.gate), order=_patch.INNER))
+                self._mark(region.experts.stage(region.stage), name)
 
-    def _mark_module(self, module: nn.Module, name: str) -> None:
-        self._hooks.append(module.register_forward_pre_hook(lambda m, args: _regions.enter(name)))
-        self._hooks.append(module.register_forward_hook(lambda m, args, out: _regions.leave(name), always_call=True))
+    def _mark(self, module: nn.Module, name: str) -> None:
+        """Region ``name`` while ``module`` runs (its forward pre-hook enters it, its forward hook leaves it)."""
+        self._handles.append(module.register_forward_pre_hook(lambda m, args: _regions.enter(name)))
+        self._handles.append(module.register_forward_hook(lambda m, args, out: _regions.leave(name), always_call=True))
 
     def _warn_if_recomputed(self, trainer: Trainer) -> None:
         from lightning_moe_overlap.callbacks.recompute import SelectiveRecompute
@@ -220,6 +196,13 @@ class ActivationOffload(Callback):
 
     def __repr__(self) -> str:
         return f"ActivationOffload(modules={list(self.modules)}, tensors={list(self.tensors)})"
+
+
+def _tag_input(engine: OffloadEngine, name: str) -> Any:
+    def hook(module: nn.Module, args: tuple) -> None:
+        engine.tag(name, args[0])
+
+    return hook
 
 
 def _tag_output(engine: OffloadEngine, name: str) -> Any:

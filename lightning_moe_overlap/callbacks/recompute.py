@@ -2,8 +2,10 @@
 
 Megatron's ``--recompute-granularity selective --recompute-modules ...`` and ``--recompute-granularity full
 --recompute-method uniform|block --recompute-num-layers N``, applied to the model's own layers without changing
-its code: each named sub-module's ``forward`` (or each layer's) is replaced on the instance by a non-reentrant
-``torch.utils.checkpoint`` of itself when training starts, and restored at teardown.
+its code: when training starts, each named sub-module's ``forward`` (or each layer's) is replaced on the instance
+by a non-reentrant ``torch.utils.checkpoint`` of itself, and the expert names (``moe_act``, ``a2a_overlap_mlp``)
+add a checkpoint wrapper to a stage of the experts (``experts.stage("act" | "local").add_wrapper``); all of it
+is removed at teardown.
 
 It composes with the overlap schedule: a recomputed segment that holds comm points re-runs its all-to-alls inside
 the backward context, which only adds hand-overs (docs/overlap.md); full-layer recompute works with ``overlap=True``.
@@ -14,13 +16,12 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any, Literal
 
-from lightning.pytorch import Callback, LightningModule, Trainer
 from torch import nn
-from typing_extensions import override
 
 from lightning_moe_overlap.callbacks import _patch
+from lightning_moe_overlap.callbacks._attach import Handle, LayerCallback
 from lightning_moe_overlap.callbacks._checkpoint import checkpointed
-from lightning_moe_overlap.callbacks._regions import around_sdpa, wrap_gate
+from lightning_moe_overlap.callbacks._regions import around_sdpa
 from lightning_moe_overlap.callbacks._units import LayerUnits
 from lightning_moe_overlap.callbacks.names import (
     RECOMPUTE_NAMES,
@@ -28,17 +29,17 @@ from lightning_moe_overlap.callbacks.names import (
     Layer,
     ModuleRegion,
     StageRegion,
-    find_layers,
     is_tensor_name,
     present_names,
     user_names,
 )
-from lightning_moe_overlap.callbacks.validation import check_names, missing_names_error, no_layers_error
+from lightning_moe_overlap.callbacks.validation import check_names, missing_names_error
 
 _EXPERT_NAMES = ("moe_act", "a2a_overlap_mlp")
+_STAGES = ("local", "act")  # the stages of the experts that can be recomputed (their own checkpoint wrapper)
 
 
-class SelectiveRecompute(Callback):
+class SelectiveRecompute(LayerCallback):
     """Recompute activations in backward instead of keeping them: named sub-modules or whole layers.
 
     Args:
@@ -61,6 +62,8 @@ class SelectiveRecompute(Callback):
             a bad ``num_layers``; at fit start, names the model does not have.
         TypeError: ``modules`` is not a list of strings.
     """
+
+    owner = "`SelectiveRecompute`"
 
     def __init__(
         self,
@@ -90,18 +93,7 @@ class SelectiveRecompute(Callback):
         self.granularity = granularity
         self.method: Literal["uniform", "block"] = method or "uniform"
         self.num_layers = num_layers
-        self._handles: list[_patch.PatchHandle] = []
 
-    # -- Lightning hooks ----------------------------------------------------------------------------------------
-    @override
-    def on_fit_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
-        self.apply(pl_module)
-
-    @override
-    def teardown(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
-        self.remove()
-
-    # -- plain PyTorch ------------------------------------------------------------------------------------------
     def apply(self, model: nn.Module) -> None:
         """Install the recompute on ``model`` (after expert parallelism was applied, for the expert names).
 
@@ -109,20 +101,11 @@ class SelectiveRecompute(Callback):
             ValueError: no decoder layer recognised, names absent from the model, or ``block`` with more layers
                 than the model has.
         """
-        self.remove()
-        layers = find_layers(model)
-        if not layers:
-            raise no_layers_error("`SelectiveRecompute`", model)
+        layers = self._layers(model)
         if self.granularity == "full":
             self._apply_full(layers)
         else:
             self._apply_selective(model, layers)
-
-    def remove(self) -> None:
-        """Restore every wrapped ``forward``."""
-        for handle in reversed(self._handles):
-            handle.remove()
-        self._handles = []
 
     def _apply_selective(self, model: nn.Module, layers: list[Layer]) -> None:
         tensors = [n for n in self.modules if is_tensor_name(layers, n)]
@@ -144,17 +127,11 @@ class SelectiveRecompute(Callback):
 
     def _install(self, region: Any, done: set[tuple[str, int]]) -> None:
         if isinstance(region, ModuleRegion):
-            key, obj, attr, order = ("forward", id(region.module)), region.module, "forward", _patch.CHECKPOINT
-            wrap = checkpointed([region.module])
+            key = ("forward", id(region.module))
         elif isinstance(region, CallRegion):
-            key, obj, attr, order = ("sdpa", id(region.module)), region.module, "forward", _patch.INNER
-            wrap = around_sdpa(lambda func, args, kwargs: checkpointed()(func)(*args, **kwargs))
-        elif isinstance(region, StageRegion) and region.stage == "local":
-            key, obj, attr, order = ("local", id(region.experts)), region.experts, "local_experts", _patch.CHECKPOINT
-            wrap = checkpointed()
-        elif isinstance(region, StageRegion) and region.stage == "act":
-            key, obj, attr, order = ("act", id(region.experts)), region.experts, "layout", _patch.CHECKPOINT
-            wrap = wrap_gate(checkpointed())
+            key = ("sdpa", id(region.module))
+        elif isinstance(region, StageRegion) and region.stage in _STAGES:
+            key = (region.stage, id(region.experts))
         else:
             raise ValueError(
                 f"`SelectiveRecompute`: {region} is not something that can be recomputed (a module, the core "
@@ -163,7 +140,7 @@ class SelectiveRecompute(Callback):
         if key in done:  # two names sharing a module (layernorm and a2a_overlap_attn): one checkpoint
             return
         done.add(key)
-        self._handles.append(_patch.patch(obj, attr, wrap, order=order))
+        self._handles.append(_checkpoint(region))
 
     def _apply_full(self, layers: list[Layer]) -> None:
         count = len(layers)
@@ -181,12 +158,23 @@ class SelectiveRecompute(Callback):
             units = [list(range(i, min(i + n, count))) for i in range(0, count, n)]
         modules = [layer.module for layer in layers]
         for module, wrap in LayerUnits(modules, units).wrappers():
-            self._handles.append(_patch.patch(module, "forward", wrap, order=_patch.UNIT))
+            self._handles.append(_patch.wrap_forward(module, wrap, order=_patch.UNIT))
 
     def __repr__(self) -> str:
         if self.granularity == "full":
             return f"SelectiveRecompute(granularity='full', method={self.method!r}, num_layers={self.num_layers})"
         return f"SelectiveRecompute(modules={list(self.modules)})"
+
+
+def _checkpoint(region: ModuleRegion | CallRegion | StageRegion) -> Handle:
+    """Run ``region`` as a checkpoint: a module's ``forward``, the SDPA call inside a module, or a stage of the
+    experts (through its wrapper API)."""
+    if isinstance(region, ModuleRegion):
+        return _patch.wrap_forward(region.module, checkpointed([region.module]), order=_patch.CHECKPOINT)
+    if isinstance(region, CallRegion):
+        around = around_sdpa(lambda func, args, kwargs: checkpointed()(func)(*args, **kwargs))
+        return _patch.wrap_forward(region.module, around, order=_patch.INNER)
+    return region.experts.stage(region.stage).add_wrapper(checkpointed())
 
 
 def _check_full(modules: Sequence[str] | None, method: str | None, num_layers: int | None) -> None:

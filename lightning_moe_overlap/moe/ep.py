@@ -8,6 +8,8 @@ only experts ``[ep_rank * E / ep, (ep_rank + 1) * E / ep)``, as new parameters u
 
 Forward: capacity drop (optional, on local tokens) -> ``dispatcher.dispatch`` -> grouped MLP of the local
 experts -> ``dispatcher.combine``. On each rank the result equals the unsharded module's on that rank's tokens.
+The expert MLP runs as named stage modules (``local``: ``fc1`` -> ``act`` -> ``fc2``; :mod:`.stages`), which hooks,
+checkpoints and the memory callbacks attach to; the parameters stay on this module.
 
 Shape legend:
     T: tokens on this rank   K: top-k   D: hidden size   R: rows for local experts   e: local experts
@@ -21,8 +23,18 @@ from torch import Tensor, nn
 
 from lightning_moe_overlap.moe.capacity import DropPolicy, drop_over_capacity, validate_capacity
 from lightning_moe_overlap.moe.dispatch.base import DispatcherBase
-from lightning_moe_overlap.moe.grouped import GemmImpl, grouped_mlp
+from lightning_moe_overlap.moe.dispatch.comm import backward_handoff
+from lightning_moe_overlap.moe.grouped import (
+    GemmImpl,
+    RowSplits,
+    check_activation,
+    check_impl,
+    expert_activation,
+    grouped_projection,
+    row_splits,
+)
 from lightning_moe_overlap.moe.layout import ExpertsLayout
+from lightning_moe_overlap.moe.stages import STAGE_NAMES, ExpertsStage
 from lightning_moe_overlap.moe.te_backend import EXPERT_BACKENDS, ExpertBackend, TEExperts, check_te_layout
 
 
@@ -82,6 +94,8 @@ class ExpertParallelExperts(nn.Module):
             )
         if expert_backend == "te":
             check_te_layout(layout, owner="`ExpertParallelExperts`")
+        check_impl(impl, owner="`ExpertParallelExperts`")
+        check_activation(layout.act_fn, layout.gate_fn, owner="`ExpertParallelExperts`")
         missing = [name for name in layout.parameter_names if not isinstance(getattr(source, name, None), Tensor)]
         if missing:
             raise ValueError(
@@ -128,6 +142,15 @@ class ExpertParallelExperts(nn.Module):
         self.te_experts: TEExperts | None = None
         if expert_backend == "te":
             self.te_experts = TEExperts(getattr(self, layout.up_name), getattr(self, layout.down_name))
+        # The expert MLP as module calls (no parameters of their own: state_dict and parameters() are unchanged).
+        self.stages = nn.ModuleDict(
+            {
+                "local": ExpertsStage("local", self._run_local),
+                "fc1": ExpertsStage("fc1", self._run_fc1),
+                "act": ExpertsStage("act", self._run_act),
+                "fc2": ExpertsStage("fc2", self._run_fc2),
+            }
+        )
 
     def forward(self, hidden_states: Tensor, top_k_index: Tensor, top_k_weights: Tensor) -> Tensor:
         """Same contract as the module it replaced: ``[T, D], [T, K], [T, K] -> [T, D]`` (leading dims kept)."""
@@ -143,33 +166,55 @@ class ExpertParallelExperts(nn.Module):
         y_RD = self.local_experts(x_RD, tokens_per_expert)
         return self.dispatcher.combine(y_RD, handle).view(shape)
 
-    def local_experts(self, x_RD: Tensor, tokens_per_expert: list[int]) -> Tensor:
+    def stage(self, name: str) -> ExpertsStage:
+        """The stage module ``name``: ``local`` (the expert MLP), ``fc1``, ``act`` or ``fc2`` (see :mod:`.stages`).
+
+        Raises:
+            ValueError: ``name`` is not one of them.
+        """
+        if name not in STAGE_NAMES:
+            raise ValueError(
+                f"`ExpertParallelExperts.stage`: {name!r} is not a stage of the experts; the stages are "
+                f"{list(STAGE_NAMES)}. Pass one of those."
+            )
+        return self.stages[name]  # type: ignore[return-value]
+
+    def local_experts(self, x_RD: Tensor, tokens_per_expert: list[int] | Tensor) -> Tensor:
         """The local experts on rows sorted by local expert (``tokens_per_expert[i]`` rows for expert ``i``)."""
+        return self.stages["local"](x_RD, tokens_per_expert)
+
+    # -- the stages' computations ---------------------------------------------------------------------------------
+    def _run_local(self, x_RD: Tensor, tokens_per_expert: list[int] | Tensor) -> Tensor:
+        splits = row_splits(tokens_per_expert, self.num_local_experts, x_RD.shape[0], "`ExpertParallelExperts`")
+        h = self.stages["fc1"](x_RD, splits)
+        h = self.stages["act"](h)
+        h = backward_handoff(h, self.runtime, getattr(self.dispatcher, "backward_handoffs", 0))
+        return self.stages["fc2"](h, splits)
+
+    def _run_fc1(self, x_RD: Tensor, splits: RowSplits) -> Tensor:
         layout = self.layout
         if self.te_experts is not None:
-            return self.te_experts.mlp(
-                x_RD,
-                tokens_per_expert,
-                self.act_fn,
-                self.runtime,
-                gate_fn=layout.gate_fn,
-                gated=layout.gated,
-                backward_handoffs=getattr(self.dispatcher, "backward_handoffs", 0),
-            )
-        return grouped_mlp(
-            x_RD,
-            tokens_per_expert,
-            getattr(self, layout.up_name),
-            getattr(self, layout.down_name),
-            self.act_fn,
-            self.runtime,
-            transposed=layout.transposed,
-            gate_up_bias=getattr(self, layout.up_bias_name) if layout.up_bias_name else None,
-            down_bias=getattr(self, layout.down_bias_name) if layout.down_bias_name else None,
-            gate_fn=layout.gate_fn,
-            gated=layout.gated,
+            return self.te_experts.gate_up(x_RD, splits.host_sizes(), self.runtime)
+        return self._project(x_RD, splits, layout.up_name, layout.up_bias_name)
+
+    def _run_act(self, h_RF2: Tensor) -> Tensor:
+        return expert_activation(h_RF2, self.act_fn, gate_fn=self.layout.gate_fn, gated=self.layout.gated)
+
+    def _run_fc2(self, h_RF: Tensor, splits: RowSplits) -> Tensor:
+        layout = self.layout
+        if self.te_experts is not None:
+            return self.te_experts.down(h_RF, splits.host_sizes(), self.runtime)
+        return self._project(h_RF, splits, layout.down_name, layout.down_bias_name)
+
+    def _project(self, x_RI: Tensor, splits: RowSplits, weight_name: str, bias_name: str | None) -> Tensor:
+        return grouped_projection(
+            x_RI,
+            getattr(self, weight_name),
+            splits,
+            bias=getattr(self, bias_name) if bias_name else None,
+            transposed=self.layout.transposed,
+            runtime=self.runtime,
             impl=self.impl,
-            backward_handoffs=getattr(self.dispatcher, "backward_handoffs", 0),
         )
 
     def extra_repr(self) -> str:

@@ -241,10 +241,75 @@ def _rows_bias(bias_eO: Tensor, splits: RowSplits, num_rows: int) -> Tensor:
     return torch.repeat_interleave(bias_eO, repeats, dim=0, output_size=num_rows)
 
 
+def row_splits(tokens_per_expert: Sequence[int] | Tensor, num_experts: int, num_rows: int, owner: str) -> RowSplits:
+    """The rows per expert of one call, checked against the weights' experts and the rows (a device tensor is not
+    summed: no host sync)."""
+    splits = RowSplits(tokens_per_expert)
+    total = sum(splits.host_sizes()) if splits.on_host else None
+    if splits.num_experts != num_experts or total not in (None, num_rows):
+        summing = "" if total is None else f" summing to {total}"
+        raise ValueError(
+            f"{owner}: tokens_per_expert has {splits.num_experts} entries{summing}, but there are {num_experts} "
+            f"experts and {num_rows} rows; the rule is one count per expert, summing to the number of rows. Pass the "
+            "counts the dispatcher returned with these rows."
+        )
+    return splits
+
+
+def grouped_projection(
+    x_RI: Tensor,
+    weight: Tensor,
+    splits: RowSplits,
+    *,
+    bias: Tensor | None = None,
+    transposed: bool = False,
+    runtime: CommRuntime | None = None,
+    impl: GemmImpl = "auto",
+) -> Tensor:
+    """One projection of every expert (the first, ``fc1``, or the down projection, ``fc2``), plus its optional
+    ``[e, O]`` per-expert bias."""
+    y_RO = GroupedLinear.apply(x_RI, weight, splits, transposed, impl, runtime)
+    if bias is not None:
+        y_RO = y_RO + _rows_bias(bias, splits, x_RI.shape[0])
+    return y_RO
+
+
 def gated_activation(h_RF2: Tensor, act_fn: Callable[[Tensor], Tensor]) -> Tensor:
     """``act(gate) * up`` with the fused projection laid out ``[gate; up]`` along the last dim."""
     gate, up = h_RF2.chunk(2, dim=-1)
     return act_fn(gate) * up
+
+
+def check_impl(impl: str, owner: str) -> None:
+    """``ValueError`` for a GEMM implementation that is not one of :data:`GEMM_IMPLS`."""
+    if impl not in GEMM_IMPLS:
+        raise ValueError(f"{owner}: impl={impl!r} is not one of {list(GEMM_IMPLS)}; pick one of those.")
+
+
+def check_activation(
+    act_fn: Callable[[Tensor], Tensor] | None, gate_fn: Callable[[Tensor], Tensor] | None, owner: str
+) -> None:
+    """``ValueError`` when neither ``act_fn`` nor ``gate_fn`` is given: nothing would compute the activation."""
+    if act_fn is None and gate_fn is None:
+        raise ValueError(
+            f"{owner}: act_fn=None and gate_fn=None; one of them must compute the experts' activation. Give the "
+            "element-wise activation (`act_fn`), or a `gate_fn` for a custom gating."
+        )
+
+
+def expert_activation(
+    h_RF2: Tensor,
+    act_fn: Callable[[Tensor], Tensor] | None,
+    *,
+    gate_fn: Callable[[Tensor], Tensor] | None = None,
+    gated: bool = True,
+) -> Tensor:
+    """The activation stage on the first projection's output: ``gate_fn(h)``, ``act(gate) * up``, or ``act(h)``
+    with ``gated=False`` (one of ``act_fn``, ``gate_fn`` is set: :func:`check_activation`)."""
+    if gate_fn is not None:
+        return gate_fn(h_RF2)
+    assert act_fn is not None
+    return gated_activation(h_RF2, act_fn) if gated else act_fn(h_RF2)
 
 
 def grouped_mlp(
@@ -288,32 +353,17 @@ def grouped_mlp(
 
     Returns:
         ``y_RD``, rows in the same order as ``x_RD``.
+
+    The expert-parallel experts run the same three stages as modules (``fc1``, ``act``, ``fc2``; see
+    :class:`~lightning_moe_overlap.moe.ep.ExpertParallelExperts`).
     """
-    if impl not in GEMM_IMPLS:
-        raise ValueError(f"`grouped_mlp`: impl={impl!r} is not one of {list(GEMM_IMPLS)}; pick one of those.")
-    splits = RowSplits(tokens_per_expert)
-    num_rows = x_RD.shape[0]
-    total = sum(splits.host_sizes()) if splits.on_host else None  # a device tensor is not summed: no sync
-    if splits.num_experts != gate_up_eFD.shape[0] or total not in (None, num_rows):
-        summing = "" if total is None else f" summing to {total}"
-        raise ValueError(
-            f"`grouped_mlp`: tokens_per_expert has {splits.num_experts} entries{summing}, but there are "
-            f"{gate_up_eFD.shape[0]} experts and {num_rows} rows; the rule is one count per expert, summing to "
-            "the number of rows. Pass the counts the dispatcher returned with these rows."
-        )
-    h = GroupedLinear.apply(x_RD, gate_up_eFD, splits, transposed, impl, runtime)
-    if gate_up_bias is not None:
-        h = h + _rows_bias(gate_up_bias, splits, num_rows)
-    if gate_fn is not None:
-        h = gate_fn(h)
-    elif act_fn is None:
-        raise ValueError("`grouped_mlp`: act_fn=None and gate_fn=None; one of them must compute the activation.")
-    elif gated:
-        h = gated_activation(h, act_fn)
-    else:
-        h = act_fn(h)
+    owner = "`grouped_mlp`"
+    check_impl(impl, owner)
+    check_activation(act_fn, gate_fn, owner)
+    splits = row_splits(tokens_per_expert, gate_up_eFD.shape[0], x_RD.shape[0], owner)
+    h = grouped_projection(
+        x_RD, gate_up_eFD, splits, bias=gate_up_bias, transposed=transposed, runtime=runtime, impl=impl
+    )
+    h = expert_activation(h, act_fn, gate_fn=gate_fn, gated=gated)
     h = backward_handoff(h, runtime, backward_handoffs)
-    y = GroupedLinear.apply(h, down_eDF, splits, transposed, impl, runtime)
-    if down_bias is not None:
-        y = y + _rows_bias(down_bias, splits, num_rows)
-    return y
+    return grouped_projection(h, down_eDF, splits, bias=down_bias, transposed=transposed, runtime=runtime, impl=impl)

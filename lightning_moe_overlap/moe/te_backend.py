@@ -27,7 +27,7 @@ Shape legend:
 from __future__ import annotations
 
 import importlib.util
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from types import ModuleType
 from typing import Any
 
@@ -36,8 +36,6 @@ from torch import Tensor, nn
 
 from lightning_moe_overlap._install import install_hint
 from lightning_moe_overlap.config import EXPERT_BACKENDS, ExpertBackend
-from lightning_moe_overlap.moe.dispatch.comm import backward_handoff
-from lightning_moe_overlap.moe.grouped import RowSplits, gated_activation
 from lightning_moe_overlap.moe.layout import ExpertsLayout
 from lightning_moe_overlap.overlap.runtime import CommRuntime
 
@@ -148,31 +146,12 @@ class TEProjection:
 
 
 class TEExperts:
-    """The two projections of an experts module on TE (a plain object: nothing registered on the module)."""
+    """The two projections of an experts module on TE (a plain object: nothing registered on the module).
+
+    The experts' ``fc1`` and ``fc2`` stages call ``gate_up`` and ``down``; the activation between them is the
+    torch backend's (:func:`~lightning_moe_overlap.moe.grouped.expert_activation`).
+    """
 
     def __init__(self, gate_up: nn.Parameter, down: nn.Parameter, te_module: ModuleType | None = None) -> None:
         self.gate_up = TEProjection(gate_up, te_module)
         self.down = TEProjection(down, te_module)
-
-    def mlp(
-        self,
-        x_RD: Tensor,
-        tokens_per_expert: Sequence[int] | Tensor,
-        act_fn: Callable[[Tensor], Tensor] | None,
-        runtime: CommRuntime | None,
-        *,
-        gate_fn: Callable[[Tensor], Tensor] | None = None,
-        gated: bool = True,
-        backward_handoffs: int = 0,
-    ) -> Tensor:
-        """``down(act(gate) * up)`` over rows sorted by expert, as :func:`~lightning_moe_overlap.moe.grouped_mlp`."""
-        sizes = RowSplits(tokens_per_expert).host_sizes()  # TE's m_splits are a host list
-        h = self.gate_up(x_RD, sizes, runtime)
-        if gate_fn is not None:
-            h = gate_fn(h)
-        elif act_fn is None:
-            raise ValueError("`TEExperts.mlp`: act_fn=None and gate_fn=None; one of them must compute the activation.")
-        else:
-            h = gated_activation(h, act_fn) if gated else act_fn(h)
-        h = backward_handoff(h, runtime, backward_handoffs)
-        return self.down(h, sizes, runtime)

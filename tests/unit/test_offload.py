@@ -15,6 +15,7 @@ from lightning.pytorch import Callback
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from lightning_moe_overlap._compat import torch as torch_compat
 from lightning_moe_overlap.callbacks import (
     ActivationOffload,
     OffloadEngine,
@@ -118,6 +119,25 @@ def test_offload_and_recompute_together(reference):
     assert equal(params, reference[0]) and held < reference[1]
 
 
+@pytest.mark.parametrize("first", [0, 1])
+def test_offload_and_recompute_come_off_in_any_order(reference, first):
+    model = gpt()
+    cbs = [
+        SelectiveRecompute(modules=["a2a_overlap_mlp", "moe_act", "core_attn"]),
+        ActivationOffload(tensors=TAGS, modules=MODULES, min_tensor_size=0),
+    ]
+    for cb in cbs:
+        cb.apply(model)
+    experts = [layer.mlp.experts for layer in model.layers]
+    assert all(e.stage("local").wrapped and e.stage("act").wrapped for e in experts)
+    cbs[first].remove()
+    cbs[1 - first].remove()
+    assert not any(e.stage(name).wrapped for e in experts for name in ("local", "fc1", "act", "fc2"))
+    assert not any("forward" in vars(m) for m in model.modules())
+    params, held = train(model)  # nothing left attached: the plain run's memory and parameters
+    assert held == reference[1] and equal(params, reference[0])
+
+
 def test_offload_under_the_overlap_engine_is_bitwise_equal():
     """Hooks are installed in the forward's thread; the reload happens in the backward's."""
     ref = engine_train()
@@ -202,6 +222,29 @@ def test_engine_prefetches_the_previous_layer():
     _ = h.grad_fn._saved_self  # backward reaches the last layer: the one before it is reloaded ahead
     loaded = [[ref().loaded is not None for ref in g.entries] for g in groups]
     assert loaded == [[False], [True], [True]]
+
+
+def test_inside_checkpoint_sees_the_innermost_saved_tensors_hooks():
+    """The offload skips groups inside a checkpoint; it asks torch which saved-tensor hooks are on top."""
+    assert hasattr(torch._C._autograd, "_top_saved_tensors_default_hooks"), (
+        f"torch {torch.__version__} has no `torch._C._autograd._top_saved_tensors_default_hooks`; update "
+        "`_compat/torch.py::top_saved_tensors_hooks`"
+    )
+    assert torch_compat.top_saved_tensors_hooks() is None and not _regions.inside_checkpoint()
+    seen = []
+
+    def segment(x):
+        seen.append(_regions.inside_checkpoint())
+        return x.sin()
+
+    checkpoint(segment, torch.ones(2, requires_grad=True), use_reentrant=False).sum().backward()
+    with torch.autograd.graph.saved_tensors_hooks(_same, _same):
+        assert torch_compat.top_saved_tensors_hooks()[0] is _same and not _regions.inside_checkpoint()
+    assert seen == [True, True]  # the forward and the recomputation
+
+
+def _same(t):
+    return t
 
 
 def test_meter_counts_distinct_live_storages():

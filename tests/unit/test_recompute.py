@@ -23,11 +23,9 @@ from lightning_moe_overlap.callbacks import (
     register_layer_names,
     unregister_layer_names,
 )
-from lightning_moe_overlap.callbacks._regions import gate_of
 from lightning_moe_overlap.demo import MoEDecoderLayer, MoEGPT
 from lightning_moe_overlap.moe.adapters import apply_expert_parallel
 from lightning_moe_overlap.moe.layer import MoELayer
-from lightning_moe_overlap.moe.layout import ExpertsLayout
 from lightning_moe_overlap.overlap.engine import OverlapEngine
 from lightning_moe_overlap.overlap.runtime import CommRuntime
 
@@ -136,8 +134,6 @@ def test_names_that_cannot_be_recomputed():
             SelectiveRecompute(modules=["fc1"]).apply(gpt())
     finally:
         unregister_layer_names(spec)
-    with pytest.raises(ValueError, match=r"the layout has neither gate_fn nor act_fn"):
-        gate_of(ExpertsLayout(act_fn=None))
 
 
 def test_register_layer_names_checks_its_arguments():
@@ -181,19 +177,21 @@ def test_larger_uniform_units_keep_fewer_inputs():
 def test_remove_restores_the_model():
     model = gpt()
     cb = SelectiveRecompute(modules=["a2a_overlap_attn", "a2a_overlap_mlp", "moe_act", "core_attn"])
-    cb.apply(model)
     layer = model.layers[0]
-    assert "forward" in vars(layer.attn) and "local_experts" in vars(layer.mlp.experts)
-    layout = vars(layer.mlp.experts)["layout"]
+    experts, layout = layer.mlp.experts, layer.mlp.experts.layout
+    cb.apply(model)
+    assert "forward" in vars(layer.attn)
+    assert experts.stage("local").wrapped and experts.stage("act").wrapped and not experts.stage("fc1").wrapped
     cb.remove()
-    assert "forward" not in vars(layer.attn) and "local_experts" not in vars(layer.mlp.experts)
-    assert layer.mlp.experts.layout.gate_fn is None and layout.gate_fn is not None
+    assert "forward" not in vars(layer.attn) and not experts.stage("local").wrapped and not experts.stage("act").wrapped
+    # The experts are attached to, never patched: no instance attribute replaced, the frozen layout untouched.
+    assert "local_experts" not in vars(experts) and experts.layout is layout
 
 
 def test_patches_come_off_in_any_order():
     module = nn.Linear(2, 2)
-    first = _patch.patch(module, "forward", lambda f: lambda x: f(x) + 1, order=_patch.CHECKPOINT)
-    second = _patch.patch(module, "forward", lambda f: lambda x: f(x) * 2, order=_patch.INNER)
+    first = _patch.wrap_forward(module, lambda f: lambda x: f(x) + 1, order=_patch.CHECKPOINT)
+    second = _patch.wrap_forward(module, lambda f: lambda x: f(x) * 2, order=_patch.INNER)
     x = torch.ones(1, 2)
     plain = nn.functional.linear(x, module.weight, module.bias)
     assert torch.equal(module(x), plain * 2 + 1)  # INNER is applied first, whatever the registration order
