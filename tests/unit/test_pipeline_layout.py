@@ -19,7 +19,8 @@ def _megatron():
 def test_parse_matches_megatron(text):
     mc = _megatron()
     symbol = {"embedding": "E", "decoder": "t", "mtp": "m", "loss": "L"}
-    theirs = ["".join(symbol[t.name] for t in chunk) for chunk in mc.PipelineParallelLayerLayout.parse_str_to_list(text)]
+    chunks = mc.PipelineParallelLayerLayout.parse_str_to_list(text)
+    theirs = ["".join(symbol[t.name] for t in chunk) for chunk in chunks]
     assert parse_layout(text) == theirs
 
 
