@@ -1,0 +1,208 @@
+"""Built-in splitters: this package's ``MoEGPT`` and Hugging Face transformers v5 decoder LMs.
+
+Both keep the unsplit model's module names inside a chunk (layers in an ``nn.ModuleDict`` keyed by their global
+index, torchtitan's way), so a chunk's state-dict keys are the unsplit model's, minus any prefix above the model.
+
+Shape legend: B batch, S sequence, D hidden, V vocabulary.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from lightning_moe_overlap.pipeline.layout import Chunk, PipelineLayout
+from lightning_moe_overlap.pipeline.split import PipelineChunks, Splitter, reset_module
+
+
+def builtin_splitter(model: nn.Module) -> Splitter:
+    """The splitter for ``model``, or a ``TypeError`` with the hook to implement."""
+    from lightning_moe_overlap.demo import MoEGPT
+
+    if isinstance(model, MoEGPT):
+        return split_moegpt
+    if find_hf_decoder(model) is not None:
+        return split_hf_decoder
+    raise TypeError(
+        f"split_model: no built-in splitter knows {type(model).__name__}. Rule: built in are MoEGPT and Hugging "
+        "Face transformers v5 decoder LMs (model.model.layers, also as a LightningModule's `model`). Fix: give the "
+        "model a configure_pipeline(layout) -> PipelineChunks method, or pass split_model(..., splitter=fn)."
+    )
+
+
+def _check_layers(model: nn.Module, layout: PipelineLayout, num_layers: int) -> None:
+    if layout.num_layers != num_layers:
+        raise ValueError(
+            f"split_model: the layout holds {layout.num_layers} layers but {type(model).__name__} has {num_layers}. "
+            f"Rule: the layout places every decoder layer once. Fix: build_layout(num_layers={num_layers}, ...)."
+        )
+    if any(c.mtp_layers for c in layout.chunks):
+        raise ValueError(
+            f"split_model: the layout has MTP layers ('m') but {type(model).__name__} has none. Rule: one 'm' per "
+            "MTP layer of the model. Fix: remove the 'm' symbols."
+        )
+
+
+# -- MoEGPT ----------------------------------------------------------------------------------------------------
+class GPTChunk(nn.Module):
+    """A run of ``MoEGPT`` layers; with ``embed`` it takes tokens, with ``head`` it returns logits."""
+
+    def __init__(self, embed: nn.Module | None, layers: dict[int, nn.Module], norm: nn.Module | None,
+                 head: nn.Module | None) -> None:
+        super().__init__()
+        self.embed = embed
+        self.layers = nn.ModuleDict({str(i): layer for i, layer in layers.items()})
+        self.norm = norm
+        self.head = head
+
+    def forward(self, x: Tensor) -> Tensor:  # tokens_BS (chunk 0) or x_BSD
+        if self.embed is not None:
+            x = self.embed(x)
+        for layer in self.layers.values():
+            x = layer(x)
+        if self.head is not None:
+            x = self.head(self.norm(x))  # logits_BSV
+        return x
+
+
+def gpt_loss(logits_BSV: Tensor, target_BS: Tensor) -> Tensor:
+    """``MoEGPT``'s next-token loss (as in its ``training_step``)."""
+    return F.cross_entropy(logits_BSV.reshape(-1, logits_BSV.shape[-1]).float(), target_BS.reshape(-1))
+
+
+def gpt_prepare_batch(tokens_BS: Tensor) -> tuple[tuple[Tensor, ...], Tensor]:
+    return (tokens_BS[:, :-1],), tokens_BS[:, 1:]
+
+
+def gpt_init_module(module: nn.Module) -> None:
+    """``MoEGPT``'s initialisation of one module (norms to one, routers N(0, 0.02), the rest reset)."""
+    from lightning_moe_overlap.demo import RMSNorm
+    from lightning_moe_overlap.moe.router import TopKRouter
+
+    if isinstance(module, RMSNorm):
+        nn.init.ones_(module.weight)
+    elif isinstance(module, TopKRouter):
+        nn.init.normal_(module.weight, std=0.02)
+        for buffer in module.buffers(recurse=False):
+            buffer.zero_()
+    else:
+        reset_module(module)
+
+
+def split_moegpt(model: nn.Module, layout: PipelineLayout) -> PipelineChunks:
+    """``MoEGPT``: embedding with chunk 0, final norm + head with the last chunk, layers per the layout."""
+    _check_layers(model, layout, len(model.layers))
+
+    def chunk(c: Chunk) -> GPTChunk:
+        return GPTChunk(
+            model.embed if c.embedding else None, {i: model.layers[i] for i in c.layers},
+            model.norm if c.loss else None, model.head if c.loss else None,
+        )
+
+    return PipelineChunks([chunk(c) for c in layout.chunks], gpt_loss, gpt_prepare_batch, gpt_init_module)
+
+
+# -- Hugging Face transformers v5 decoder LMs ------------------------------------------------------------------
+def find_hf_decoder(model: nn.Module) -> nn.Module | None:
+    """The HF ``*ForCausalLM`` in ``model`` (itself or its ``model`` attribute), or None."""
+    try:
+        from transformers import PreTrainedModel
+    except ImportError:  # pragma: no cover - depends on the environment
+        return None
+    for candidate in (model, getattr(model, "model", None)):
+        inner = getattr(candidate, "model", None)
+        if (
+            isinstance(candidate, PreTrainedModel)
+            and isinstance(getattr(inner, "layers", None), nn.ModuleList)
+            and all(hasattr(inner, a) for a in ("embed_tokens", "norm", "rotary_emb"))
+            and hasattr(candidate, "lm_head")
+        ):
+            return candidate
+    return None
+
+
+class HFDecoderChunk(nn.Module):
+    """A run of an HF decoder's layers; names as in the ``*ForCausalLM`` (``model.layers.<i>``, ``lm_head``).
+
+    Every chunk rebuilds what the layers need from the hidden states' shape: position ids ``0..S-1``, the rotary
+    embedding and the causal mask (no padding mask, no KV cache: training on full sequences).
+    """
+
+    def __init__(self, config: Any, parts: dict[str, nn.Module | None], layers: dict[int, nn.Module]) -> None:
+        super().__init__()
+        self.config = config
+        self.model = nn.Module()
+        for name in ("embed_tokens", "norm", "rotary_emb"):
+            if parts[name] is not None:
+                setattr(self.model, name, parts[name])
+        self.model.layers = nn.ModuleDict({str(i): layer for i, layer in layers.items()})
+        self.lm_head = parts["lm_head"]
+
+    def forward(self, x: Tensor) -> Tensor:  # input_ids_BS (chunk 0) or hidden_BSD
+        inner = self.model
+        h_BSD = inner.embed_tokens(x) if hasattr(inner, "embed_tokens") else x
+        if len(inner.layers):
+            position_ids = torch.arange(h_BSD.shape[1], device=h_BSD.device).unsqueeze(0)
+            masks = _causal_masks(self.config, h_BSD, position_ids)
+            rotary = inner.rotary_emb(h_BSD, position_ids=position_ids)
+            for i, layer in inner.layers.items():
+                h_BSD = layer(
+                    h_BSD, attention_mask=masks(int(i)), position_ids=position_ids, past_key_values=None,
+                    use_cache=False, position_embeddings=rotary,
+                )
+        if self.lm_head is not None:
+            h_BSD = self.lm_head(inner.norm(h_BSD))  # logits_BSV
+        return h_BSD
+
+
+def _causal_masks(config: Any, h_BSD: Tensor, position_ids: Tensor) -> Callable[[int], Any]:
+    """Layer index -> its attention mask, as the HF model builds them (per ``config.layer_types`` when set)."""
+    from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
+
+    kwargs = dict(config=config, inputs_embeds=h_BSD, attention_mask=None, past_key_values=None,
+                  position_ids=position_ids)
+    layer_types = getattr(config, "layer_types", None)
+    if layer_types:
+        built = {"full_attention": create_causal_mask(**kwargs)}
+        if "sliding_attention" in layer_types:
+            built["sliding_attention"] = create_sliding_window_causal_mask(**kwargs)
+        return lambda i: built[layer_types[i]]
+    sliding = getattr(config, "sliding_window", None) is not None
+    mask = (create_sliding_window_causal_mask if sliding else create_causal_mask)(**kwargs)
+    return lambda i: mask
+
+
+def split_hf_decoder(model: nn.Module, layout: PipelineLayout) -> PipelineChunks:
+    """An HF v5 ``*ForCausalLM`` (or a module holding it as ``model``): ``model.model.layers`` per the layout."""
+    hf = find_hf_decoder(model)
+    inner = hf.model
+    _check_layers(model, layout, len(inner.layers))
+    if getattr(hf.config, "output_router_logits", False):
+        raise NotImplementedError(
+            f"split_model: {type(hf).__name__} has config.output_router_logits=True: its load-balancing loss needs "
+            "every layer's router logits on the last chunk, which pipeline chunks do not pass on. Rule: HF "
+            "router aux losses are off under pp > 1. Fix: set config.output_router_logits=False."
+        )
+
+    def chunk(c: Chunk) -> HFDecoderChunk:
+        parts = {
+            "embed_tokens": inner.embed_tokens if c.embedding else None,
+            "norm": inner.norm if c.loss else None,
+            "rotary_emb": inner.rotary_emb if c.layers else None,
+            "lm_head": hf.lm_head if c.loss else None,
+        }
+        return HFDecoderChunk(hf.config, parts, {i: inner.layers[i] for i in c.layers})
+
+    loss_function, vocab_size = hf.loss_function, hf.config.vocab_size
+
+    def loss_fn(logits_BSV: Tensor, labels_BS: Tensor) -> Tensor:
+        return loss_function(logits_BSV, labels_BS, vocab_size)
+
+    def prepare_batch(input_ids_BS: Tensor) -> tuple[tuple[Tensor, ...], Tensor]:
+        return (input_ids_BS,), input_ids_BS
+
+    return PipelineChunks([chunk(c) for c in layout.chunks], loss_fn, prepare_batch, hf._init_weights)
