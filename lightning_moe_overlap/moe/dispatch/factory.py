@@ -19,7 +19,7 @@ DISPATCHER_CLASSES: dict[str, type[DispatcherBase]] = {
 }
 # The knobs each backend reads; a knob of another backend is ignored, so one set of settings can serve any choice.
 DISPATCHER_KNOBS: dict[str, tuple[str, ...]] = {
-    "alltoall": (),
+    "alltoall": ("dedup",),
     "allgather": (),
     "flex": ("deepep_num_sms", "deepep_buffers", "deepep_buffer"),
 }
@@ -35,8 +35,8 @@ def build_dispatcher(
         ep_group: expert-parallel process group; ``None`` for a single process.
         num_experts: global number of experts (divisible by the group size).
         runtime: comm-point hand-over target shared by all layers of the model.
-        **knobs: backend settings (flex: ``deepep_num_sms``, ``deepep_buffers``, ``deepep_buffer``). Knobs of
-            other backends are accepted and ignored; unknown names raise ``TypeError``.
+        **knobs: backend settings (alltoall: ``dedup``; flex: ``deepep_num_sms``, ``deepep_buffers``,
+            ``deepep_buffer``). Knobs of other backends are accepted and ignored; unknown names raise ``TypeError``.
 
     Raises:
         ValueError: unknown ``name``, or ``num_experts`` not divisible by the ep size.
