@@ -8,7 +8,10 @@ trains one model three ways in the same run, steps interleaved (A B C A B C ...)
 - ``overlap+wgrad``: ``overlap=True`` with ``CommRuntime(delay_wgrad=True)``;
 - ``overlap+monitor`` (with ``--monitor``): ``overlap`` plus the hot-path instrumentation of ``MoEMonitor``
   (routing statistics on the device) and its read-out every step (one all-reduce, one device-to-host copy), the
-  worst case of ``log_every_n_steps=1``; its ratio to ``overlap`` is the monitor's overhead.
+  worst case of ``log_every_n_steps=1``; its ratio to ``overlap`` is the monitor's overhead;
+- ``sequential/plain`` and ``overlap/plain`` (with ``--compare-dedup``): the all-to-all dispatcher without its
+  deduplicated dispatch (one row per (token, expert) instead of per (token, rank)); each step also counts the
+  bytes the all-to-alls send to other ranks.
 
 The model is a stack of blocks ``x + MoE(x + MLP(x))``: a dense GELU MLP (the compute before the dispatch) and
 an expert-parallel :class:`MoELayer`, trained with the engine, ``sync_gradients`` and SGD. Every all-to-all
@@ -49,7 +52,7 @@ from lightning_moe_overlap.moe.adapters import apply_expert_parallel
 from lightning_moe_overlap.moe.layer import MoELayer
 from lightning_moe_overlap.moe.stats import RoutingStats, summarize
 from lightning_moe_overlap.overlap.engine import OverlapEngine
-from lightning_moe_overlap.overlap.runtime import CommRuntime, CommTimer
+from lightning_moe_overlap.overlap.runtime import CommRuntime, CommTimer, CommTraffic
 from lightning_moe_overlap.overlap.schedule import Task
 from lightning_moe_overlap.parallel import ParallelDims, ParallelGroups, build_groups
 
@@ -59,12 +62,13 @@ MODES: dict[str, tuple[bool, bool]] = {  # name -> (overlap, delay_wgrad)
     "overlap+wgrad": (True, True),
 }
 MONITOR_MODE = "overlap+monitor"
-ALL_MODES = {**MODES, MONITOR_MODE: (True, False)}
+PLAIN_MODES = {"sequential/plain": (False, False), "overlap/plain": (True, False)}  # dedup=False
+ALL_MODES = {**MODES, MONITOR_MODE: (True, False), **PLAIN_MODES}
 
 
 def modes_of(cfg: Config) -> list[str]:
     """The modes a run measures."""
-    return [*MODES, MONITOR_MODE] if cfg.monitor else list(MODES)
+    return [*MODES, *([MONITOR_MODE] if cfg.monitor else []), *(PLAIN_MODES if cfg.compare_dedup else [])]
 
 
 @dataclass(frozen=True)
@@ -90,6 +94,8 @@ class Config:
         simulate_ep_ms: > 0: simulated expert parallelism (one rank, every all-to-all a loopback of this many ms).
         trace: with ``simulate_ep_ms``, write one overlapped step as a Chrome trace to this path.
         monitor: also measure ``overlap+monitor`` (the overhead of ``MoEMonitor``).
+        dedup: the all-to-all dispatcher's deduplicated dispatch (its default).
+        compare_dedup: also measure ``sequential/plain`` and ``overlap/plain`` (``dedup=False``).
     """
 
     ranks: int = 2
@@ -112,6 +118,8 @@ class Config:
     simulate_ep_ms: float = 0.0
     trace: str | None = None
     monitor: bool = False
+    dedup: bool = True
+    compare_dedup: bool = False
 
     @property
     def ep_size(self) -> int:
@@ -231,7 +239,9 @@ def build_trainer(cfg: Config, mode: str, groups: ParallelGroups, device: torch.
     if cfg.simulate_ep_ms > 0:
         attach_loopback(runtime, cfg.simulate_ep_ms, device)
     net = Net(cfg).to(device)
-    experts = apply_expert_parallel(net, groups.ep, dispatcher=cfg.dispatcher, runtime=runtime)
+    knobs = {"dedup": cfg.dedup and mode not in PLAIN_MODES} if cfg.dispatcher == "alltoall" else {}
+    experts = apply_expert_parallel(net, groups.ep, dispatcher=cfg.dispatcher, runtime=runtime, **knobs)
+    runtime.traffic = CommTraffic()
     expert_ids = {id(p) for module in experts for p in module.parameters()}
     params = list(net.parameters())
     timer = CommTimer()
@@ -271,6 +281,7 @@ def train_step(t: Trainer, cfg: Config, groups: ParallelGroups, batch: tuple[Ten
     x, y = batch
     m = cfg.microbatches
     t.timer.reset()
+    t.runtime.traffic.reset()
     t.run_delay.start()
     cpu_start = time.process_time()
     start = time.perf_counter()
@@ -286,7 +297,10 @@ def train_step(t: Trainer, cfg: Config, groups: ParallelGroups, batch: tuple[Ten
     end = time.perf_counter()
     cpu = time.process_time() - cpu_start
     comm = t.timer.snapshot()
+    _, sent_bytes, remote_bytes = t.runtime.traffic.reset()
     return {
+        "sent_bytes": sent_bytes,
+        "remote_bytes": remote_bytes,
         "step_s": end - start,
         "cpu_s": cpu,
         "run_delay_s": t.run_delay.stop(),
@@ -335,7 +349,9 @@ def rank_main(rank: int, cfg: Config) -> dict[str, Any]:
             record = train_step(trainer, cfg, groups, batch)
             if step >= cfg.warmup:
                 records[mode].append(record)
-    equal = same_parameters(list(trainers.values()))
+    # Per dispatch path: deduplicated and plain agree bitwise only up to top-2 (docs/dispatchers.md).
+    groups_of_modes = [[t for m, t in trainers.items() if (m in PLAIN_MODES) is plain] for plain in (False, True)]
+    equal = all(same_parameters(group) for group in groups_of_modes if group)
     probe, simulated = None, None
     if cfg.simulate_ep_ms > 0:
         simulated = simulated_extras(trainers["overlap"], cfg, groups, batch)
@@ -433,6 +449,8 @@ def mode_summary(results: list[dict[str, Any]], mode: str) -> dict[str, Any]:
         "engine_s": median(per_step(results, mode, "engine_s", max)),
         **mean_over_ranks,
         "waits": results[0]["records"][mode][0]["waits"],
+        "remote_bytes": median(per_step(results, mode, "remote_bytes", sum)),
+        "sent_bytes": median(per_step(results, mode, "sent_bytes", sum)),
         "steps_s": per_step(results, mode, "step_s", max),
         "per_rank_cpu_s": [median(r["cpu_s"] for r in res["records"][mode]) for res in results],
         "per_rank_blocked_s": [median(r["blocked_s"] for r in res["records"][mode]) for res in results],
@@ -462,6 +480,19 @@ def summarise(results: list[dict[str, Any]], cfg: Config) -> dict[str, Any]:
         "bitwise_equal": all(r["bitwise_equal"] for r in results),
         "simulated": results[0]["simulated"],
         "modes": modes,
+        "dedup": (
+            {
+                "bytes": modes["sequential"]["remote_bytes"] / modes["sequential/plain"]["remote_bytes"],
+                **{
+                    mode: statistics.median(
+                        a / b for a, b in zip(modes[mode]["steps_s"], modes[f"{mode}/plain"]["steps_s"])
+                    )
+                    for mode in ("sequential", "overlap")
+                },
+            }
+            if cfg.compare_dedup and modes["sequential/plain"]["remote_bytes"]
+            else None
+        ),
         "monitor_overhead": (
             statistics.median(a / b for a, b in zip(modes[MONITOR_MODE]["steps_s"], modes["overlap"]["steps_s"])) - 1
             if MONITOR_MODE in modes
@@ -483,19 +514,25 @@ def print_summary(summary: dict[str, Any]) -> None:
         f"sequential step = compute {1e3 * summary['compute_s']:.1f} ms + EP communication "
         f"{1e3 * summary['comm_s']:.1f} ms; limit max(compute, comm) / (compute + comm) = {summary['limit']:.3f}"
     )
-    print(f"parameters after the run bitwise equal in every mode: {summary['bitwise_equal']}")
+    print(f"parameters after the run bitwise equal in every mode (per dispatch path): {summary['bitwise_equal']}")
     if summary["simulated"] is not None:
         sim = summary["simulated"]
         print(f"simulated EP: every all-to-all {cfg['simulate_ep_ms']} ms; host syncs per overlapped step: "
               f"{sim['host_syncs_per_step']}; trace: {sim['trace']}")
     host = summary["host_waits_meaningful"]
-    print(f"{'mode':<14} {'step ms':>8} {'ratio':>6} {'exposed ms':>11} {'step-compute ms':>16} {'CPU busy':>9} "
-          f"{'run-queue ms':>13}")
+    print(f"{'mode':<16} {'step ms':>8} {'ratio':>6} {'exposed ms':>11} {'step-compute ms':>16} {'CPU busy':>9} "
+          f"{'run-queue ms':>13} {'sent MB':>8}")
     for mode, v in summary["modes"].items():
         exposed = f"{1e3 * v['blocked_s']:11.1f}" if host else f"{'n/a':>11}"
         print(
-            f"{mode:<14} {1e3 * v['step_s']:8.1f} {v['ratio']:6.3f} {exposed} {1e3 * v['exposed_est_s']:16.1f} "
-            f"{v['cpu_busy']:9.2f} {1e3 * v['run_delay_s']:13.1f}"
+            f"{mode:<16} {1e3 * v['step_s']:8.1f} {v['ratio']:6.3f} {exposed} {1e3 * v['exposed_est_s']:16.1f} "
+            f"{v['cpu_busy']:9.2f} {1e3 * v['run_delay_s']:13.1f} {v['remote_bytes'] / 1e6:8.2f}"
+        )
+    dedup = summary["dedup"]
+    if dedup is not None:
+        print(
+            f"deduplicated / plain all-to-all (median of steps): bytes sent to other ranks {dedup['bytes']:.3f}, "
+            f"step time sequential {dedup['sequential']:.3f}, overlapped {dedup['overlap']:.3f}"
         )
     if summary["monitor_overhead"] is not None:
         print(f"MoEMonitor overhead (overlap+monitor / overlap - 1, median of steps): {summary['monitor_overhead']:+.2%}")
@@ -537,6 +574,14 @@ def parse_args(argv: list[str] | None = None) -> tuple[Config, bool]:
     parser.add_argument("--trace", default=None, help="with --simulate-ep: Chrome trace of one overlapped step")
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
     parser.add_argument("--monitor", action="store_true", help="also measure overlap+monitor (MoEMonitor's overhead)")
+    parser.add_argument(
+        "--no-dedup", dest="dedup", action="store_false",
+        help="alltoall: one row per (token, expert) on the wire, not per (token, rank)",
+    )
+    parser.add_argument(
+        "--compare-dedup", action="store_true",
+        help="also measure sequential/plain and overlap/plain (alltoall without deduplicated dispatch)",
+    )
     args = vars(parser.parse_args(argv))
     as_json = args.pop("json")
     if args["simulate_ep_ms"] > 0:

@@ -20,6 +20,9 @@ timer:``) and every ``runtime.wait(work)`` records how long the caller was block
 communication that nothing hid, and how long the collective was in flight (from the hand-over that followed its
 issue to the end of the wait). Without a timer ``wait`` is ``work.wait()`` plus one attribute test.
 
+Traffic (opt-in): attach a :class:`CommTraffic` (``runtime.traffic = CommTraffic()``) and every all-to-all of the
+dispatchers adds the bytes it sends, in total and to other ranks (the part that crosses the wire).
+
 Timeline (opt-in): attach a :class:`TraceSink` (``runtime.trace = TimelineRecorder()``, see ``timeline.py``) and
 every comm point also reports its issue, hand-over, resumption and wait, with the role holding the baton.
 Without one, each comm point pays one more attribute test.
@@ -146,6 +149,37 @@ class CommTimer:
             return totals
 
 
+class CommTraffic:
+    """Bytes sent by the all-to-alls of a :class:`CommRuntime` it is attached to (forward and backward).
+
+    Attributes:
+        collectives: all-to-alls counted.
+        sent_bytes: bytes handed to the collectives, the rows a rank keeps for itself included.
+        remote_bytes: bytes sent to other ranks (what crosses the wire); with a loopback (simulated expert
+            parallelism) everything it sends.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self.collectives = 0
+        self.sent_bytes = 0
+        self.remote_bytes = 0
+
+    def record(self, sent_bytes: int, remote_bytes: int) -> None:
+        """Add one all-to-all."""
+        with self._lock:
+            self.collectives += 1
+            self.sent_bytes += sent_bytes
+            self.remote_bytes += remote_bytes
+
+    def reset(self) -> tuple[int, int, int]:
+        """Zero the totals; returns ``(collectives, sent_bytes, remote_bytes)`` before the reset."""
+        with self._lock:
+            totals = (self.collectives, self.sent_bytes, self.remote_bytes)
+            self.collectives = self.sent_bytes = self.remote_bytes = 0
+            return totals
+
+
 class SideWork:
     """A computation submitted to run at the next comm point; ``result()`` runs it now if it has not run yet."""
 
@@ -185,6 +219,7 @@ class CommRuntime:
         # all-to-alls are issued through ``loopback(out, inp) -> Waitable`` instead of being skipped.
         self.loopback: Callable[[Any, Any], Waitable] | None = None
         self.trace: TraceSink | None = None  # opt-in: the timeline of a step (overlap/timeline.py)
+        self.traffic: CommTraffic | None = None  # opt-in: bytes sent by the all-to-alls
 
     # -- comm points -------------------------------------------------------------------------------------------
     def handoff(self) -> None:

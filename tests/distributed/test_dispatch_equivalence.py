@@ -5,6 +5,8 @@ forward output and every gradient (input, routing weights / router, shared exper
 full size) must match; float64 within 1e-10, float32 with ``assert_close`` defaults. Routing cases include a
 rank that holds no tokens, ranks with different token counts, and every token routed to one expert. Each rank
 also reports its hand-over count: identical counts on every rank show that no rank skipped a collective.
+The all-to-all dispatcher runs deduplicated (its default); its plain path (``dedup=False``) must give bitwise the
+same output and gradients, and send no fewer rows.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from torch import Tensor
 
 from lightning_moe_overlap.moe import Experts, MoELayer, apply_expert_parallel
 from lightning_moe_overlap.moe.capacity import drop_over_capacity
+from lightning_moe_overlap.overlap.runtime import CommTraffic
 from tests.helpers.distributed import run_distributed
 from tests.unit.test_dispatch_flex import CountingRuntime, FakeDeepEPBuffer
 
@@ -121,6 +124,41 @@ def _experts_case(rank, group, dispatcher, dtype, top_k, capacity, case, delay_w
     return {"handoffs": (after_fwd, runtime.handoffs - after_fwd), "grads": grads}
 
 
+def _dedup_case(rank, group, dtype, top_k, capacity, case) -> tuple[int, int]:
+    """Deduplicated vs plain all-to-all: the same output and gradients, the same hand-overs; returns the bytes each
+    sent to other ranks.
+
+    Bitwise with ``top_k <= 2``, whatever the ranks of the two choices (``a + b`` in either order). With three
+    choices, two on one rank are summed there first (``c1 + (c2 + c3)`` instead of ``(c1 + c2) + c3``), so
+    bitwise only where no choice on a lower rank precedes them; otherwise within float rounding.
+    """
+    torch.manual_seed(0)
+    ref = Experts(E, D, F, impl="loop", dtype=dtype)
+    factor, policy = capacity if capacity else (None, "probs")
+    x, idx, w = _tokens(case, rank, top_k, dtype, seed=10 + top_k)
+    grad_out = torch.randn(x.shape, generator=torch.Generator().manual_seed(3 + rank)).to(dtype)
+    results, sent = [], []
+    for dedup in (False, True):
+        runtime = CountingRuntime()
+        runtime.traffic = CommTraffic()
+        model = torch.nn.ModuleDict({"experts": copy.deepcopy(ref)})
+        (ep_mod,) = apply_expert_parallel(
+            model, group, runtime=runtime, capacity_factor=factor, token_drop_policy=policy, dedup=dedup
+        )
+        assert ep_mod.dispatcher.dedup is dedup
+        x_ep, w_ep = x.clone().requires_grad_(), w.clone().requires_grad_()
+        out = ep_mod(x_ep, idx, w_ep)
+        out.backward(grad_out)
+        results.append([out, x_ep.grad, w_ep.grad, *(p.grad for p in ep_mod.parameters()), runtime.handoffs])
+        sent.append(runtime.traffic.remote_bytes)
+    for i, (plain, dedup) in enumerate(zip(*results)):
+        if top_k <= 2 or dist.get_world_size(group) == 1:
+            assert torch.equal(torch.as_tensor(plain), torch.as_tensor(dedup)), f"output/gradient {i} differs"
+        else:
+            torch.testing.assert_close(torch.as_tensor(dedup), torch.as_tensor(plain), msg=f"output/gradient {i}")
+    return sent[0], sent[1]
+
+
 def _layer_case(rank, group, dispatcher, dtype, top_k, capacity) -> int:
     """MoELayer-level check: router and shared-expert gradients too, shared expert overlapped with dispatch."""
     torch.manual_seed(1)
@@ -193,6 +231,20 @@ def equivalence_worker(rank: int, world_size: int, eps: tuple[int, ...], full: b
             key = f"layer-ep{ep}-{dispatcher}-k{top_k}-{capacity}"
             handoffs[key] = _layer_case(rank, group, dispatcher, torch.float64, top_k, capacity)
             checked += 1
+        if dispatcher == "alltoall":  # deduplicated == plain, bitwise, and fewer bytes where choices share a rank
+            for dtype, top_k, case, capacity in (
+                (torch.float32, 2, "random", None),
+                (torch.float32, 3, "uneven", None),
+                (torch.float32, 1, "random", None),
+                (torch.float32, 2, "empty_rank", None),
+                (torch.float32, 3, "one_expert", None),
+                (torch.float64, 2, "random", (0.5, "position")),
+            ):
+                key = f"dedup-ep{ep}-{dtype}-k{top_k}-{case}-{capacity}"
+                plain, dedup = _dedup_case(rank, group, dtype, top_k, capacity, case)
+                if ep > 1 and case == "one_expert":  # all 3 choices on 1 or 2 ranks: a row is saved per token
+                    assert 0 < dedup < plain, (key, plain, dedup)
+                checked += 1
         # delay_wgrad: the expert gradients are bitwise those of the inline path.
         inline = _experts_case(rank, group, dispatcher, torch.float32, 2, None, "uneven", False)
         delayed = _experts_case(rank, group, dispatcher, torch.float32, 2, None, "uneven", True)

@@ -1,7 +1,8 @@
 """The overlapped schedule is bitwise equal to the sequential one, on real expert-parallel MoE layers.
 
 One spawn of 4 gloo ranks runs the whole matrix: ep in {1, 2, 4}, micro-batches in {1, 2, 5}, top-k in {1, 2},
-recompute off / whole-layer checkpoint / sub-module checkpoint, dispatcher alltoall (and allgather for a subset),
+recompute off / whole-layer checkpoint / sub-module checkpoint, dispatcher alltoall (deduplicated, its default;
+its plain path ``alltoall:plain``, top-k 3 and allgather for a subset),
 each trained for a few SGD steps three ways: sequential, overlapped, overlapped with delayed wgrad. The parameters
 after the steps must be ``torch.equal`` on every rank.
 """
@@ -59,7 +60,9 @@ class Net(nn.Module):
 def _train(rank, groups, ep, micro, top_k, recompute, dispatcher, overlap, delay_wgrad) -> list[torch.Tensor]:
     runtime = CommRuntime(delay_wgrad=delay_wgrad)
     net = Net(top_k, recompute)
-    experts = apply_expert_parallel(net, groups.ep, dispatcher=dispatcher, runtime=runtime)
+    name, _, variant = dispatcher.partition(":")
+    knobs = {"dedup": False} if variant == "plain" else {}
+    experts = apply_expert_parallel(net, groups.ep, dispatcher=name, runtime=runtime, **knobs)
     expert_ids = {id(p) for m in experts for p in m.parameters()}
     dense = [p for p in net.parameters() if id(p) not in expert_ids]
     local = [p for p in net.parameters() if id(p) in expert_ids]
@@ -107,6 +110,9 @@ CASES = [
 ] + [
     (2, 3, 2, "moe", "alltoall"),
     (4, 2, 1, "moe", "alltoall"),
+    (2, 3, 2, "moe", "alltoall:plain"),
+    (4, 2, 2, "layer", "alltoall:plain"),
+    (2, 3, 3, "none", "alltoall"),  # three choices on two ranks: two always share one
     (2, 2, 2, "none", "allgather"),
     (4, 5, 2, "layer", "allgather"),
     (4, 3, 2, "moe", "allgather"),

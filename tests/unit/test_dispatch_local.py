@@ -1,4 +1,5 @@
-"""Dispatchers on one process (ep=1): the stage contract, hand-over counts, per-call handles, factory errors."""
+"""Dispatchers on one process (ep=1): the stage contract, hand-over counts, per-call handles, factory errors, and
+the all-to-all dispatcher's deduplicated path against its plain one."""
 
 from __future__ import annotations
 
@@ -21,11 +22,15 @@ from lightning_moe_overlap.moe.dispatch import (
 from lightning_moe_overlap.moe.dispatch.comm import (
     all_gather,
     all_to_all,
+    all_to_all_many,
     exchange_counts,
     gather_sizes,
     reduce_scatter,
 )
+from lightning_moe_overlap.moe.dispatch.dedup import destinations, local_choices
+from lightning_moe_overlap.moe.dispatch.alltoall import DedupHandle
 from lightning_moe_overlap.moe.grouped import grouped_mlp
+from lightning_moe_overlap.overlap.loopback import Loopback
 from lightning_moe_overlap.moe.permute import chunk_permutation, inverse_permutation, sort_by_expert
 from tests.unit.test_dispatch_flex import CountingRuntime
 
@@ -42,7 +47,11 @@ def _routing(T: int, K: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
     return idx, torch.rand(T, K, generator=g, dtype=torch.float64)
 
 
-@pytest.mark.parametrize("cls", [AllToAllDispatcher, AllGatherDispatcher])
+def _plain_alltoall(group, num_experts, runtime):  # type: ignore[no-untyped-def]
+    return AllToAllDispatcher(group, num_experts, runtime, dedup=False)
+
+
+@pytest.mark.parametrize("cls", [AllToAllDispatcher, _plain_alltoall, AllGatherDispatcher])
 @pytest.mark.parametrize("num_tokens", [0, 1, 9])
 def test_dispatch_combine_equals_unsharded_experts(cls: type, num_tokens: int) -> None:
     torch.manual_seed(0)
@@ -62,7 +71,9 @@ def test_dispatch_combine_equals_unsharded_experts(cls: type, num_tokens: int) -
         handle.num_tokens = 3  # type: ignore[misc]
 
 
-@pytest.mark.parametrize(("cls", "forward", "backward"), [(AllToAllDispatcher, 3, 2), (AllGatherDispatcher, 5, 3)])
+@pytest.mark.parametrize(
+    ("cls", "forward", "backward"), [(AllToAllDispatcher, 3, 2), (_plain_alltoall, 3, 2), (AllGatherDispatcher, 5, 3)]
+)
 def test_single_rank_still_hands_over_at_every_comm_point(cls: type, forward: int, backward: int) -> None:
     """ep=1 issues no communication but keeps the hand-over sequence of ep>1 (counted in the distributed tests)."""
     runtime = CountingRuntime()
@@ -85,6 +96,84 @@ def test_two_calls_in_flight_on_one_dispatcher() -> None:
         rb, _, hb = dispatcher.dispatch(xb, ib, wb)
         torch.testing.assert_close(dispatcher.combine(rb, hb), xb * wb.sum(1, keepdim=True))
         torch.testing.assert_close(dispatcher.combine(ra, ha), xa * wa.sum(1, keepdim=True))
+
+
+@pytest.mark.parametrize(
+    ("top_k", "weights_dtype"), [(1, torch.float32), (2, torch.float32), (4, torch.float32), (2, torch.bfloat16)]
+)
+@pytest.mark.parametrize("routing", ["random", "one_expert", "all_dropped"])
+def test_dedup_is_bitwise_the_plain_path_on_one_rank(top_k: int, weights_dtype: torch.dtype, routing: str) -> None:
+    """ep=1: every choice of a token on one rank, so the sums run in the same order: bitwise equal, all k (k=1
+    runs the plain path: nothing to deduplicate).
+
+    bfloat16 weights travel apart from their int32 expert indices (float32 ones carry the indices as floats).
+    """
+    torch.manual_seed(0)
+    experts = Experts(E, D, 6, impl="loop", dtype=torch.float32)
+    idx, w = _routing(7, top_k, seed=top_k)
+    if routing == "one_expert":
+        idx[:, 0] = 2  # expert 2 for every token (others get fewer, some none)
+        idx[:, 1:] = (2 + torch.arange(1, top_k)) % E
+    elif routing == "all_dropped":
+        idx[:] = E
+    results = []
+    for dedup in (False, True):
+        x = torch.randn(7, D, generator=torch.Generator().manual_seed(1)).requires_grad_()
+        w_in = w.to(weights_dtype).requires_grad_()
+        runtime = CountingRuntime()
+        runtime.loopback = Loopback(0.0)  # rows leave the process (simulated ep): the deduplicated path runs
+        dispatcher = AllToAllDispatcher(None, E, runtime, dedup=dedup)
+        x_RD, counts, handle = dispatcher.dispatch(x, idx, w_in)
+        assert isinstance(handle, DedupHandle) is (dedup and top_k > 1)
+        y = grouped_mlp(x_RD, counts, experts.gate_up_proj, experts.down_proj, experts.act_fn)
+        out = dispatcher.combine(y, handle)
+        grads = torch.autograd.grad(out.square().sum(), [x, w_in, experts.gate_up_proj, experts.down_proj])
+        assert runtime.handoffs == 3 + 2  # counts, tokens, combine; backward: combine, tokens (either path)
+        results.append((out, x_RD, torch.tensor(counts), *grads))
+    for i, (plain, dedup) in enumerate(zip(*results)):
+        assert torch.equal(plain, dedup), i
+    if routing == "all_dropped":
+        assert not results[1][0].any()
+
+
+def test_dedup_rows_and_local_choices() -> None:
+    """One row per (destination, token); choices for other ranks or dropped get the marker ``local_experts``."""
+    indices_TK = torch.tensor([[0, 1], [3, 0], [2, 3], [4, -1]])  # E=4, ep=2: experts 0-1 on rank 0, 2-3 on rank 1
+    dest_TK, order_GT, rows_G = destinations(indices_TK, num_local=2, ep_size=2)
+    assert dest_TK.tolist() == [[0, 0], [1, 0], [1, 1], [2, 2]]
+    assert rows_G.tolist() == [2, 2]  # rank 0: tokens 0, 1; rank 1: tokens 1, 2 (token 3 is dropped entirely)
+    row_U = order_GT[:4]
+    assert row_U.tolist() == [0, 1, 5, 6]  # g * T + t, destination-major
+    token_U, dest_U = row_U % 4, row_U // 4
+    local_UK = local_choices(indices_TK, dest_TK, token_U, dest_U, num_local=2)
+    assert local_UK.dtype == torch.int32
+    assert local_UK.tolist() == [[0, 1], [2, 0], [1, 2], [0, 1]]
+
+
+def test_alltoall_dedup_knob() -> None:
+    assert AllToAllDispatcher(None, E, None).dedup is True
+    idx, w = _routing(3, 2, seed=0)
+    _, _, handle = AllToAllDispatcher(None, E, None).dispatch(torch.randn(3, D), idx, w)
+    assert not isinstance(handle, DedupHandle)  # one rank, no loopback: nothing leaves the process
+    assert build_dispatcher("alltoall", None, E, None, dedup=False).dedup is False
+    assert "dedup=False" in repr(build_dispatcher("alltoall", None, E, None, dedup=False))
+    assert isinstance(build_dispatcher("allgather", None, E, None, dedup=False), AllGatherDispatcher)  # ignored
+    with pytest.raises(TypeError, match=r"dedup='yes' is a str, not a bool.*Pass dedup=True \(default\)"):
+        AllToAllDispatcher(None, E, None, dedup="yes")  # type: ignore[arg-type]
+
+
+def test_all_to_all_many_one_hand_over_and_integer_metadata() -> None:
+    """Several tensors at one comm point; floating ones get gradients back (one more), integers none."""
+    runtime = CountingRuntime()
+    x = torch.randn(3, 2, requires_grad=True)
+    w = torch.rand(3, 1, dtype=torch.float64, requires_grad=True)
+    ids = torch.tensor([[1], [0], [2]], dtype=torch.int32)
+    x_out, w_out, ids_out = all_to_all_many((x, w, ids), [3], [3], None, runtime)
+    assert runtime.handoffs == 1 and torch.equal(ids_out, ids) and not ids_out.requires_grad
+    (x_out.sum() * 2).backward()  # w_out unused: its gradient is sent as zeros, in the same exchange
+    assert runtime.handoffs == 2
+    torch.testing.assert_close(x.grad, torch.full_like(x, 2.0))
+    assert torch.equal(w.grad, torch.zeros_like(w))
 
 
 def test_comm_ops_short_circuit_with_one_hand_over_each() -> None:
@@ -132,4 +221,4 @@ def test_expert_split_rule() -> None:
 
 def test_dispatcher_names_have_one_spelling() -> None:
     assert tuple(DISPATCHER_CLASSES) == DISPATCHERS
-    assert DISPATCHER_KNOBS["flex"] == FlexDispatcher.knobs and DISPATCHER_KNOBS["alltoall"] == ()
+    assert DISPATCHER_KNOBS["flex"] == FlexDispatcher.knobs and DISPATCHER_KNOBS["alltoall"] == ("dedup",)

@@ -1,4 +1,9 @@
-"""All-to-all token dispatcher: send each routed (token, choice) row straight to the rank of its expert.
+"""All-to-all token dispatcher: send each routed token straight to the ranks of its experts.
+
+With ``dedup=True`` (the default) a token goes once to each rank that holds any of its experts, with its routing
+weights and local expert indices, and comes back once per rank, already summed over that rank's experts
+(``dedup.py``); with ``dedup=False`` each (token, choice) row travels on its own and the weights stay on the
+source rank. The experts see the same rows in the same order either way.
 
 Per call, two comm points on the way in (the token counts, then the tokens) and one on the way out; the
 backward mirrors the last two (the combine's backward is a dispatch-shaped all-to-all and vice versa), and the
@@ -12,6 +17,7 @@ sync``). Everything else (counting, regrouping, the combine) stays on the device
 Shape legend:
     T: tokens on this rank   K: top-k   D: hidden size   E: global experts   e: local experts   G: ep ranks
     A: rows sent by this rank (kept assignments, sorted by global expert)
+    U: (dedup) rows sent, one per (destination rank, token), destination-major
     M: rows received, grouped by source rank then local expert    R: the same rows grouped by local expert
 """
 
@@ -21,10 +27,21 @@ from dataclasses import dataclass
 
 import torch
 from torch import Tensor
+from torch.distributed import ProcessGroup
 
 from lightning_moe_overlap.moe.dispatch.base import DispatcherBase
-from lightning_moe_overlap.moe.dispatch.comm import all_to_all, exchange_counts
+from lightning_moe_overlap.moe.dispatch.comm import all_to_all, all_to_all_many, exchange_counts
+from lightning_moe_overlap.moe.dispatch.dedup import (
+    destinations,
+    exchange_layout,
+    kept_per_expert,
+    local_choices,
+    pack_choices,
+    sum_per_token,
+    unpack_choices,
+)
 from lightning_moe_overlap.moe.dispatch.host import host_ints
+from lightning_moe_overlap.overlap.runtime import CommRuntime
 from lightning_moe_overlap.moe.permute import (
     chunk_permutation,
     gather_rows,
@@ -57,17 +74,66 @@ class AllToAllHandle:
     perm_R: Tensor | None
 
 
+@dataclass(frozen=True)
+class DedupHandle:
+    """Per-call state of a deduplicated dispatch (``dedup=True``).
+
+    Attributes:
+        token_U: the token of each row sent (destination-major, token order inside a destination).
+        assign_R: flat (received row, choice) ids of the rows handed to the experts, sorted by local expert.
+        weights_MK: the routing weights received with the rows, applied here (the expert side) at combine.
+        num_tokens: ``T``.
+        out_dtype: dtype of the combined output (that of the input tokens).
+        input_splits: rows sent to each ep rank.
+        output_splits: rows received from each ep rank.
+    """
+
+    token_U: Tensor
+    assign_R: Tensor
+    weights_MK: Tensor
+    num_tokens: int
+    out_dtype: torch.dtype
+    input_splits: tuple[int, ...]
+    output_splits: tuple[int, ...]
+
+
 class AllToAllDispatcher(DispatcherBase):
-    """Uneven ``all_to_all_single`` over the ep group (gloo or NCCL)."""
+    """Uneven ``all_to_all_single`` over the ep group (gloo or NCCL).
+
+    Args:
+        ep_group: the expert-parallel process group; ``None`` for a single process.
+        num_experts: global number of experts (divisible by the group size).
+        runtime: comm-point hand-over target; ``None`` runs without any overlap engine.
+        dedup: send a token once per destination rank, not once per (token, expert) (see ``dedup.py``). Applies
+            with top-k > 1 and rows leaving the process (ep > 1, or a simulated-ep loopback); otherwise the plain
+            path runs, with bitwise the same result.
+    """
 
     name = "alltoall"
+    knobs = ("dedup",)
     backward_handoffs = 1  # the token-count exchange
+
+    def __init__(
+        self, ep_group: ProcessGroup | None, num_experts: int, runtime: CommRuntime | None, dedup: bool = True
+    ) -> None:
+        super().__init__(ep_group, num_experts, runtime)
+        if not isinstance(dedup, bool):
+            raise TypeError(
+                f"`AllToAllDispatcher`: dedup={dedup!r} is a {type(dedup).__name__}, not a bool; it switches the "
+                "deduplicated dispatch on or off. Pass dedup=True (default) or dedup=False."
+            )
+        self.dedup = dedup
+
+    def __repr__(self) -> str:
+        return super().__repr__()[:-1] + f", dedup={self.dedup})"
 
     # -- dispatch ----------------------------------------------------------------------------------------------
     def dispatch(
         self, x_TD: Tensor, indices_TK: Tensor, weights_TK: Tensor
     ) -> tuple[Tensor, list[int], AllToAllHandle]:
         """Send rows to their experts' ranks; returns ``(x_RD, tokens_per_local_expert, handle)``."""
+        if self.dedup and self._worth_deduplicating(indices_TK.shape[-1]):
+            return self._dispatch_dedup(x_TD, indices_TK, weights_TK)
         order_TK, counts_E = self._dispatch_preprocess(indices_TK)
         send_E, recv_SE, recv_GE = self._exchange_counts(counts_E)
         assign_A = order_TK[: sum(send_E)]
@@ -89,6 +155,52 @@ class AllToAllDispatcher(DispatcherBase):
             perm_R=perm_R,
         )
         return x_RD, tokens_per_local_expert, handle
+
+    def _worth_deduplicating(self, top_k: int) -> bool:
+        """Whether a deduplicated dispatch can save anything: two or more choices per token, and rows that leave
+        the process (more than one rank, or a loopback standing for them). Otherwise both paths give bitwise the
+        same result and the plain one does less."""
+        crosses = self.ep_size > 1 or (self.runtime is not None and self.runtime.loopback is not None)
+        return top_k > 1 and crosses
+
+    def _dispatch_dedup(
+        self, x_TD: Tensor, indices_TK: Tensor, weights_TK: Tensor
+    ) -> tuple[Tensor, list[int], DedupHandle]:
+        """The deduplicated dispatch: the same stages, one row per (token, destination rank)."""
+        num_tokens, top_k, local = x_TD.shape[0], indices_TK.shape[-1], self.num_local_experts
+        # Preprocess (no comm): rows per expert, and which (destination, token) pairs carry a row.
+        counts_E = kept_per_expert(indices_TK, self.num_experts)
+        dest_TK, order_GT, rows_G = destinations(indices_TK, local, self.ep_size)
+        # Comm point: per destination, its experts' assignments and its unique rows.
+        recv_GC = exchange_counts(exchange_layout(counts_E, rows_G, local), self.ep_group, self.runtime)
+        sizes = host_ints(torch.cat([rows_G, recv_GC.reshape(-1)]))  # NOTE: D2H sync (the all-to-all's splits)
+        input_splits = tuple(sizes[: self.ep_size])
+        recv_SC = [sizes[self.ep_size + s * (local + 1) :][: local + 1] for s in range(self.ep_size)]
+        output_splits = tuple(row[local] for row in recv_SC)
+        row_U = order_GT[: sum(input_splits)]
+        token_U = torch.remainder(row_U, max(num_tokens, 1))
+        dest_U = torch.div(row_U, max(num_tokens, 1), rounding_mode="floor")
+        choices = pack_choices(
+            weights_TK.index_select(0, token_U), local_choices(indices_TK, dest_TK, token_U, dest_U, local)
+        )
+        # Comm point: the rows, their routing weights and local expert indices, in one exchange.
+        x_MD, *received = all_to_all_many(
+            (x_TD.index_select(0, token_U), *choices), output_splits, input_splits, self.ep_group, self.runtime
+        )
+        weights_MK, local_MK = unpack_choices(tuple(received), top_k)
+        # Postprocess (no comm): one row per (received row, local expert), grouped by local expert.
+        tokens_per_local_expert = [sum(row[e] for row in recv_SC) for e in range(local)]
+        assign_R = sort_by_expert(local_MK, local)[0][: sum(tokens_per_local_expert)]
+        handle = DedupHandle(
+            token_U=token_U,
+            assign_R=assign_R,
+            weights_MK=weights_MK,
+            num_tokens=num_tokens,
+            out_dtype=x_TD.dtype,
+            input_splits=input_splits,
+            output_splits=output_splits,
+        )
+        return gather_rows(x_MD, assign_R, top_k), tokens_per_local_expert, handle
 
     def _dispatch_preprocess(self, indices_TK: Tensor) -> tuple[Tensor, Tensor]:
         """No comm: order the assignments by global expert (so by destination rank, then local expert)."""
@@ -120,8 +232,10 @@ class AllToAllDispatcher(DispatcherBase):
         return x_MD.index_select(0, perm_R), perm_R
 
     # -- combine -----------------------------------------------------------------------------------------------
-    def combine(self, y_RD: Tensor, handle: AllToAllHandle) -> Tensor:
+    def combine(self, y_RD: Tensor, handle: AllToAllHandle | DedupHandle) -> Tensor:
         """Send expert outputs back and sum them per token with the routing weights: ``out_TD``."""
+        if isinstance(handle, DedupHandle):
+            return self._combine_dedup(y_RD, handle)
         y_MD = self._combine_preprocess(y_RD, handle)
         y_AD = self._token_combine(y_MD, handle)
         return self._combine_postprocess(y_AD, handle)
@@ -139,3 +253,11 @@ class AllToAllDispatcher(DispatcherBase):
     def _combine_postprocess(self, y_AD: Tensor, handle: AllToAllHandle) -> Tensor:
         """No comm: weight each row by its routing weight and sum it into its token (the unpermute)."""
         return scatter_weighted(y_AD, handle.assign_A, handle.weights_TK, handle.num_tokens, handle.out_dtype)
+
+    def _combine_dedup(self, y_RD: Tensor, handle: DedupHandle) -> Tensor:
+        """Deduplicated combine: weight and sum per received row here, send one row per (token, rank) back."""
+        num_rows = handle.weights_MK.shape[0]
+        partial_MD = scatter_weighted(y_RD, handle.assign_R, handle.weights_MK, num_rows, handle.out_dtype)
+        y_UD = all_to_all(partial_MD, handle.input_splits, handle.output_splits, self.ep_group, self.runtime)
+        return sum_per_token(y_UD, handle.token_U, handle.num_tokens)
+

@@ -82,20 +82,59 @@ def all_to_all_raw(
 
     With one rank and ``runtime.loopback`` set (simulated expert parallelism), the loopback is issued instead.
     """
+    return all_to_all_raw_many((x_ND,), output_splits, input_splits, group, runtime, grad_enabled)[0]
+
+
+class _Works:
+    """Several issued collectives waited on as one (one comm point, one timed wait)."""
+
+    def __init__(self, works: list[Waitable]) -> None:
+        self._works = works
+
+    def wait(self) -> bool:
+        for work in self._works:
+            work.wait()
+        return True
+
+
+def all_to_all_raw_many(
+    tensors: Sequence[Tensor],
+    output_splits: Sequence[int],
+    input_splits: Sequence[int],
+    group: ProcessGroup | None,
+    runtime: CommRuntime | None,
+    grad_enabled: bool | None = None,
+) -> tuple[Tensor, ...]:
+    """Uneven all-to-alls of several tensors with the same row splits, issued together at one comm point.
+
+    Each tensor goes in its own ``all_to_all_single`` (they may differ in dtype and row width); all are issued,
+    then one hand-over, then one wait for all of them. No autograd.
+    """
     loopback = None if runtime is None or group_size(group) > 1 else runtime.loopback
     if group_size(group) == 1 and loopback is None:
         handoff(runtime, grad_enabled)
-        return x_ND
-    out_MD = x_ND.new_empty((sum(output_splits), *x_ND.shape[1:]))
-    if loopback is not None:
-        work = loopback(out_MD, x_ND.contiguous())
-    else:
-        work = dist.all_to_all_single(
-            out_MD, x_ND.contiguous(), list(output_splits), list(input_splits), group=group, async_op=True
-        )
+        return tuple(tensors)
+    traffic = None if runtime is None else runtime.traffic
+    me = group_rank(group)
+    outs, works = [], []
+    for x_ND in tensors:
+        out_MD = x_ND.new_empty((sum(output_splits), *x_ND.shape[1:]))
+        if loopback is not None:
+            works.append(loopback(out_MD, x_ND.contiguous()))
+        else:
+            works.append(
+                dist.all_to_all_single(
+                    out_MD, x_ND.contiguous(), list(output_splits), list(input_splits), group=group, async_op=True
+                )
+            )
+        if traffic is not None:  # a loopback stands for other ranks: all it sends counts as remote
+            row_bytes = x_ND[0].numel() * x_ND.element_size() if x_ND.shape[0] else 0
+            sent = sum(input_splits) * row_bytes
+            traffic.record(sent, sent if loopback is not None else sent - input_splits[me] * row_bytes)
+        outs.append(out_MD)
     handoff(runtime, grad_enabled)
-    wait(runtime, work)
-    return out_MD
+    wait(runtime, works[0] if len(works) == 1 else _Works(works))
+    return tuple(outs)
 
 
 def all_gather_raw(
@@ -147,6 +186,43 @@ class _AllToAll(torch.autograd.Function):
         # The reverse exchange: what was received goes back to where it came from.
         g_ND = all_to_all_raw(g_MD.contiguous(), ctx.input_splits, ctx.output_splits, ctx.group, ctx.runtime)
         return g_ND, None, None, None, None, None
+
+
+class _AllToAllMany(torch.autograd.Function):
+    @staticmethod
+    def forward(  # type: ignore[override]
+        ctx,
+        output_splits: tuple[int, ...],
+        input_splits: tuple[int, ...],
+        group: ProcessGroup | None,
+        runtime: CommRuntime | None,
+        grad_enabled: bool,
+        *tensors: Tensor,
+    ) -> tuple[Tensor, ...]:
+        ctx.output_splits, ctx.input_splits, ctx.group, ctx.runtime = output_splits, input_splits, group, runtime
+        ctx.differentiable = tuple(t.is_floating_point() for t in tensors)
+        ctx.set_materialize_grads(False)  # unused outputs get ``None``; zeros are made below where needed
+        outs = all_to_all_raw_many(tensors, output_splits, input_splits, group, runtime, grad_enabled)
+        ctx.mark_non_differentiable(*(o for o, d in zip(outs, ctx.differentiable) if not d))
+        ctx.layouts = tuple((o.shape[1:], o.dtype, o.device) for o in outs)
+        return outs
+
+    @staticmethod
+    def backward(ctx, *grads: Tensor | None) -> tuple[Tensor | None, ...]:  # type: ignore[override]
+        # The reverse exchange of every floating tensor whose input needs a gradient, at one comm point.
+        needs = [i for i, d in enumerate(ctx.differentiable) if d and ctx.needs_input_grad[5 + i]]
+        num_rows = sum(ctx.output_splits)
+        send = [
+            grads[i].contiguous()
+            if grads[i] is not None
+            else torch.zeros((num_rows, *ctx.layouts[i][0]), dtype=ctx.layouts[i][1], device=ctx.layouts[i][2])
+            for i in needs  # an unused output still sends its (zero) rows: every rank takes part
+        ]
+        back = all_to_all_raw_many(send, ctx.input_splits, ctx.output_splits, ctx.group, ctx.runtime) if send else ()
+        out: list[Tensor | None] = [None] * len(ctx.differentiable)
+        for i, g in zip(needs, back):
+            out[i] = g
+        return (None, None, None, None, None, *out)
 
 
 class _AllGather(torch.autograd.Function):
@@ -211,6 +287,23 @@ def all_to_all(
     Its backward is the reverse all-to-all (splits swapped), also at a comm point.
     """
     return _AllToAll.apply(x_ND, tuple(output_splits), tuple(input_splits), group, runtime, torch.is_grad_enabled())
+
+
+def all_to_all_many(
+    tensors: Sequence[Tensor],
+    output_splits: Sequence[int],
+    input_splits: Sequence[int],
+    group: ProcessGroup | None,
+    runtime: CommRuntime | None,
+) -> tuple[Tensor, ...]:
+    """Differentiable uneven all-to-alls of several tensors with the same row splits, at one comm point.
+
+    Floating tensors are differentiable (their backward is one reverse exchange of all their gradients, also at
+    one comm point); integer tensors travel as metadata without a gradient.
+    """
+    return _AllToAllMany.apply(
+        tuple(output_splits), tuple(input_splits), group, runtime, torch.is_grad_enabled(), *tensors
+    )
 
 
 def all_gather(x_ND: Tensor, group: ProcessGroup | None, runtime: CommRuntime | None) -> Tensor:

@@ -31,8 +31,8 @@ def build_dispatcher(
         ep_group: expert-parallel process group; ``None`` for a single process.
         num_experts: global number of experts (divisible by the group size).
         runtime: comm-point hand-over target shared by all layers of the model.
-        **knobs: backend settings (flex: ``deepep_num_sms``, ``deepep_buffers``, ``deepep_buffer``). Knobs of
-            other backends are accepted and ignored; unknown names raise ``TypeError``.
+        **knobs: backend settings (alltoall: ``dedup``; flex: ``deepep_num_sms``, ``deepep_buffers``,
+            ``deepep_buffer``). Knobs of other backends are accepted and ignored; unknown names raise ``TypeError``.
 
     Raises:
         ValueError: unknown ``name``, or ``num_experts`` not divisible by the ep size.
