@@ -49,7 +49,7 @@ PEER_LOSS_MARKERS = ("Connection closed by peer", "Connection reset by peer", "T
 PEER_WAIT_S = 1.0  # how long an error that looks like a lost peer waits for that peer's report
 
 
-class ExpertParallelScriptLauncher(pl_compat._SubprocessScriptLauncher):
+class ExpertParallelScriptLauncher(pl_compat.SubprocessScriptLauncher):
     """Lightning's script launcher, with pre-spawn checks, no orphans, and failures attributed.
 
     Args:
@@ -85,7 +85,7 @@ class ExpertParallelScriptLauncher(pl_compat._SubprocessScriptLauncher):
         elif launcher_pid is not None:
             self._child = True
             die_with_parent(int(launcher_pid))
-        pl_compat._set_num_threads_if_needed(num_processes=self.num_processes)
+        pl_compat.set_num_threads_if_needed(self.num_processes)
         try:
             return function(*args, **kwargs)
         except BaseException as err:
@@ -191,12 +191,26 @@ def _fit_arguments(function: Callable, args: tuple) -> tuple[Any, Any, Any]:
     return tuple(args[i] if len(args) > i else None for i in (0, 3, 4))  # type: ignore[return-value]
 
 
-class ExpertParallelSpawnLauncher(pl_compat._MultiProcessingLauncher):
-    def _collect_rank_zero_results(self, trainer: Trainer, results: Any) -> Any:
-        module = trainer.lightning_module
+class ExpertParallelSpawnLauncher(pl_compat.MultiProcessingLauncher):
+    """Lightning's multiprocessing launcher; the weights it sends back to the main process are the unsharded ones."""
+
+    def collect_rank_zero_results(self, trainer: Trainer, results: Any) -> Any:
+        """Lightning saves ``trainer.lightning_module.state_dict()`` on rank 0 for the main process to load; a
+        ``state_dict`` post-hook (torch's supported way to change what ``state_dict()`` returns) makes it the
+        unsharded state for that one call."""
         full = self._strategy.full_state_dict()  # collective: every rank takes part, rank 0 receives
-        module.state_dict = lambda *args, **kwargs: full if full is not None else {}  # read by the parent method
+        handle = trainer.lightning_module.register_state_dict_post_hook(_replace_with(full or {}))
         try:
-            return super()._collect_rank_zero_results(trainer, results)
+            return super().collect_rank_zero_results(trainer, results)
         finally:
-            del module.state_dict
+            handle.remove()
+
+
+def _replace_with(state: dict[str, Any]) -> Callable[..., None]:
+    """A ``state_dict`` post-hook that replaces the module's state, in place, with ``state``."""
+
+    def hook(module: Module, state_dict: dict[str, Any], prefix: str, local_metadata: Any) -> None:
+        state_dict.clear()
+        state_dict.update(state)
+
+    return hook
