@@ -68,9 +68,22 @@ def start_script_children(launcher: _SubprocessScriptLauncher) -> None:
     launcher._call_children_scripts()
 
 
+def fit_arguments(function: Any, args: tuple) -> tuple[Any, Any, Any]:
+    """The model, datamodule and ckpt_path a launcher's ``function`` gets when it is ``Trainer._fit_impl(model,
+    train_dataloaders, val_dataloaders, datamodule, ckpt_path, ...)``; Nones for any other function."""
+    if getattr(function, "__name__", "") != "_fit_impl":
+        return None, None, None
+    return tuple(args[i] if len(args) > i else None for i in (0, 3, 4))  # type: ignore[return-value]
+
+
 class MultiProcessingLauncher(_MultiProcessingLauncher):
     """``_MultiProcessingLauncher`` whose private ``_collect_rank_zero_results`` is overridden as
     :meth:`collect_rank_zero_results` (called on every rank when the trained function returned)."""
+
+    @property
+    def strategy(self) -> Any:
+        """``_MultiProcessingLauncher._strategy``: the strategy that launches."""
+        return self._strategy
 
     def _collect_rank_zero_results(self, trainer: Any, results: Any) -> Any:
         return self.collect_rank_zero_results(trainer, results)
@@ -132,6 +145,7 @@ __all__ = [
     "default_pg_timeout",
     "default_process_group_backend",
     "distributed_is_initialized",
+    "fit_arguments",
     "init_dist_connection",
     "optimizer_handles_unscaling",
     "optimizers_to_device",

@@ -105,9 +105,19 @@ def test_launchers() -> None:
             seen.append((trainer, results))
             return "collected"
 
-    launcher_obj = Launcher.__new__(Launcher)
+    launcher_obj = Launcher("strategy-object", start_method="spawn")
+    assert launcher_obj.strategy == "strategy-object", _fail("_MultiProcessingLauncher._strategy", "is gone")
     assert launcher_obj._collect_rank_zero_results("trainer", "results") == "collected"  # Lightning's call
     assert seen == [("trainer", "results")]
+
+
+def test_fit_arguments_of_lightnings_fit_impl() -> None:
+    params = _parameters(Trainer._fit_impl)
+    expected = ["self", "model", "train_dataloaders", "val_dataloaders", "datamodule", "ckpt_path"]
+    assert params[:6] == expected, _fail("Trainer._fit_impl", f"takes {params}, not {expected}")
+    assert pl_compat.fit_arguments(Trainer._fit_impl, ("model", None, None, "dm", "last")) == ("model", "dm", "last")
+    assert pl_compat.fit_arguments(Trainer._fit_impl, ("model",)) == ("model", None, None)
+    assert pl_compat.fit_arguments(print, ("model",)) == (None, None, None)
 
 
 def test_start_script_children_calls_lightnings_method() -> None:
@@ -175,6 +185,7 @@ TESTED = {
     "default_pg_timeout",
     "default_process_group_backend",
     "distributed_is_initialized",
+    "fit_arguments",
     "init_dist_connection",
     "optimizer_handles_unscaling",
     "optimizers_to_device",
