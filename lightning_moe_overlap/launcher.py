@@ -49,7 +49,7 @@ PEER_LOSS_MARKERS = ("Connection closed by peer", "Connection reset by peer", "T
 PEER_WAIT_S = 1.0  # how long an error that looks like a lost peer waits for that peer's report
 
 
-class ExpertParallelScriptLauncher(pl_compat._SubprocessScriptLauncher):
+class ExpertParallelScriptLauncher(pl_compat.SubprocessScriptLauncher):
     """Lightning's script launcher, with pre-spawn checks, no orphans, and failures attributed.
 
     Args:
@@ -70,7 +70,7 @@ class ExpertParallelScriptLauncher(pl_compat._SubprocessScriptLauncher):
         exit_grace_s: float = 60.0,
     ) -> None:
         super().__init__(cluster_environment, num_processes, num_nodes)
-        self._strategy = strategy
+        self.strategy = strategy
         self.failure_grace_s = failure_grace_s
         self.exit_grace_s = exit_grace_s
         self._reaper: ChildReaper | None = None
@@ -85,7 +85,7 @@ class ExpertParallelScriptLauncher(pl_compat._SubprocessScriptLauncher):
         elif launcher_pid is not None:
             self._child = True
             die_with_parent(int(launcher_pid))
-        pl_compat._set_num_threads_if_needed(num_processes=self.num_processes)
+        pl_compat.set_num_threads_if_needed(self.num_processes)
         try:
             return function(*args, **kwargs)
         except BaseException as err:
@@ -94,8 +94,8 @@ class ExpertParallelScriptLauncher(pl_compat._SubprocessScriptLauncher):
     def _prespawn_problems(self, function: Callable, args: tuple, trainer: Trainer | None) -> list[Problem]:
         """What can be known before spawning: fit's arguments, the trainer's settings, and the experts a model
         builds in ``__init__`` (errors only: a model may build its experts in ``configure_model``, after spawning)."""
-        model, datamodule, ckpt_path = _fit_arguments(function, args)
-        config = self._strategy.config
+        model, datamodule, ckpt_path = pl_compat.fit_arguments(function, args)
+        config = self.strategy.config
         problems = check_launch(config, known_batch_size(datamodule), ckpt_path)
         if isinstance(model, LightningModule) and trainer is not None:
             problems += check_trainer(
@@ -104,7 +104,7 @@ class ExpertParallelScriptLauncher(pl_compat._SubprocessScriptLauncher):
                 automatic_optimization=model.automatic_optimization,
             )
         if isinstance(model, Module) and not problems:
-            dims = self._strategy.dims
+            dims = self.strategy.dims
             experts = MoEModelHandle(model).experts_per_block()
             problems = [p for p in check_model(config, experts, dims.dp * dims.cp) if p.is_error]
         return problems
@@ -128,7 +128,7 @@ class ExpertParallelScriptLauncher(pl_compat._SubprocessScriptLauncher):
 
     # -- failures ------------------------------------------------------------------------------------------------
     def _failed(self, err: BaseException) -> BaseException:
-        rank = self._strategy.global_rank
+        rank = self.strategy.global_rank
         board = ExitBoard.for_default_group()
         line: str | None = None
         if isinstance(err, PeerFailure):
@@ -169,7 +169,7 @@ class ExpertParallelScriptLauncher(pl_compat._SubprocessScriptLauncher):
             node_offset = self.cluster_environment.node_rank() * self.num_processes
             listed = ", ".join(f"rank {node_offset + r} ({sig})" for r, sig in sorted(ended.items()))
             sys.stderr.write(
-                f"[rank {self._strategy.global_rank}] ended {listed}: still running {self.failure_grace_s:g} s "
+                f"[rank {self.strategy.global_rank}] ended {listed}: still running {self.failure_grace_s:g} s "
                 "after the failure (the last signal sent is named).\n"
             )
 
@@ -184,19 +184,26 @@ def _one_line(err: BaseException, limit: int = 160) -> str:
     return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
-def _fit_arguments(function: Callable, args: tuple) -> tuple[Any, Any, Any]:
-    """The model, datamodule and ckpt_path of ``Trainer._fit_impl(model, train, val, datamodule, ckpt_path, ...)``."""
-    if getattr(function, "__name__", "") != "_fit_impl":
-        return None, None, None
-    return tuple(args[i] if len(args) > i else None for i in (0, 3, 4))  # type: ignore[return-value]
+class ExpertParallelSpawnLauncher(pl_compat.MultiProcessingLauncher):
+    """Lightning's multiprocessing launcher; the weights it sends back to the main process are the unsharded ones."""
 
-
-class ExpertParallelSpawnLauncher(pl_compat._MultiProcessingLauncher):
-    def _collect_rank_zero_results(self, trainer: Trainer, results: Any) -> Any:
-        module = trainer.lightning_module
-        full = self._strategy.full_state_dict()  # collective: every rank takes part, rank 0 receives
-        module.state_dict = lambda *args, **kwargs: full if full is not None else {}  # read by the parent method
+    def collect_rank_zero_results(self, trainer: Trainer, results: Any) -> Any:
+        """Lightning saves ``trainer.lightning_module.state_dict()`` on rank 0 for the main process to load; a
+        ``state_dict`` post-hook (torch's supported way to change what ``state_dict()`` returns) makes it the
+        unsharded state for that one call."""
+        full = self.strategy.full_state_dict()  # collective: every rank takes part, rank 0 receives
+        handle = trainer.lightning_module.register_state_dict_post_hook(_replace_with(full or {}))
         try:
-            return super()._collect_rank_zero_results(trainer, results)
+            return super().collect_rank_zero_results(trainer, results)
         finally:
-            del module.state_dict
+            handle.remove()
+
+
+def _replace_with(state: dict[str, Any]) -> Callable[..., None]:
+    """A ``state_dict`` post-hook that replaces the module's state, in place, with ``state``."""
+
+    def hook(module: Module, state_dict: dict[str, Any], prefix: str, local_metadata: Any) -> None:
+        state_dict.clear()
+        state_dict.update(state)
+
+    return hook

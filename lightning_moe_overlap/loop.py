@@ -1,27 +1,110 @@
-"""The micro-batch step inside Lightning's automatic optimization (the NeMo ``_skip_backward`` pattern).
+"""One optimizer step as a micro-batch schedule, from narrow inputs: :class:`StepHooks` and an :class:`Executor`.
 
-Lightning still builds the closure and calls ``optimizer_step``, so callbacks, gradient clipping, LR schedulers,
-``global_step``, logging, checkpointing and the progress bar keep working. Inside the closure,
-``strategy.training_step`` runs the whole step: zero grads, split the batch, run the schedule (the user's own
-``training_step`` is the forward of each micro-batch; ``strategy.backward`` fires ``on_before_backward`` /
-``on_after_backward`` per micro-batch), average gradients over the data-parallel groups, and return the mean loss.
+Inside Lightning's automatic optimization with backward skipped (the NeMo ``_skip_backward`` pattern), Lightning
+still builds the closure and calls ``optimizer_step``, so callbacks, gradient clipping, LR schedulers,
+``global_step``, logging, checkpointing and the progress bar keep working; the closure's training step is
+:meth:`MicroBatchLoop.step`. It knows nothing of Lightning's loop or of ``MoEOverlapStrategy``, which builds the
+hooks from itself and installs the step.
+
+A step, as phases::
+
+    hooks.zero_grad(batch_idx)                    # on_before_zero_grad, optimizer_zero_grad
+    micro = split_batch(batch, M)                 # every tensor split evenly along dim 0
+    with hooks.capture_logs() as logs:            # self.log calls of the M training steps
+        losses = executor.run(forward, backward, M)
+    hooks.sync_gradients()                        # once, after the last backward
+    logs.replay()                                 # each name once, the mean over the micro-batches
+    return mean loss (+ the last micro-batch's extra outputs)
+
+where ``forward(i) = loss of hooks.forward(micro[i], batch_idx, ...)`` and
+``backward(i, loss) = hooks.backward(loss / M)``.
+
+The executor contract (``run(forward, backward, count) -> losses``):
+
+- ``forward(i)`` returns micro-batch ``i``'s loss; ``backward(i, loss)`` back-propagates it. The executor calls
+  each exactly once per micro-batch, ``forward(i)`` before ``backward(i, ...)``, and the backwards in micro-batch
+  order (the order gradients accumulate in, which keeps any two executors bitwise comparable);
+- it returns the ``count`` losses in micro-batch order; it may run tasks on other threads, but returns (or raises
+  the first error) on the calling thread once every task has ended;
+- it owns everything between the hooks: interleaving (the :class:`~lightning_moe_overlap.overlap.OverlapEngine`
+  pairs ``F[i+1]`` with ``B[i]`` around the all-to-alls), thread-local state, failure detection.
+
+A pipeline schedule is meant to be a second executor: one that runs the forward and backward of (chunk,
+micro-batch) tasks of a ``torch.distributed.pipelining`` schedule, pairing each ``OVERLAP_F_B`` action's tasks
+through the same engine, and calls ``forward(i)`` / ``backward(i, loss)`` where micro-batch ``i``'s loss is
+computed (the last stage); the hooks and this loop stay as they are (docs/pipeline.md).
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from numbers import Number
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any, Protocol
 
 import torch
-from lightning.pytorch import Trainer
 from lightning_utilities.core.apply_func import apply_to_collection
 from torch import Tensor
 
-from lightning_moe_overlap.overlap.engine import OverlapEngine
+from lightning_moe_overlap.step_logs import MicroBatchLogs
 
-if TYPE_CHECKING:
-    from lightning_moe_overlap.strategy import MoEOverlapStrategy
+
+class Executor(Protocol):
+    """Runs one step's forwards and backwards of ``count`` micro-batches (contract in the module docstring)."""
+
+    def run(
+        self, forward: Callable[[int], Tensor], backward: Callable[[int, Tensor], None], count: int
+    ) -> list[Tensor]: ...
+
+
+@dataclass(frozen=True)
+class StepHooks:
+    """What a step needs from its owner, as callables (``MoEOverlapStrategy`` builds them once per ``fit``).
+
+    Attributes:
+        zero_grad: ``(batch_idx)``: before the first forward; Lightning's ``on_before_zero_grad`` and
+            ``optimizer_zero_grad``.
+        forward: ``(micro_batch, batch_idx, *rest) -> output``: the user's ``training_step`` on one micro-batch,
+            under the precision plugin's train-step context; the output is a loss tensor or a dict with ``"loss"``.
+        backward: ``(loss)``: back-propagate one micro-batch's loss, already divided by the micro-batch count
+            (fires ``on_before_backward`` / ``on_after_backward``).
+        sync_gradients: ``()``: once after the last backward: average gradients over the data-parallel groups.
+        capture_logs: ``()`` -> a fresh :class:`~lightning_moe_overlap.step_logs.MicroBatchLogs` for the step.
+    """
+
+    zero_grad: Callable[[int], None]
+    forward: Callable[..., Any]
+    backward: Callable[[Tensor], None]
+    sync_gradients: Callable[[], None]
+    capture_logs: Callable[[], MicroBatchLogs]
+
+
+class MicroBatchLoop:
+    """Runs each optimizer step as ``num_microbatches`` micro-batches through ``executor``."""
+
+    def __init__(self, hooks: StepHooks, executor: Executor, num_microbatches: int) -> None:
+        assert num_microbatches >= 1, num_microbatches  # validated with the configuration
+        self.hooks = hooks
+        self.executor = executor
+        self.num_microbatches = num_microbatches
+
+    def step(self, batch: Any, batch_idx: int, *rest: Any) -> Any:
+        hooks, count = self.hooks, self.num_microbatches
+        hooks.zero_grad(batch_idx)
+        micro = split_batch(batch, count)
+        outputs: list[Any] = [None] * count
+
+        def forward(i: int) -> Tensor:
+            outputs[i] = hooks.forward(micro[i], batch_idx, *rest)
+            return _loss_of(outputs[i])
+
+        def backward(i: int, loss: Tensor) -> None:
+            hooks.backward(loss / count)
+
+        with hooks.capture_logs() as logs:
+            losses = self.executor.run(forward, backward, count)
+        hooks.sync_gradients()
+        logs.replay()
+        return _step_output(outputs, losses)
 
 
 def split_batch(batch: Any, num_microbatches: int) -> list[Any]:
@@ -70,82 +153,6 @@ def _loss_of(output: Any) -> Tensor:
     return loss
 
 
-class _LogCapture:
-    """Collects ``self.log`` calls made by the micro-batches and logs each name once, with the step's mean."""
-
-    def __init__(self, module: Any) -> None:
-        self.module = module
-        self.calls: dict[str, list[tuple[Any, tuple, dict]]] = {}
-
-    def __enter__(self) -> _LogCapture:
-        self.module.log = self._capture  # an instance attribute shadows the method for the step
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        del self.module.log
-
-    def _capture(self, name: str, value: Any, *args: Any, **kwargs: Any) -> None:
-        self.calls.setdefault(name, []).append((value, args, kwargs))
-
-    def replay(self) -> None:
-        for name, calls in self.calls.items():
-            values = [value for value, _, _ in calls]
-            _, args, kwargs = calls[-1]
-            self.module.log(name, _mean(values), *args, **kwargs)
-
-
-def _mean(values: list[Any]) -> Any:
-    """Mean of tensors/numbers (a metric object, which accumulates itself, is passed on as the last value)."""
-    if not all(isinstance(v, (Tensor, Number)) for v in values):
-        return values[-1]
-    if len(values) == 1:
-        return values[0]
-    stacked = torch.stack([torch.as_tensor(v).detach().to(torch.float64).reshape(()) for v in values])
-    mean = stacked.mean()
-    first = values[0]
-    return mean.to(first.dtype if isinstance(first, Tensor) and first.is_floating_point() else torch.float32)
-
-
-class MicroBatchLoop:
-    """Owned by the strategy during ``fit``: installs itself into Lightning's loop and runs each step."""
-
-    def __init__(self, strategy: MoEOverlapStrategy, trainer: Trainer, engine: OverlapEngine) -> None:
-        self.strategy = strategy
-        self.trainer = trainer
-        self.engine = engine
-        self._auto = trainer.fit_loop.epoch_loop.automatic_optimization
-
-    def install(self) -> None:
-        self._auto._skip_backward = True
-
-    def uninstall(self) -> None:
-        self._auto._skip_backward = False
-
-    def step(self, batch: Any, batch_idx: int, *rest: Any) -> Any:
-        strategy, config = self.strategy, self.strategy.config
-        module = strategy.lightning_module
-        optimizer = self.trainer.optimizers[0]
-        count = config.num_microbatches
-        self._auto._on_before_zero_grad(optimizer)
-        self._auto._optimizer_zero_grad(batch_idx, optimizer)
-        micro = split_batch(batch, count)
-        outputs: list[Any] = [None] * count
-
-        def forward(i: int) -> Tensor:
-            with strategy.precision_plugin.train_step_context():
-                outputs[i] = module.training_step(micro[i], batch_idx, *rest)
-            return _loss_of(outputs[i])
-
-        def backward(i: int, loss: Tensor) -> None:
-            strategy.backward(loss / count, optimizer)
-
-        with _LogCapture(module) as logs:
-            losses = self.engine.run(forward, backward, count)
-        strategy.sync_gradients()
-        logs.replay()
-        return _step_output(outputs, losses)
-
-
 def _step_output(outputs: list[Any], losses: list[Tensor]) -> Any:
     """What Lightning sees: the mean loss (detached: backward already ran) plus the last micro-batch's extras."""
     loss = torch.stack([l.detach().float() for l in losses]).mean()
@@ -154,4 +161,3 @@ def _step_output(outputs: list[Any], losses: list[Tensor]) -> Any:
         extras = {k: (v.detach() if isinstance(v, Tensor) else v) for k, v in last.items() if k != "loss"}
         return {"loss": loss, **extras}
     return loss
-

@@ -11,7 +11,6 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
-from lightning.fabric.strategies import _StrategyRegistry
 from lightning.fabric.utilities.types import ReduceOp
 from lightning.pytorch import Trainer
 from lightning.pytorch.accelerators import Accelerator
@@ -41,12 +40,14 @@ from lightning_moe_overlap.config import (
 )
 from lightning_moe_overlap.grads import clip_grad_norm, global_grad_norm
 from lightning_moe_overlap.launcher import ExpertParallelScriptLauncher, ExpertParallelSpawnLauncher
-from lightning_moe_overlap.loop import MicroBatchLoop
+from lightning_moe_overlap.loop import MicroBatchLoop, StepHooks
 from lightning_moe_overlap.overlap.engine import OverlapEngine
 from lightning_moe_overlap.overlap.failures import default_nccl_error_handling, safety_nets
 from lightning_moe_overlap.overlap.runtime import CommRuntime
 from lightning_moe_overlap.parallel import ParallelDims, ParallelGroups, build_groups
 from lightning_moe_overlap.parallel.shutdown import destroy_process_groups_at_exit
+from lightning_moe_overlap.precision import ExpertParallelPrecision, with_global_norm_clip
+from lightning_moe_overlap.step_logs import MicroBatchLogs
 from lightning_moe_overlap.validation import (
     build_dims,
     check_config,
@@ -170,6 +171,7 @@ class MoEOverlapStrategy(ParallelStrategy):
         self.runtime = CommRuntime(delay_wgrad=delay_wgrad)
         self._ep_model: MoEModelHandle | None = None
         self._loop: MicroBatchLoop | None = None
+        self._loop_trainer: Trainer | None = None  # whose automatic optimization skips backward for the loop
         self.checkpoint_format = checkpointer.check_format(checkpoint_format)
 
     # -- sizes and groups ------------------------------------------------------------------------------------
@@ -219,6 +221,18 @@ class MoEOverlapStrategy(ParallelStrategy):
         return {"num_replicas": self.dims.dp, "rank": coords.dp}
 
     @property
+    @override
+    def precision_plugin(self) -> ExpertParallelPrecision:
+        """The user's precision plugin, wrapped to clip gradients by the global norm (``precision.py``)."""
+        return with_global_norm_clip(super().precision_plugin, self._clip_grad_by_norm)
+
+    @precision_plugin.setter
+    @override
+    def precision_plugin(self, precision_plugin: Precision | None) -> None:
+        plugin = None if precision_plugin is None else with_global_norm_clip(precision_plugin, self._clip_grad_by_norm)
+        ParallelStrategy.precision_plugin.fset(self, plugin)  # type: ignore[attr-defined]
+
+    @property
     def process_group_backend(self) -> str | None:
         return self.config.process_group_backend
 
@@ -255,9 +269,7 @@ class MoEOverlapStrategy(ParallelStrategy):
         log.debug("%s: %s", type(self).__name__, self.dims.describe())
 
     def _backend(self) -> str:
-        return self.config.process_group_backend or pl_compat._get_default_process_group_backend_for_device(
-            self.root_device
-        )
+        return self.config.process_group_backend or pl_compat.default_process_group_backend(self.root_device)
 
     def _setup_distributed(self) -> None:
         pl_compat.reset_seed()
@@ -266,7 +278,7 @@ class MoEOverlapStrategy(ParallelStrategy):
         device_id = self.root_device if self.root_device.type != "cpu" else None
         if "nccl" in self._backend():  # read when the NCCL process group is created, so before it
             default_nccl_error_handling()
-        pl_compat._init_dist_connection(
+        pl_compat.init_dist_connection(
             self.cluster_environment, self._backend(), timeout=self._timeout, device_id=device_id
         )
         destroy_process_groups_at_exit()
@@ -304,14 +316,36 @@ class MoEOverlapStrategy(ParallelStrategy):
             self.setup_optimizers(trainer)
         self.setup_precision_plugin()
         if fitting:
-            pl_compat._optimizers_to_device(self.optimizers, self.root_device)
+            pl_compat.optimizers_to_device(self.optimizers, self.root_device)
             nets = safety_nets(self._timeout.total_seconds(), self._backend())
             engine = OverlapEngine(
                 self.runtime, overlap=self.config.overlap, timeout_s=nets.wait_s, stall_timeout_s=nets.stall_s
             )
-            self._loop = MicroBatchLoop(self, trainer, engine)
-            self._loop.install()
-            self.precision_plugin.clip_grad_by_norm = self._clip_grad_by_norm  # type: ignore[method-assign]
+            self._loop = MicroBatchLoop(self._step_hooks(trainer), engine, self.config.num_microbatches)
+            pl_compat.set_skip_backward(trainer, True)
+            self._loop_trainer = trainer
+
+    def _step_hooks(self, trainer: Trainer) -> StepHooks:
+        """What the micro-batch loop needs of the strategy and Lightning, as callables (``loop.py``)."""
+        module = self.lightning_module
+
+        def zero_grad(batch_idx: int) -> None:
+            pl_compat.zero_grad(trainer, batch_idx, trainer.optimizers[0])
+
+        def forward(micro_batch: Any, batch_idx: int, *rest: Any) -> Any:
+            with self.precision_plugin.train_step_context():
+                return module.training_step(micro_batch, batch_idx, *rest)
+
+        def backward(loss: Tensor) -> None:
+            self.backward(loss, trainer.optimizers[0])
+
+        return StepHooks(
+            zero_grad=zero_grad,
+            forward=forward,
+            backward=backward,
+            sync_gradients=self.sync_gradients,
+            capture_logs=lambda: MicroBatchLogs(module),
+        )
 
     @override
     def optimizer_step(
@@ -349,10 +383,11 @@ class MoEOverlapStrategy(ParallelStrategy):
         groups = self.parallel_groups
         return global_grad_norm(dense, expert, ep_group=groups.ep, device=self.root_device)
 
-    def _clip_grad_by_norm(self, optimizer: torch.optim.Optimizer, clip_val: int | float) -> None:
+    def _clip_grad_by_norm(self, optimizer: torch.optim.Optimizer, max_norm: float) -> None:
+        """Clip the optimizer's gradients by the norm over all ranks (``ExpertParallelPrecision`` calls it)."""
         assert self._ep_model is not None
         dense, expert = self._ep_model.partition_parameters(optimizer)
-        clip_grad_norm(dense, expert, float(clip_val), ep_group=self.parallel_groups.ep, device=self.root_device)
+        clip_grad_norm(dense, expert, max_norm, ep_group=self.parallel_groups.ep, device=self.root_device)
 
     # -- checkpoints (docs/checkpoints.md): layout-free state, sharded or consolidated, committed atomically ------
     @property
@@ -391,7 +426,7 @@ class MoEOverlapStrategy(ParallelStrategy):
 
         ``weights_only`` is not used: checkpoints are trusted input (their metadata is unpickled).
         """
-        trainer = getattr(self.lightning_module, "_trainer", None)
+        trainer = pl_compat.attached_trainer(self.lightning_module)
         fitting = trainer is not None and trainer.state.fn == TrainerFn.FITTING
         return checkpointer.load(checkpoint_path, self._checkpoint_target(), restore_rng_state=fitting)
 
@@ -429,12 +464,12 @@ class MoEOverlapStrategy(ParallelStrategy):
         self, tensor: Tensor | Any, group: Any | None = None, reduce_op: ReduceOp | str | None = "mean"
     ) -> Tensor | Any:
         if isinstance(tensor, Tensor):
-            return pl_compat._sync_ddp_if_available(tensor, group, reduce_op=reduce_op)
+            return pl_compat.sync_ddp_if_available(tensor, group, reduce_op=reduce_op)
         return tensor
 
     @override
     def barrier(self, name: str | None = None) -> None:
-        if not pl_compat._distributed_is_initialized():
+        if not pl_compat.distributed_is_initialized():
             return
         if dist.get_backend() == "nccl":
             dist.barrier(device_ids=[self.root_device.index])
@@ -443,7 +478,7 @@ class MoEOverlapStrategy(ParallelStrategy):
 
     @override
     def broadcast(self, obj: TBroadcast, src: int = 0) -> TBroadcast:
-        if not pl_compat._distributed_is_initialized():
+        if not pl_compat.distributed_is_initialized():
             return obj
         holder = [obj]
         dist.broadcast_object_list(holder, src)
@@ -451,14 +486,15 @@ class MoEOverlapStrategy(ParallelStrategy):
 
     @override
     def teardown(self) -> None:
-        if self._loop is not None:
-            self._loop.uninstall()
-            self._loop = None
+        if self._loop_trainer is not None:
+            pl_compat.set_skip_backward(self._loop_trainer, False)
+            self._loop_trainer = None
+        self._loop = None
         super().teardown()
 
     @classmethod
     @override
-    def register_strategies(cls, strategy_registry: _StrategyRegistry) -> None:
+    def register_strategies(cls, strategy_registry: pl_compat.StrategyRegistry) -> None:
         for name, start_method in (("moe_overlap", "popen"), ("moe_overlap_spawn", "spawn")):
             if name not in strategy_registry:
                 strategy_registry.register(

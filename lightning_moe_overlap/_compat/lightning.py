@@ -1,8 +1,18 @@
-"""Every private Lightning name this package uses, in one place (the supported range is pinned in pyproject)."""
+"""Every private Lightning name this package uses, in one place (the supported range is pinned in pyproject).
+
+The rest of the package reaches them only through the public names below; each function's docstring names the
+private attribute it stands for, and ``tests/unit/test_compat_lightning.py`` fails naming ``lightning.__version__``
+when Lightning renames or changes one.
+"""
 
 from __future__ import annotations
 
+from typing import Any
+
+import torch
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
+from lightning.fabric.plugins.precision.amp import _optimizer_handles_unscaling
+from lightning.fabric.strategies import _StrategyRegistry
 from lightning.fabric.utilities.distributed import (
     _distributed_is_initialized,
     _get_default_process_group_backend_for_device,
@@ -14,31 +24,138 @@ from lightning.fabric.utilities.optimizer import _optimizers_to_device
 from lightning.fabric.utilities.seed import reset_seed
 from lightning.pytorch.strategies.launchers import _MultiProcessingLauncher, _SubprocessScriptLauncher
 from lightning.pytorch.trainer import call as trainer_call
+from torch import Tensor
+
+StrategyRegistry = _StrategyRegistry  # ``lightning.fabric.strategies._StrategyRegistry`` (type of the registry)
+SubprocessScriptLauncher = _SubprocessScriptLauncher  # ``lightning.pytorch.strategies.launchers`` (popen launcher)
 
 
+# -- process groups ------------------------------------------------------------------------------------------------
+def distributed_is_initialized() -> bool:
+    """``lightning.fabric.utilities.distributed._distributed_is_initialized``: a default process group exists."""
+    return _distributed_is_initialized()
+
+
+def default_process_group_backend(device: torch.device) -> str:
+    """``_get_default_process_group_backend_for_device``: ``"nccl"`` for CUDA, ``"gloo"`` for CPU."""
+    return _get_default_process_group_backend_for_device(device)
+
+
+def init_dist_connection(cluster_environment: Any, backend: str, **kwargs: Any) -> None:
+    """``_init_dist_connection``: the default process group from the cluster environment (kwargs: ``timeout``,
+    ``device_id``)."""
+    _init_dist_connection(cluster_environment, backend, **kwargs)
+
+
+def sync_ddp_if_available(tensor: Tensor, group: Any | None = None, reduce_op: Any | None = None) -> Tensor:
+    """``_sync_ddp_if_available``: all-reduce ``tensor`` over ``group`` (``"mean"`` divides), as Lightning's DDP."""
+    return _sync_ddp_if_available(tensor, group, reduce_op=reduce_op)
+
+
+def set_num_threads_if_needed(num_processes: int) -> None:
+    """``_set_num_threads_if_needed``: cap torch's threads per process unless ``OMP_NUM_THREADS`` is set."""
+    _set_num_threads_if_needed(num_processes=num_processes)
+
+
+def optimizers_to_device(optimizers: Any, device: torch.device) -> None:
+    """``lightning.fabric.utilities.optimizer._optimizers_to_device``: move the optimizers' state to ``device``."""
+    _optimizers_to_device(optimizers, device)
+
+
+# -- launchers -----------------------------------------------------------------------------------------------------
 def start_script_children(launcher: _SubprocessScriptLauncher) -> None:
     """Start the other local ranks (``_SubprocessScriptLauncher._call_children_scripts``; fills ``launcher.procs``)."""
     launcher._call_children_scripts()
 
 
+def fit_arguments(function: Any, args: tuple) -> tuple[Any, Any, Any]:
+    """The model, datamodule and ckpt_path a launcher's ``function`` gets when it is ``Trainer._fit_impl(model,
+    train_dataloaders, val_dataloaders, datamodule, ckpt_path, ...)``; Nones for any other function."""
+    if getattr(function, "__name__", "") != "_fit_impl":
+        return None, None, None
+    return tuple(args[i] if len(args) > i else None for i in (0, 3, 4))  # type: ignore[return-value]
+
+
+class MultiProcessingLauncher(_MultiProcessingLauncher):
+    """``_MultiProcessingLauncher`` whose private ``_collect_rank_zero_results`` is overridden as
+    :meth:`collect_rank_zero_results` (called on every rank when the trained function returned)."""
+
+    @property
+    def strategy(self) -> Any:
+        """``_MultiProcessingLauncher._strategy``: the strategy that launches."""
+        return self._strategy
+
+    def _collect_rank_zero_results(self, trainer: Any, results: Any) -> Any:
+        return self.collect_rank_zero_results(trainer, results)
+
+    def collect_rank_zero_results(self, trainer: Any, results: Any) -> Any:
+        """Lightning's own: rank 0 saves ``trainer.lightning_module.state_dict()`` for the main process to load."""
+        return super()._collect_rank_zero_results(trainer, results)
+
+
+# -- the training loop (the ``_skip_backward`` pattern; docs/overlap.md, "The step inside Lightning") ----------------
+def _automatic_optimization(trainer: Any) -> Any:
+    return trainer.fit_loop.epoch_loop.automatic_optimization
+
+
+def set_skip_backward(trainer: Any, skip: bool) -> None:
+    """``_AutomaticOptimization._skip_backward``: when True, Lightning's closure runs ``strategy.training_step`` only
+    (no zero-grad, no backward); the strategy's step does both itself."""
+    _automatic_optimization(trainer)._skip_backward = skip
+
+
+def skips_backward(trainer: Any) -> bool:
+    """Reads ``_AutomaticOptimization._skip_backward``."""
+    return bool(_automatic_optimization(trainer)._skip_backward)
+
+
+def zero_grad(trainer: Any, batch_idx: int, optimizer: torch.optim.Optimizer) -> None:
+    """What Lightning's closure does before a step's backward, which ``_skip_backward`` leaves to the strategy:
+    ``_AutomaticOptimization._on_before_zero_grad`` (the ``on_before_zero_grad`` hooks) then
+    ``_AutomaticOptimization._optimizer_zero_grad`` (``LightningModule.optimizer_zero_grad``)."""
+    loop = _automatic_optimization(trainer)
+    loop._on_before_zero_grad(optimizer)
+    loop._optimizer_zero_grad(batch_idx, optimizer)
+
+
+def attached_trainer(module: Any) -> Any | None:
+    """``LightningModule._trainer``: the Trainer the module is attached to, or None (``module.trainer`` raises)."""
+    return getattr(module, "_trainer", None)
+
+
 def should_update_logs(trainer: object) -> bool:
-    """Whether Lightning sends this training step's logged values to the loggers (``log_every_n_steps``)."""
+    """Whether Lightning sends this training step's logged values to the loggers (``log_every_n_steps``;
+    ``Trainer._logger_connector.should_update_logs``)."""
     connector = trainer._logger_connector  # type: ignore[attr-defined]
     return bool(connector.should_update_logs or trainer.fast_dev_run)  # type: ignore[attr-defined]
 
 
+# -- precision -----------------------------------------------------------------------------------------------------
+def optimizer_handles_unscaling(optimizer: Any) -> bool:
+    """``lightning.fabric.plugins.precision.amp._optimizer_handles_unscaling``: the optimizer unscales gradients in
+    its own ``step`` (fused optimizers), so gradients are still scaled when clipping would run."""
+    return bool(_optimizer_handles_unscaling(optimizer))
+
+
 __all__ = [
-    "_MultiProcessingLauncher",
-    "_SubprocessScriptLauncher",
-    "_distributed_is_initialized",
-    "_get_default_process_group_backend_for_device",
-    "_init_dist_connection",
-    "_optimizers_to_device",
-    "_set_num_threads_if_needed",
-    "_sync_ddp_if_available",
+    "MultiProcessingLauncher",
+    "StrategyRegistry",
+    "SubprocessScriptLauncher",
+    "attached_trainer",
     "default_pg_timeout",
+    "default_process_group_backend",
+    "distributed_is_initialized",
+    "fit_arguments",
+    "init_dist_connection",
+    "optimizer_handles_unscaling",
+    "optimizers_to_device",
     "reset_seed",
-    "start_script_children",
+    "set_num_threads_if_needed",
+    "set_skip_backward",
     "should_update_logs",
+    "skips_backward",
+    "start_script_children",
+    "sync_ddp_if_available",
     "trainer_call",
+    "zero_grad",
 ]

@@ -68,7 +68,7 @@ def test_strategy_sets_the_variable_before_the_process_group_starts(
     def init_dist_connection(env: Any, backend_name: str, **kwargs: Any) -> None:
         seen["backend"], seen["value"] = backend_name, os.environ.get(NCCL_ERROR_HANDLING_VARS[0])
 
-    monkeypatch.setattr(strategy_module.pl_compat, "_init_dist_connection", init_dist_connection)
+    monkeypatch.setattr(strategy_module.pl_compat, "init_dist_connection", init_dist_connection)
     monkeypatch.setattr(strategy_module, "destroy_process_groups_at_exit", lambda: None)
     strategy = MoEOverlapStrategy(
         process_group_backend=backend,

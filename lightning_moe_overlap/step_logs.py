@@ -1,0 +1,59 @@
+"""One logged value per optimizer step: the mean of what the micro-batches logged.
+
+The user's ``training_step`` runs once per micro-batch and calls ``self.log(name, value)`` each time. Lightning
+would keep the last call's value for ``on_step`` (and weigh the epoch mean by micro-batch), so while a step's
+schedule runs :class:`MicroBatchLogs` collects the calls and, after the step, logs each name once with the mean of
+its values and the last call's options (``prog_bar``, ``sync_dist``, ...).
+
+Why an instance attribute. Lightning has no supported hook between ``LightningModule.log`` and its private result
+collection (``Trainer._results``), and a callback sees the values only after they were stored. The capture therefore
+shadows the module's ``log`` method with an instance attribute for the duration of the step (and removes it after,
+also on error); this module is the only place that does it. Calls go to the capture from both contexts of the
+overlapped schedule: they are serialised by the schedule's baton, and the order of the values is micro-batch order
+(forwards run in micro-batch order).
+"""
+
+from __future__ import annotations
+
+from numbers import Number
+from typing import Any
+
+import torch
+from torch import Tensor
+
+
+class MicroBatchLogs:
+    """Context manager: collects ``module.log`` calls while it is entered; :meth:`replay` logs their means."""
+
+    def __init__(self, module: Any) -> None:
+        self.module = module
+        self.calls: dict[str, list[tuple[Any, tuple, dict]]] = {}
+
+    def __enter__(self) -> MicroBatchLogs:
+        self.module.log = self._capture  # an instance attribute shadows the method for the step
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        del self.module.log
+
+    def _capture(self, name: str, value: Any, *args: Any, **kwargs: Any) -> None:
+        self.calls.setdefault(name, []).append((value, args, kwargs))
+
+    def replay(self) -> None:
+        """Log each captured name once, through the module's own ``log``, with :func:`mean_of` its values."""
+        for name, calls in self.calls.items():
+            values = [value for value, _, _ in calls]
+            _, args, kwargs = calls[-1]
+            self.module.log(name, mean_of(values), *args, **kwargs)
+
+
+def mean_of(values: list[Any]) -> Any:
+    """Mean of tensors/numbers (a metric object, which accumulates itself, is passed on as the last value)."""
+    if not all(isinstance(v, (Tensor, Number)) for v in values):
+        return values[-1]
+    if len(values) == 1:
+        return values[0]
+    stacked = torch.stack([torch.as_tensor(v).detach().to(torch.float64).reshape(()) for v in values])
+    mean = stacked.mean()
+    first = values[0]
+    return mean.to(first.dtype if isinstance(first, Tensor) and first.is_floating_point() else torch.float32)
