@@ -13,11 +13,11 @@ from contextlib import contextmanager
 from dataclasses import replace
 from typing import Any
 
-import torch
 import torch.nn.functional as F
 from torch import Tensor
 from torch.overrides import TorchFunctionMode
 
+from lightning_moe_overlap._compat import torch as torch_compat
 from lightning_moe_overlap.moe.grouped import gated_activation
 from lightning_moe_overlap.moe.layout import ExpertsLayout
 
@@ -61,10 +61,7 @@ def inside_checkpoint() -> bool:
     Offload must not push its saved-tensor hooks there: the tensors are recomputed, not saved, and a hook pushed
     on top would take them from the checkpoint.
     """
-    top = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
-    if top is None:  # pragma: no cover - older torch
-        return False
-    hooks = top(False)
+    hooks = torch_compat.top_saved_tensors_hooks()
     return hooks is not None and getattr(hooks[0], "__module__", "") == "torch.utils.checkpoint"
 
 
