@@ -20,7 +20,6 @@ from collections.abc import Iterable, Sequence
 import torch
 import torch.distributed as dist
 from torch import Tensor
-from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 from torch.distributed import ProcessGroup
 
 from lightning_moe_overlap._compat import torch as torch_compat
@@ -57,12 +56,14 @@ def allreduce_mean(grads: Sequence[Tensor], group: ProcessGroup, divisor: int) -
     if dist.get_world_size(group) == 1 and divisor == 1:
         return
     for bucket in _buckets(grads):
-        flat = _flatten_dense_tensors(bucket)
+        in_place = len(bucket) == 1 and bucket[0].is_contiguous()  # one tensor: reduced through a flat view of it
+        flat = bucket[0].view(-1) if in_place else torch.cat([g.reshape(-1) for g in bucket])
         if dist.get_world_size(group) > 1:
             dist.all_reduce(flat, group=group)
         flat.div_(divisor)
-        for g, synced in zip(bucket, _unflatten_dense_tensors(flat, bucket)):
-            g.copy_(synced)
+        if not in_place:
+            for g, synced in zip(bucket, flat.split([g.numel() for g in bucket])):
+                g.copy_(synced.view_as(g))
 
 
 def sync_gradients(

@@ -15,6 +15,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from lightning.pytorch.core.optimizer import LightningOptimizer
 from torch import nn
 
 from lightning_moe_overlap.checkpoint import atomic
@@ -41,6 +42,11 @@ def check_format(checkpoint_format: Any) -> CheckpointFormat:
     return checkpoint_format
 
 
+def _unwrapped(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
+    """The torch optimizer itself, also when Lightning hands over its ``LightningOptimizer`` wrapper."""
+    return optimizer.optimizer if isinstance(optimizer, LightningOptimizer) else optimizer
+
+
 def module_state(module: nn.Module) -> dict[str, Any]:
     """The module's state dict with this rank's experts under global per-expert keys."""
     return to_canonical(module.state_dict(), expert_shards(module))
@@ -48,7 +54,7 @@ def module_state(module: nn.Module) -> dict[str, Any]:
 
 def optimizer_state(optimizer: torch.optim.Optimizer, module: nn.Module) -> dict[str, Any]:
     """The optimizer's state dict keyed by parameter name, this rank's experts under global per-expert keys."""
-    optimizer = getattr(optimizer, "_optimizer", optimizer)  # a LightningOptimizer wraps the optimizer
+    optimizer = _unwrapped(optimizer)
     return optimizer_to_canonical(optimizer.state_dict(), param_names(optimizer, module), expert_shards(module))
 
 
@@ -112,7 +118,7 @@ def load_optimizer_states(
     """Load canonical ``checkpoint["optimizer_states"]`` into the live optimizers (this rank's experts)."""
     shards = expert_shards(module)
     for optimizer, state in zip(optimizers, checkpoint["optimizer_states"]):
-        optimizer = getattr(optimizer, "_optimizer", optimizer)
+        optimizer = _unwrapped(optimizer)
         names = param_names(optimizer, module)
         optimizer.load_state_dict(optimizer_from_canonical(state, names, shards, "the checkpoint"))
 

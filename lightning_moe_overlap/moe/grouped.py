@@ -36,6 +36,7 @@ from typing import Literal
 import torch
 from torch import Tensor
 
+from lightning_moe_overlap._compat import torch as torch_compat
 from lightning_moe_overlap.moe.dispatch.comm import backward_handoff
 from lightning_moe_overlap.overlap.runtime import CommRuntime
 
@@ -46,7 +47,7 @@ _GROUPED_MM_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 def grouped_mm_supported(x_RI: Tensor, weight_eOI: Tensor) -> bool:
     """Whether ``torch._grouped_mm`` can run this projection (and its backward) in this torch build."""
-    if not hasattr(torch, "_grouped_mm") or x_RI.shape[0] == 0 or weight_eOI.dtype != x_RI.dtype:
+    if not torch_compat.grouped_mm_available() or x_RI.shape[0] == 0 or weight_eOI.dtype != x_RI.dtype:
         return False
     device = weight_eOI.device
     if device.type == "cpu":
@@ -139,7 +140,7 @@ def _forward(x_RI: Tensor, weight: Tensor, splits: RowSplits, transposed: bool, 
     """``y_e = x_e @ W_e^T`` for weights stored ``[e, O, I]``; ``y_e = x_e @ W_e`` for ``[e, I, O]``."""
     w = weight if transposed else weight.transpose(-2, -1)  # [e, I, O]
     if grouped:
-        return torch._grouped_mm(x_RI, w, offs=splits.device_offsets(x_RI.device))
+        return torch_compat.grouped_mm(x_RI, w, offs=splits.device_offsets(x_RI.device))
     pieces = [x_e @ w_e for x_e, w_e in zip(x_RI.split(list(splits.host_sizes())), w)]
     return torch.cat(pieces) if pieces else x_RI.new_zeros(0, w.shape[-1])
 
@@ -147,7 +148,7 @@ def _forward(x_RI: Tensor, weight: Tensor, splits: RowSplits, transposed: bool, 
 def _dgrad(g_RO: Tensor, weight: Tensor, splits: RowSplits, transposed: bool, grouped: bool) -> Tensor:
     w = weight.transpose(-2, -1) if transposed else weight  # [e, O, I]
     if grouped:
-        return torch._grouped_mm(g_RO, w, offs=splits.device_offsets(g_RO.device))
+        return torch_compat.grouped_mm(g_RO, w, offs=splits.device_offsets(g_RO.device))
     pieces = [g_e @ w_e for g_e, w_e in zip(g_RO.split(list(splits.host_sizes())), w)]
     return torch.cat(pieces) if pieces else g_RO.new_zeros(0, w.shape[-1])
 
@@ -156,7 +157,7 @@ def _wgrad(x_RI: Tensor, g_RO: Tensor, splits: RowSplits, transposed: bool, grou
     """``dW_e = g_e^T x_e`` (``[e, O, I]``) or ``x_e^T g_e`` (``[e, I, O]``); zero for experts with no rows."""
     a, b = (x_RI, g_RO) if transposed else (g_RO, x_RI)
     if grouped:
-        return torch._grouped_mm(a.t(), b, offs=splits.device_offsets(a.device))
+        return torch_compat.grouped_mm(a.t(), b, offs=splits.device_offsets(a.device))
     sizes = list(splits.host_sizes())
     return torch.stack([a_e.t() @ b_e for a_e, b_e in zip(a.split(sizes), b.split(sizes))])
 

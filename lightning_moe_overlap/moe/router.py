@@ -32,6 +32,8 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
+from lightning_moe_overlap._compat import torch as torch_compat
+
 ScoreFunction = Literal["softmax", "sigmoid"]
 
 
@@ -65,10 +67,10 @@ def _in_training_forward() -> bool:
     """False inside a backward pass, where a checkpoint's recompute runs the router again: counting its tokens
     there would double the counts of the expert-bias update. (Grad mode is no guide: reentrant checkpointing runs
     the first forward under ``no_grad``.)"""
-    return torch._C._current_graph_task_id() == -1
+    return torch_compat.current_graph_task_id() == -1
 
 
-class TopKRouter(nn.Module):
+class TopKRouter(torch_compat.Float32Buffers):
     """Linear gate + top-k selection with optional group limit, expert bias, aux loss and z-loss.
 
     Args:
@@ -86,6 +88,8 @@ class TopKRouter(nn.Module):
         z_loss_coeff: coefficient of the router z-loss (0 disables it).
         dtype: compute the logits in this dtype (e.g. ``torch.float32`` under bf16 training); ``None``: as input.
     """
+
+    float32_buffers = ("expert_bias",)  # its +-1e-3 steps would vanish in 16-bit: kept float32 through `.to(bf16)`
 
     def __init__(
         self,
@@ -131,13 +135,6 @@ class TopKRouter(nn.Module):
             self.local_tokens_per_expert = None
         # Detached values of the latest forward, for logging only (nothing reads them back).
         self.metrics: dict[str, Tensor] = {}
-
-    def _apply(self, fn, recurse=True):  # type: ignore[no-untyped-def, override]
-        # Keep the expert bias in float32 through `.to(bf16)` / `.half()`: its +-1e-3 steps vanish in 16-bit.
-        module = super()._apply(fn, recurse)
-        if self.expert_bias is not None and self.expert_bias.dtype != torch.float32:
-            self.expert_bias.data = self.expert_bias.data.float()
-        return module
 
     def forward(self, hidden_states: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         """``hidden_states [..., D]`` -> ``(logits [T, E], weights [T, K], indices [T, K])``, ``T`` = all tokens."""

@@ -31,6 +31,8 @@ from typing import TypeVar
 
 import torch.distributed as dist
 
+from lightning_moe_overlap._compat import torch as torch_compat
+
 T = TypeVar("T")
 MAX_REPORT_CHARS = 2000
 NCCL_ERROR_HANDLING_VARS = ("TORCH_NCCL_ASYNC_ERROR_HANDLING", "NCCL_ASYNC_ERROR_HANDLING")  # new name, old name
@@ -88,10 +90,8 @@ class PeerFailure(RuntimeError):
 
 
 def default_store() -> dist.Store:
-    """The default process group's c10d store: the one private ``torch.distributed`` API this package uses."""
-    from torch.distributed import distributed_c10d
-
-    return distributed_c10d._get_default_store()
+    """The default process group's c10d store (a private ``torch.distributed`` API, reached through ``_compat``)."""
+    return torch_compat.default_store()
 
 
 def describe(rank: int, err: BaseException) -> str:

@@ -211,6 +211,22 @@ def test_save_then_load_restores_model_and_optimizer_bitwise(tmp_path, fmt):
     assert full["experts.gate_up_proj"].shape[0] == E and "proj.weight" not in full
 
 
+def test_optimizer_state_unwraps_lightnings_optimizer_wrapper():
+    from lightning.pytorch.core.optimizer import LightningOptimizer
+
+    model, opt = _trained(seed=0)
+    state = checkpointer.optimizer_state(opt, model)
+    wrapped = checkpointer.optimizer_state(LightningOptimizer(opt), model)
+    assert wrapped["param_groups"] == state["param_groups"] and wrapped["state"].keys() == state["state"].keys()
+    for key, entry in state["state"].items():
+        assert entry.keys() == wrapped["state"][key].keys()
+        assert all(torch.equal(wrapped["state"][key][name], value) for name, value in entry.items())
+    fresh, fresh_opt = _trained(seed=1)
+    checkpointer.load_optimizer_states([LightningOptimizer(fresh_opt)], fresh, {"optimizer_states": [state]})
+    for p, q in zip(model.parameters(), fresh.parameters()):
+        assert all(torch.equal(v, fresh_opt.state[q][k]) for k, v in opt.state[p].items())
+
+
 def test_sharded_checkpoint_consolidates_offline_into_the_unsharded_model(tmp_path):
     model, opt = _trained(seed=0)
     checkpointer.save(_lightning_checkpoint(model, opt), tmp_path / "ck", "sharded", LoadTarget.of(model, [opt]), None)

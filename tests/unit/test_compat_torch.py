@@ -1,22 +1,157 @@
-"""The private torch names of ``_compat`` still exist and behave (a failure here names the torch version)."""
+"""Every private torch name of ``_compat/torch.py`` still exists and behaves as the package relies on.
+
+One test per name; a failure names the torch version, the private name and the compat function to update.
+"""
 
 from __future__ import annotations
 
+from pathlib import Path
+from typing import Any
+
+import pytest
 import torch
+import torch.distributed as dist
+from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 from lightning_moe_overlap._compat import torch as torch_compat
 
 
-def test_private_torch_names_exist() -> None:
-    for name in ("_foreach_norm", "_foreach_mul_"):
-        assert hasattr(torch, name), f"torch {torch.__version__} has no `torch.{name}`; update `_compat`"
-    assert hasattr(torch.cuda, "_sleep"), f"torch {torch.__version__} has no `torch.cuda._sleep`; update `_compat`"
+def _broken(name: str, function: str, what: str = "is gone") -> str:
+    return (
+        f"torch {torch.__version__}: `{name}` {what}; update `lightning_moe_overlap/_compat/torch.py::{function}` "
+        "(and the supported torch range in pyproject.toml)"
+    )
 
 
-def test_foreach_helpers_match_the_plain_ops() -> None:
+def _require(owner: Any, attribute: str, name: str, function: str) -> None:
+    assert hasattr(owner, attribute), _broken(name, function)
+
+
+def test_foreach_norm() -> None:
+    _require(torch, "_foreach_norm", "torch._foreach_norm", "foreach_norm")
     tensors = [torch.arange(4.0), torch.full((2, 3), -2.0)]
     norms = torch_compat.foreach_norm(tensors, 2.0, dtype=torch.float64)
-    assert [n.dtype for n in norms] == [torch.float64] * 2
-    assert torch.equal(torch.stack(norms), torch.stack([t.double().norm() for t in tensors]))
+    assert [n.dtype for n in norms] == [torch.float64] * 2, _broken("torch._foreach_norm", "foreach_norm", "ignores dtype")
+    expected = torch.stack([t.double().norm() for t in tensors])
+    assert torch.equal(torch.stack(norms), expected), _broken("torch._foreach_norm", "foreach_norm", "changed values")
+
+
+def test_foreach_mul_() -> None:
+    _require(torch, "_foreach_mul_", "torch._foreach_mul_", "foreach_mul_")
+    tensors = [torch.arange(4.0), torch.full((2, 3), -2.0)]
     torch_compat.foreach_mul_(tensors, torch.tensor(0.5))
-    assert torch.equal(tensors[0], torch.arange(4.0) / 2) and torch.equal(tensors[1], torch.full((2, 3), -1.0))
+    halved = torch.equal(tensors[0], torch.arange(4.0) / 2) and torch.equal(tensors[1], torch.full((2, 3), -1.0))
+    assert halved, _broken("torch._foreach_mul_", "foreach_mul_", "no longer scales in place")
+
+
+def test_cuda_sleep() -> None:
+    _require(torch.cuda, "_sleep", "torch.cuda._sleep", "cuda_sleep")
+    if torch.cuda.is_available():  # the kernel itself needs a GPU; on CPU the name's presence is what can be checked
+        torch_compat.cuda_sleep(1000)
+        torch.cuda.synchronize()
+
+
+def test_grouped_mm() -> None:
+    _require(torch, "_grouped_mm", "torch._grouped_mm", "grouped_mm / grouped_mm_available")
+    assert torch_compat.grouped_mm_available()
+    if torch.__version__ < "2.9":  # no CPU kernel before 2.9 (moe/grouped.py::grouped_mm_supported)
+        return
+    x_RI, w_eIO = torch.randn(7, 4), torch.randn(3, 4, 8)
+    sizes = [2, 0, 5]  # an expert with no rows
+    offs = torch.tensor(sizes, dtype=torch.int32).cumsum(0, dtype=torch.int32)
+    y_RO = torch_compat.grouped_mm(x_RI, w_eIO, offs=offs)
+    looped = torch.cat([x_e @ w_e for x_e, w_e in zip(x_RI.split(sizes), w_eIO)])
+    assert torch.allclose(y_RO, looped, atol=1e-6), _broken("torch._grouped_mm", "grouped_mm", "changed its result")
+    private = torch._grouped_mm(x_RI, w_eIO, offs=offs)
+    assert torch.equal(y_RO, private), _broken("torch._grouped_mm", "grouped_mm", "differs from its public wrapper")
+
+
+def test_current_graph_task_id() -> None:
+    _require(torch._C, "_current_graph_task_id", "torch._C._current_graph_task_id", "current_graph_task_id")
+    inside: list[int] = []
+    x = torch.ones(2, requires_grad=True)
+    y = x * 2
+    y.register_hook(lambda grad: inside.append(torch_compat.current_graph_task_id()))
+    y.sum().backward()
+    outside = torch_compat.current_graph_task_id()
+    ok = outside == -1 and len(inside) == 1 and inside[0] != -1
+    assert ok, _broken("torch._C._current_graph_task_id", "current_graph_task_id", f"reads {outside} / {inside}")
+
+
+def test_top_saved_tensors_hooks() -> None:
+    name, function = "torch._C._autograd._top_saved_tensors_default_hooks", "top_saved_tensors_hooks"
+    _require(torch._C._autograd, "_top_saved_tensors_default_hooks", name, function)
+    assert torch_compat.top_saved_tensors_hooks() is None, _broken(name, function, "reports hooks where none is")
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, pack):
+        hooks = torch_compat.top_saved_tensors_hooks()
+    assert hooks is not None and hooks[0] is pack, _broken(name, function, "no longer returns the (pack, unpack) hooks")
+
+    seen: list[str] = []  # callbacks/_regions.py::inside_checkpoint tells checkpoint's hooks by their module
+
+    def body(x: torch.Tensor) -> torch.Tensor:
+        top = torch_compat.top_saved_tensors_hooks()
+        seen.append(getattr(top[0], "__module__", "") if top else "")
+        return x.sin()
+
+    checkpoint(body, torch.ones(2, requires_grad=True), use_reentrant=False).sum().backward()
+    in_checkpoint = seen[:1] == ["torch.utils.checkpoint"]
+    assert in_checkpoint, _broken(name, function, f"shows checkpoint's hooks from modules {seen}")
+
+
+def test_default_store(tmp_path) -> None:
+    from torch.distributed import distributed_c10d
+
+    _require(distributed_c10d, "_get_default_store", "torch.distributed.distributed_c10d._get_default_store", "default_store")
+    owned = not dist.is_initialized()
+    if owned:
+        dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1)
+    try:
+        store = torch_compat.default_store()
+        store.set("compat-check", "1")
+        assert isinstance(store, dist.Store) and store.get("compat-check") == b"1", _broken(
+            "torch.distributed.distributed_c10d._get_default_store", "default_store", "returns no working store"
+        )
+    finally:
+        if owned:
+            dist.destroy_process_group()
+
+
+def test_module_apply_keeps_float32_buffers() -> None:
+    name, function = "torch.nn.Module._apply", "Float32Buffers"
+    assert "_apply" in vars(nn.Module), _broken(name, function)
+
+    class Scaled(torch_compat.Float32Buffers):
+        float32_buffers = ("kept",)
+
+        def __init__(self) -> None:
+            super().__init__()
+            self.weight = nn.Parameter(torch.ones(2))
+            self.register_buffer("kept", torch.zeros(2))
+            self.register_buffer("cast", torch.zeros(2))
+
+    for convert in (lambda m: m.to(torch.bfloat16), lambda m: m.half(), lambda m: m.double()):
+        module = convert(Scaled())
+        dtypes = (module.weight.dtype, module.kept.dtype, module.cast.dtype)
+        assert module.kept.dtype == torch.float32 and module.weight.dtype == module.cast.dtype != torch.float32, (
+            _broken(name, function, f"is no longer what dtype conversions run through (dtypes {dtypes})")
+        )
+
+
+def _compat_names() -> list[str]:
+    return sorted(
+        name
+        for name, value in vars(torch_compat).items()
+        if not name.startswith("_") and callable(value) and getattr(value, "__module__", "") == torch_compat.__name__
+    )
+
+
+@pytest.mark.parametrize("name", _compat_names())
+def test_every_compat_name_names_its_private_torch_name_and_has_a_test(name: str) -> None:
+    doc = getattr(torch_compat, name).__doc__ or ""
+    assert "``torch." in doc, f"`_compat/torch.py::{name}` does not say which private torch name it reaches"
+    assert f"torch_compat.{name}" in Path(__file__).read_text(), f"`_compat/torch.py::{name}` has no test here"

@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from lightning_moe_overlap.grads import clip_grad_norm, global_grad_norm
+from lightning_moe_overlap.grads import allreduce_mean, clip_grad_norm, global_grad_norm
 
 SYNCING_METHODS = ("cpu", "item", "tolist", "numpy", "__float__", "__int__", "__bool__")
 
@@ -54,6 +54,16 @@ def two_rank_ep(monkeypatch: pytest.MonkeyPatch) -> list[torch.Tensor]:
     monkeypatch.setattr(dist, "get_world_size", lambda group=None: 2)
     monkeypatch.setattr(dist, "all_reduce", all_reduce)
     return reduced
+
+
+def test_allreduce_mean_buckets_by_dtype_and_writes_every_gradient_back(two_rank_ep: list[torch.Tensor]) -> None:
+    grads = [p.grad for p in _params(0, [(4, 3), (3,)]) + _params(1, [(5,)], torch.float64) + _params(2, [(2, 3)])]
+    grads[-1] = grads[-1].t()  # a non-contiguous gradient, alone in its bucket
+    expected = [g / 2 for g in grads]  # the fake peer doubles: sum over 2 ranks of the same gradient, / 4
+    allreduce_mean(grads, group=None, divisor=4)  # type: ignore[arg-type]
+    assert [t.dtype for t in two_rank_ep] == [torch.float32, torch.float64, torch.float32]  # one collective per run
+    assert two_rank_ep[1].data_ptr() == grads[2].data_ptr()  # a lone contiguous gradient is reduced in place
+    assert all(g.dtype == e.dtype and torch.equal(g, e) for g, e in zip(grads, expected))
 
 
 def test_clip_has_no_host_sync_and_one_collective(syncs: list[str], two_rank_ep: list[torch.Tensor]) -> None:
