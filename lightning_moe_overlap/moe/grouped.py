@@ -43,6 +43,7 @@ from lightning_moe_overlap.overlap.runtime import CommRuntime
 GemmImpl = Literal["auto", "grouped_mm", "loop"]
 GEMM_IMPLS: tuple[str, ...] = ("auto", "grouped_mm", "loop")
 _GROUPED_MM_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+_TORCH_2_9 = torch.__version__ >= "2.9"  # compared once: a version comparison parses both strings each time
 
 
 def grouped_mm_supported(x_RI: Tensor, weight_eOI: Tensor) -> bool:
@@ -51,13 +52,13 @@ def grouped_mm_supported(x_RI: Tensor, weight_eOI: Tensor) -> bool:
         return False
     device = weight_eOI.device
     if device.type == "cpu":
-        if torch.__version__ < "2.9" or x_RI.dtype not in _GROUPED_MM_DTYPES:  # no CPU kernel before 2.9
+        if not _TORCH_2_9 or x_RI.dtype not in _GROUPED_MM_DTYPES:  # no CPU kernel before 2.9
             return False
     elif device.type == "cuda":
         capability = torch.cuda.get_device_capability(device)
         if x_RI.dtype != torch.bfloat16:
             return False
-        if not (capability >= (8, 0) if torch.__version__ >= "2.9" else capability[0] == 9):
+        if not (capability >= (8, 0) if _TORCH_2_9 else capability[0] == 9):
             return False
     else:
         return False

@@ -60,9 +60,60 @@ def scatter_weighted(
     """
     top_k = weights_TK.shape[-1]
     w_A = weights_TK.reshape(-1).index_select(0, assign_A)
-    contrib_AD = (y_AD * w_A.unsqueeze(-1)).to(out_dtype)
-    out_TD = torch.zeros(num_tokens, y_AD.shape[-1], dtype=out_dtype, device=y_AD.device)
-    return out_TD.index_add(0, torch.div(assign_A, top_k, rounding_mode="floor"), contrib_AD)
+    token_A = torch.div(assign_A, top_k, rounding_mode="floor")
+    return _WeightedScatter.apply(y_AD, w_A, token_A, num_tokens, out_dtype)
+
+
+class _WeightedScatter(torch.autograd.Function):
+    """``out_TD[token_A[a]] += (y_AD[a] * w_A[a])`` with one buffer per pass.
+
+    The same arithmetic as ``zeros.index_add(token_A, (y_AD * w_A[:, None]).to(out_dtype))`` under autograd, with
+    the scatter done in place into the fresh zeros and, in backward, the rows' gradient scaled in place: two
+    ``[A, D]`` / ``[T, D]`` allocations fewer per call (each one a first touch of fresh memory on CPU).
+    """
+
+    @staticmethod
+    def forward(  # type: ignore[override]
+        ctx, y_AD: Tensor, w_A: Tensor, token_A: Tensor, num_tokens: int, out_dtype: torch.dtype
+    ) -> Tensor:
+        contrib_AD = (y_AD * w_A.unsqueeze(-1)).to(out_dtype)
+        ctx.save_for_backward(y_AD, w_A, token_A)
+        ctx.product_dtype = torch.promote_types(y_AD.dtype, w_A.dtype)
+        out_TD = torch.zeros(num_tokens, y_AD.shape[-1], dtype=out_dtype, device=y_AD.device)
+        return out_TD.index_add_(0, token_A, contrib_AD)
+
+    @staticmethod
+    def backward(ctx, g_TD: Tensor) -> tuple[Tensor | None, Tensor | None, None, None, None]:  # type: ignore[override]
+        y_AD, w_A, token_A = ctx.saved_tensors
+        # The gradient of each assignment's product, a fresh buffer (index_select) in the product's dtype.
+        g_AD = g_TD.index_select(0, token_A).to(ctx.product_dtype)
+        grad_w = (g_AD * y_AD).sum(-1).to(w_A.dtype) if ctx.needs_input_grad[1] else None
+        grad_y = g_AD.mul_(w_A.unsqueeze(-1)).to(y_AD.dtype) if ctx.needs_input_grad[0] else None
+        return grad_y, grad_w, None, None, None
+
+
+class _PermuteRows(torch.autograd.Function):
+    """``x[perm]`` for a permutation ``perm``; its backward is the gather by the inverse (no zeros, no scatter)."""
+
+    @staticmethod
+    def forward(ctx, x_ND: Tensor, perm_N: Tensor, inverse_N: Tensor | None) -> Tensor:  # type: ignore[override]
+        ctx.save_for_backward(perm_N if inverse_N is None else inverse_N)
+        ctx.inverted = inverse_N is not None
+        return x_ND.index_select(0, perm_N)
+
+    @staticmethod
+    def backward(ctx, g_ND: Tensor) -> tuple[Tensor, None, None]:  # type: ignore[override]
+        (saved,) = ctx.saved_tensors
+        return g_ND.index_select(0, saved if ctx.inverted else inverse_permutation(saved)), None, None
+
+
+def permute_rows(x_ND: Tensor, perm_N: Tensor, inverse_N: Tensor | None = None) -> Tensor:
+    """``x_ND[perm_N]`` where ``perm_N`` is a permutation of the rows (differentiable).
+
+    Same values as ``x_ND.index_select(0, perm_N)``; its backward gathers by the inverse permutation (given as
+    ``inverse_N``, or built on first use), where ``index_select``'s backward zero-fills a buffer and scatter-adds.
+    """
+    return _PermuteRows.apply(x_ND, perm_N, inverse_N)
 
 
 def chunk_permutation(counts_SE: Tensor, total: int) -> Tensor:

@@ -46,6 +46,7 @@ from lightning_moe_overlap.moe.permute import (
     chunk_permutation,
     gather_rows,
     inverse_permutation,
+    permute_rows,
     scatter_weighted,
     sort_by_expert,
 )
@@ -229,7 +230,7 @@ class AllToAllDispatcher(DispatcherBase):
         if self.ep_size == 1:
             return x_MD, None
         perm_R = chunk_permutation(recv_GE, x_MD.shape[0])
-        return x_MD.index_select(0, perm_R), perm_R
+        return permute_rows(x_MD, perm_R), perm_R
 
     # -- combine -----------------------------------------------------------------------------------------------
     def combine(self, y_RD: Tensor, handle: AllToAllHandle | DedupHandle) -> Tensor:
@@ -244,7 +245,7 @@ class AllToAllDispatcher(DispatcherBase):
         """No comm: back to the receive layout (source-major)."""
         if handle.perm_R is None:
             return y_RD
-        return y_RD.index_select(0, inverse_permutation(handle.perm_R))
+        return permute_rows(y_RD, inverse_permutation(handle.perm_R), handle.perm_R)
 
     def _token_combine(self, y_MD: Tensor, handle: AllToAllHandle) -> Tensor:
         """Comm point: the reverse all-to-all."""
