@@ -82,3 +82,85 @@ class Float32Buffers(nn.Module):
             if buffer is not None and buffer.dtype != torch.float32:
                 buffer.data = buffer.data.float()
         return module
+
+
+# -- torch.distributed.pipelining: the multi-stage schedules' runtime (``_PipelineScheduleRuntime``) ---------------
+# An ``OVERLAP_F_B`` handler registered on a schedule does, for each of its two sub-actions, what the runtime's
+# private ``_perform_action`` does; these functions are the runtime state it reads and writes.
+
+
+def pipeline_schedules() -> Any:
+    """The ``torch.distributed.pipelining.schedules`` module (its ``_Action`` / ``_ComputationType`` are private)."""
+    from torch.distributed.pipelining import schedules
+
+    return schedules
+
+
+def pipeline_action(stage_index: int, kind: str, microbatch: int | None, sub_actions: tuple | None = None) -> Any:
+    """``_Action(stage_index, _ComputationType(kind), microbatch, sub_actions)``; ``kind`` as in ``"F"``."""
+    schedules = pipeline_schedules()
+    return schedules._Action(stage_index, schedules._ComputationType(kind), microbatch, sub_actions)
+
+
+def action_kind(action: Any) -> str:
+    """The computation type of an ``_Action`` as its string (``"F"``, ``"B"``, ``"OVERLAP_F_B"``, ...)."""
+    return str(action.computation_type.value)
+
+
+def register_pipeline_action(schedule: Any, kind: str, fn: Callable[[Any, Any], None]) -> None:
+    """``_PipelineScheduleRuntime.register_custom_function``: ``fn(action, ctx)`` runs every ``kind`` action."""
+    schedule.register_custom_function(pipeline_schedules()._ComputationType(kind), fn)
+
+
+def relower_pipeline_order(schedule: Any, order: dict[int, list[Any]]) -> None:
+    """Install a compute-only ``order`` (rank -> actions) and lower it to the runtime's order with send/recv actions
+    (``_prepare_schedule_with_comms``; raises ``AssertionError`` "Malformed compute schedule" when a rank's next
+    action can never get its inputs)."""
+    schedule.pipeline_order = order
+    schedule._prepare_schedule_with_comms(order)
+
+
+def lowered_pipeline_order(schedule: Any) -> dict[int, list[Any]]:
+    """The runtime's order, with send/recv actions (``_PipelineScheduleRuntime.pipeline_order_with_comms``)."""
+    return schedule.pipeline_order_with_comms
+
+
+def pipeline_stages(schedule: Any) -> list[Any]:
+    """This rank's ``PipelineStage`` objects of a multi-stage schedule (``_stages``)."""
+    return list(schedule._stages)
+
+
+def pipeline_microbatches(schedule: Any) -> int:
+    """The schedule's ``n_microbatches`` (``_n_microbatches``)."""
+    return int(schedule._n_microbatches)
+
+
+def wait_pipeline_recv(schedule: Any, direction: str, stage_index: int, microbatch: int) -> None:
+    """Wait for the posted receives of ``(stage_index, microbatch)`` (``fwd_recv_ops`` / ``bwd_recv_ops``, then
+    ``_wait_batch_p2p``); ``direction`` is ``"forward"`` or ``"backward"``."""
+    ops = schedule.fwd_recv_ops if direction == "forward" else schedule.bwd_recv_ops
+    key = (stage_index, microbatch)
+    if key not in ops:
+        raise RuntimeError(
+            f"Pipeline stage {stage_index}, micro-batch {microbatch}: its {direction} input was never received; the "
+            "schedule's order is malformed (an OVERLAP_F_B action placed before the receive it needs)."
+        )
+    pipeline_schedules()._wait_batch_p2p(ops.pop(key))
+
+
+def compute_pipeline_loss(schedule: Any, stage: Any, output: Any, target_mbs: list | None, microbatch: int) -> None:
+    """On the last stage, the schedule's loss of ``output`` against the micro-batch's target, kept for its
+    backward (``_maybe_compute_loss``; ``loss_kwargs`` are not passed to custom actions)."""
+    schedule._maybe_compute_loss(stage, output, target_mbs, microbatch)
+
+
+def pipeline_loss(schedule: Any, stage: Any, microbatch: int) -> Any:
+    """The kept loss of ``microbatch`` on the last stage, else None (``_maybe_get_loss``)."""
+    return schedule._maybe_get_loss(stage, microbatch)
+
+
+def count_pipeline_backward(schedule: Any, stage_index: int) -> bool:
+    """Count one more backward of ``stage_index`` (``_PipelineScheduleRuntime.backward_counter``); True for the
+    step's last one."""
+    schedule.backward_counter[stage_index] += 1
+    return schedule.backward_counter[stage_index] == pipeline_microbatches(schedule)

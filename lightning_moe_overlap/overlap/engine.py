@@ -8,6 +8,10 @@ re-raises the first error in its own thread.
 
 Both schedules (overlapped and sequential) run through the same lanes, thread-local state and context factory,
 so the sequential run is a faithful oracle: the only difference is which tasks share a phase.
+
+The unit is a pair of any forward task with any backward task (``schedule.pair``). :meth:`OverlapEngine.run`
+drives the pp=1 schedule; :meth:`OverlapEngine.step` hands the same machinery to a schedule driven from outside,
+e.g. a pipeline schedule that runs each ``OVERLAP_F_B`` action with :meth:`EngineStep.run_pair`.
 """
 
 from __future__ import annotations
@@ -16,9 +20,8 @@ import queue
 import threading
 import time
 import warnings
-from collections.abc import Callable, Iterable
-from contextlib import AbstractContextManager, nullcontext
-from dataclasses import dataclass
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from functools import partial
 from typing import Any
 
@@ -26,13 +29,14 @@ from lightning_moe_overlap.overlap.baton import Baton
 from lightning_moe_overlap.overlap.failures import FailureBoard, FailureWatch
 from lightning_moe_overlap.overlap.rng import DeviceGenerators, RngSource
 from lightning_moe_overlap.overlap.runtime import CommRuntime
-from lightning_moe_overlap.overlap.schedule import Phase, Role, Task, build_schedule
+from lightning_moe_overlap.overlap.schedule import Phase, Role, Task, build_schedule, pair
 from lightning_moe_overlap.overlap.streams import device_max_connections_warning
 from lightning_moe_overlap.overlap.thread_state import ThreadState
 
 ForwardFn = Callable[[int], Any]
 BackwardFn = Callable[[int, Any], None]
 ContextFactory = Callable[[Task], AbstractContextManager[Any]]
+TaskBody = Callable[[Task], None]
 
 DEFAULT_TIMEOUT_S = 1800.0  # torch.distributed's default process-group timeout
 STALL_FACTOR = 2.0  # a phase without progress for this many `timeout_s` is stuck
@@ -110,48 +114,44 @@ class OverlapEngine:
             failed first; ``RuntimeError`` when a safety-net timeout expires.
         """
         phases = build_schedule(num_microbatches, overlap=self.overlap)
-        self._warn_if_overlap_cannot_work()
-        watch = self._next_watch()
         outputs: list[Any] = [None] * num_microbatches
-        step = _StepTasks(
-            forward_fn, backward_fn, self.runtime, self.context_factory, ThreadState.capture(), outputs,
-            RngSource.of_current_thread(self.generators),
-        )
-        lanes = {role: _Lane(role) for role in Role}
-        try:
+
+        def body(task: Task) -> None:
+            i = task.microbatch
+            if task.role is Role.FORWARD:
+                outputs[i] = forward_fn(i)
+            else:
+                backward_fn(i, outputs[i])
+
+        with self.step(_stacklevel=5) as step:
             for phase in phases:
-                self._run_phase(phase, step, lanes, watch)
+                step.run_phase(phase, body)
+        return outputs
+
+    @contextmanager
+    def step(self, *, _stacklevel: int = 4) -> Iterator[EngineStep]:
+        """One optimizer step of a schedule driven from outside (a pipeline schedule's actions), as a block.
+
+        Inside the block, :meth:`EngineStep.run_pair` runs a forward task and a backward task as the two contexts
+        that hand the baton over at every comm point, and :meth:`EngineStep.run_task` runs one task alone; both
+        in the step's lanes, with the calling thread's state, random streams and failure watch: the machinery of
+        :meth:`run`, which is this block around the pp=1 phases.
+
+        Raises:
+            As :meth:`run`: an exception leaving the block becomes a :class:`PeerFailure` when another rank failed
+            first, and is reported to the other ranks when this rank failed first.
+        """
+        self._warn_if_overlap_cannot_work(_stacklevel)
+        watch = self._next_watch()
+        step = EngineStep(self, watch, ThreadState.capture(), RngSource.of_current_thread(self.generators))
+        try:
+            yield step
         except BaseException as err:
             raise watch.explain(err)  # noqa: B904 - `explain` returns `err` itself or a PeerFailure chained from it
         finally:
-            _close(list(lanes.values()), LANE_JOIN_S if step.settled else 0.0)
-        return step.outputs
+            step.close()
 
-    # -- one phase ---------------------------------------------------------------------------------------------------
-    def _run_phase(self, phase: Phase, step: _StepTasks, lanes: dict[Role, _Lane], watch: FailureWatch) -> None:
-        baton = Baton(phase.roles, phase=phase.name, starter=phase.starter, timeout_s=self.timeout_s, rng=step.rng)
-        with self.runtime.overlapping(baton):
-            for task in phase.tasks:
-                lanes[task.role].submit(partial(baton.run, task.role, partial(step.execute, task)))
-            done = False
-            try:
-                done = self._supervise(baton, watch)
-            finally:
-                if not done:  # stalled, or KeyboardInterrupt in this thread: stop the contexts before unbinding
-                    baton.abort()
-                    step.settled = baton.wait_done(min(LANE_JOIN_S, self.timeout_s))
-        if baton.errors:
-            raise baton.errors[0]
-        if not done:
-            raise RuntimeError(
-                f"Phase {phase.name} made no progress (no hand-over) for {self.stall_timeout_s:g} s; a "
-                "context is stuck. If one compute segment between two comm points can take this long, raise "
-                "`timeout_s`."
-            )
-        if baton.stopped:
-            raise watch.peer_failure()
-        baton.continue_rng_from(Role.FORWARD)
-
+    # -- supervision ---------------------------------------------------------------------------------------------
     def _supervise(self, baton: Baton, watch: FailureWatch) -> bool:
         """Wait until the phase's contexts finished (True); stop them when another rank failed; return False when
         the phase made no progress for ``stall_timeout_s``."""
@@ -173,10 +173,10 @@ class OverlapEngine:
         self._steps += 1
         return FailureWatch(self._board, self._steps)
 
-    def _warn_if_overlap_cannot_work(self) -> None:
+    def _warn_if_overlap_cannot_work(self, stacklevel: int) -> None:
         message = device_max_connections_warning() if self.overlap else None
         if message is not None:
-            warnings.warn(message, RuntimeWarning, stacklevel=3)
+            warnings.warn(message, RuntimeWarning, stacklevel=stacklevel)
 
 
 def run_schedule(
@@ -198,31 +198,91 @@ def run_schedule(
     return engine.run(forward_fn, backward_fn, num_microbatches)
 
 
-@dataclass
-class _StepTasks:
-    """What one step's tasks run, and where forward outputs wait for their backward."""
+class EngineStep:
+    """One step of an :class:`OverlapEngine` (see :meth:`OverlapEngine.step`).
 
-    forward_fn: ForwardFn
-    backward_fn: BackwardFn
-    runtime: CommRuntime
-    context_factory: ContextFactory
-    state: ThreadState
-    outputs: list[Any]
-    rng: RngSource  # fixed in the calling thread: lanes are new threads whose current device is not the step's
-    settled: bool = True  # False once a phase stalled: its lanes may be stuck
+    It owns the lanes, one worker thread per role that lives for the step, the thread state and random generators
+    of the thread that started the step, and the step's failure watch. Phases run one at a time, each with its own
+    :class:`Baton` installed in the runtime; the calling thread supervises each.
+    """
 
-    def execute(self, task: Task) -> None:
-        trace = self.runtime.trace  # the timeline of a traced step (overlap/timeline.py); usually None
+    def __init__(self, engine: OverlapEngine, watch: FailureWatch, state: ThreadState, rng: RngSource) -> None:
+        self.engine = engine
+        self.watch = watch
+        self.state = state
+        self.rng = rng  # fixed in the calling thread: lanes are new threads whose current device is not the step's
+        self.settled = True  # False once a phase stalled: its lanes may be stuck
+        self._lanes: dict[Role, _Lane] = {}
+
+    def run_pair(
+        self, forward_task: Task, forward_fn: Callable[[], Any], backward_task: Task, backward_fn: Callable[[], Any]
+    ) -> None:
+        """Run ``forward_fn`` as ``forward_task`` and ``backward_fn`` as ``backward_task``: any forward with any
+        backward (e.g. a pipeline's ``OVERLAP_F_B`` action). When the engine overlaps, they are the two contexts
+        of one phase, the backward holding the baton first; otherwise they run one after the other, forward
+        first, in the same lanes (the oracle order)."""
+        bodies = {forward_task: forward_fn, backward_task: backward_fn}
+
+        def body(task: Task) -> None:
+            bodies[task]()
+
+        if self.engine.overlap:
+            self.run_phase(pair(forward_task, backward_task), body)
+        else:
+            self.run_phase(Phase((forward_task,)), body)
+            self.run_phase(Phase((backward_task,)), body)
+
+    def run_task(self, task: Task, fn: Callable[[], Any]) -> None:
+        """Run ``fn`` as ``task``, alone in its phase (its comm points do not hand over)."""
+        self.run_phase(Phase((task,)), lambda _: fn())
+
+    def run_phase(self, phase: Phase, body: TaskBody) -> None:
+        """Run the tasks of ``phase``; ``body(task)`` does each one's work, in that task's lane."""
+        engine = self.engine
+        baton = Baton(phase.roles, phase=phase.name, starter=phase.starter, timeout_s=engine.timeout_s, rng=self.rng)
+        with engine.runtime.overlapping(baton):
+            for task in phase.tasks:
+                self._lane(task.role).submit(partial(baton.run, task.role, partial(self._execute, task, body)))
+            done = False
+            try:
+                done = engine._supervise(baton, self.watch)
+            finally:
+                if not done:  # stalled, or KeyboardInterrupt in this thread: stop the contexts before unbinding
+                    baton.abort()
+                    self.settled = baton.wait_done(min(LANE_JOIN_S, engine.timeout_s))
+        if baton.errors:
+            raise baton.errors[0]
+        if not done:
+            raise RuntimeError(
+                f"Phase {phase.name} made no progress (no hand-over) for {engine.stall_timeout_s:g} s; a "
+                "context is stuck. If one compute segment between two comm points can take this long, raise "
+                "`timeout_s`."
+            )
+        if baton.stopped:
+            raise self.watch.peer_failure()
+        baton.continue_rng_from(Role.FORWARD)
+
+    def close(self) -> None:
+        """Stop and join the lanes (without waiting when a phase stalled: they may be stuck)."""
+        _close(list(self._lanes.values()), LANE_JOIN_S if self.settled else 0.0)
+        self._lanes.clear()
+
+    def _lane(self, role: Role) -> _Lane:
+        lane = self._lanes.get(role)
+        if lane is None:
+            lane = self._lanes[role] = _Lane(role)
+        return lane
+
+    def _execute(self, task: Task, body: TaskBody) -> None:
+        runtime = self.engine.runtime
+        trace = runtime.trace  # the timeline of a traced step (overlap/timeline.py); usually None
         if trace is not None:
             trace.task_started(task)
         try:
-            with self.state.applied(), self.context_factory(task):
-                i = task.microbatch
-                if task.role is Role.FORWARD:
-                    self.outputs[i] = self.forward_fn(i)
-                else:
-                    self.backward_fn(i, self.outputs[i])
-                    self.runtime.flush_wgrad()  # this micro-batch's weight gradients land before the next backward
+            with self.state.applied(), self.engine.context_factory(task):
+                body(task)
+                if task.role is Role.BACKWARD:
+                    runtime.flush_wgrad()  # this task's weight gradients land before the next backward
         finally:
             if trace is not None:
                 trace.task_finished(task)

@@ -11,6 +11,11 @@ Without overlap the phases are the plain sequential order, the oracle the overla
 
 Both orders run every micro-batch's forward before its backward and the backwards in micro-batch order, so
 gradients accumulate in the same order.
+
+That is the pp=1 instance of the engine's unit, a pair of *any* forward task with *any* backward task. A task
+knows its micro-batch and its chunk (the pipeline stage it runs; 0 without pipeline parallelism): a pipeline
+schedule's ``OVERLAP_F_B`` action pairs, e.g., the forward of micro-batch 7 on stage 0 with the backward of
+micro-batch 3 on stage 2 (:func:`pair`, ``lightning_moe_overlap/pipeline/``).
 """
 
 from __future__ import annotations
@@ -45,14 +50,19 @@ PAIR_STARTER = Role.BACKWARD
 
 @dataclass(frozen=True)
 class Task:
-    """One forward or backward of one micro-batch."""
+    """One forward or backward of one micro-batch on one chunk (pipeline stage; 0 without pipeline parallelism).
+
+    Its name is ``F3`` / ``B3`` on chunk 0 (the pp=1 names) and, like a pipeline action, ``2F3`` on chunk 2.
+    """
 
     role: Role
     microbatch: int
+    chunk: int = 0
 
     @property
     def name(self) -> str:
-        return f"{self.role.letter}{self.microbatch}"
+        prefix = f"{self.chunk}" if self.chunk else ""
+        return f"{prefix}{self.role.letter}{self.microbatch}"
 
 
 @dataclass(frozen=True)
@@ -75,12 +85,26 @@ class Phase:
         return PAIR_STARTER if len(self.tasks) == 2 else self.tasks[0].role
 
 
-def forward(i: int) -> Task:
-    return Task(Role.FORWARD, i)
+def forward(i: int, chunk: int = 0) -> Task:
+    return Task(Role.FORWARD, i, chunk)
 
 
-def backward(i: int) -> Task:
-    return Task(Role.BACKWARD, i)
+def backward(i: int, chunk: int = 0) -> Task:
+    return Task(Role.BACKWARD, i, chunk)
+
+
+def pair(forward_task: Task, backward_task: Task) -> Phase:
+    """The phase in which ``forward_task`` and ``backward_task`` share the baton: any forward with any backward.
+
+    Raises:
+        ValueError: the first task is not a forward or the second not a backward.
+    """
+    if forward_task.role is not Role.FORWARD or backward_task.role is not Role.BACKWARD:
+        raise ValueError(
+            f"A pair is one forward task and one backward task, got ({forward_task.name}, {backward_task.name}). "
+            "Pass the forward first and the backward second."
+        )
+    return Phase((forward_task, backward_task))
 
 
 def build_schedule(num_microbatches: int, *, overlap: bool) -> tuple[Phase, ...]:
@@ -106,6 +130,6 @@ def build_schedule(num_microbatches: int, *, overlap: bool) -> tuple[Phase, ...]
     if not overlap:
         return tuple(Phase((task(i),)) for i in range(num_microbatches) for task in (forward, backward))
     warmup = Phase((forward(0),))
-    steady = tuple(Phase((forward(i + 1), backward(i))) for i in range(last))
+    steady = tuple(pair(forward(i + 1), backward(i)) for i in range(last))
     cooldown = Phase((backward(last),))
     return (warmup, *steady, cooldown)

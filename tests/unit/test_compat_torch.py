@@ -5,6 +5,8 @@ One test per name; a failure names the torch version, the private name and the c
 
 from __future__ import annotations
 
+import re
+
 from pathlib import Path
 from typing import Any
 
@@ -153,5 +155,65 @@ def _compat_names() -> list[str]:
 @pytest.mark.parametrize("name", _compat_names())
 def test_every_compat_name_names_its_private_torch_name_and_has_a_test(name: str) -> None:
     doc = getattr(torch_compat, name).__doc__ or ""
-    assert "``torch." in doc, f"`_compat/torch.py::{name}` does not say which private torch name it reaches"
+    names_it = "``torch." in doc or re.search(r"``_\w|\._\w", doc) is not None  # torch.x._y, or _Private of a module
+    assert names_it, f"`_compat/torch.py::{name}` does not say which private torch name it reaches"
     assert f"torch_compat.{name}" in Path(__file__).read_text(), f"`_compat/torch.py::{name}` has no test here"
+
+
+# -- torch.distributed.pipelining: the private runtime names used by pipeline/ --------------------------------------
+def test_private_pipelining_names_exist() -> None:
+    from torch.distributed.pipelining import schedules
+
+    version = f"torch {torch.__version__}"
+    for name in ("_Action", "_ComputationType", "_PipelineScheduleRuntime", "_PipelineContext", "_wait_batch_p2p"):
+        assert hasattr(schedules, name), f"{version}: `pipelining.schedules.{name}` is gone; update `_compat/torch.py`"
+    runtime = schedules._PipelineScheduleRuntime
+    for name in ("register_custom_function", "_prepare_schedule_with_comms", "_maybe_compute_loss", "_maybe_get_loss"):
+        assert hasattr(runtime, name), f"{version}: `_PipelineScheduleRuntime.{name}` is gone; update `_compat`"
+    fields = set(schedules._PipelineContext.__dataclass_fields__)
+    assert {"schedule_ref", "arg_mbs", "kwarg_mbs", "target_mbs"} <= fields, f"{version}: _PipelineContext {fields}"
+
+
+def test_pipeline_actions_build_and_print_as_torch_parses_them() -> None:
+    forward = torch_compat.pipeline_action(0, "F", 7)
+    backward = torch_compat.pipeline_action(2, "B", 3)
+    pair = torch_compat.pipeline_action(-1, "OVERLAP_F_B", None, (forward, backward))
+    assert str(forward) == "0F7" and torch_compat.action_kind(backward) == "B"
+    assert torch_compat.action_kind(pair) == "OVERLAP_F_B"
+    parsed = torch_compat.pipeline_schedules()._Action.from_str(str(pair))
+    assert parsed == pair, f"torch {torch.__version__}: OVERLAP_F_B round trip gave {parsed}"
+
+
+def test_the_runtime_state_an_overlap_handler_uses() -> None:
+    from types import SimpleNamespace
+
+    from torch.distributed.pipelining import ScheduleInterleaved1F1B
+
+    stages = [SimpleNamespace(num_stages=4, group_size=2, group_rank=0, stage_index=s) for s in (0, 2)]
+    schedule = ScheduleInterleaved1F1B(stages, 4, loss_fn=lambda out, target: out)
+    calls: list[str] = []
+    torch_compat.register_pipeline_action(schedule, "OVERLAP_F_B", lambda action, ctx: calls.append(str(action)))
+    assert len(torch_compat.lowered_pipeline_order(schedule)[0]) > len([a for a in schedule.pipeline_order[0] if a])
+    assert [s.stage_index for s in torch_compat.pipeline_stages(schedule)] == [0, 2]
+    assert torch_compat.pipeline_microbatches(schedule) == 4
+    assert [torch_compat.count_pipeline_backward(schedule, 2) for _ in range(4)] == [False, False, False, True]
+    with pytest.raises(RuntimeError, match=r"stage 2, micro-batch 1: its backward input was never received"):
+        torch_compat.wait_pipeline_recv(schedule, "backward", 2, 1)
+
+
+def test_the_runtime_order_and_losses_an_overlap_handler_uses() -> None:
+    from types import SimpleNamespace
+
+    from torch.distributed.pipelining import ScheduleInterleaved1F1B
+
+    stages = [SimpleNamespace(num_stages=4, group_size=2, group_rank=1, stage_index=s, is_last=s == 3) for s in (1, 3)]
+    schedule = ScheduleInterleaved1F1B(stages, 4, loss_fn=lambda out, target: (out - target).sum())
+    before = [str(a) for a in torch_compat.lowered_pipeline_order(schedule)[1]]
+    torch_compat.relower_pipeline_order(schedule, schedule.pipeline_order)
+    assert [str(a) for a in torch_compat.lowered_pipeline_order(schedule)[1]] == before
+    targets = [torch.full((2,), float(i)) for i in range(4)]
+    torch_compat.compute_pipeline_loss(schedule, stages[1], torch.ones(2), targets, 0)
+    torch_compat.compute_pipeline_loss(schedule, stages[0], torch.ones(2), targets, 1)  # not the last stage: no loss
+    assert torch.equal(torch_compat.pipeline_loss(schedule, stages[1], 0), torch.tensor(2.0))
+    assert torch_compat.pipeline_loss(schedule, stages[0], 0) is None
+

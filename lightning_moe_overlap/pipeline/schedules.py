@@ -1,0 +1,241 @@
+"""torch's pipeline schedules by name, and the rewrite that turns interleaved 1F1B's steady state into overlapped pairs.
+
+Names (``pipeline_schedule=``) and the torch class each one builds:
+
+==================== ================================== =========================================================
+name                 torch class                        stages per rank (``vpp``) / micro-batches ``M``
+==================== ================================== =========================================================
+``1f1b``             ``Schedule1F1B``                   1
+``interleaved_1f1b`` ``ScheduleInterleaved1F1B``        > 1, ``M`` a multiple of ``pp``
+``dualpipev``        ``ScheduleDualPipeV``              2 (a V: rank r holds stages r and 2pp-1-r), ``M >= 2pp``
+``zero_bubble``      ``ScheduleInterleavedZeroBubble``  > 1, ``M`` a multiple of ``pp``
+==================== ================================== =========================================================
+
+With overlap, a pair is a forward task and a backward task of the same rank that run as the engine's two contexts
+(an ``OVERLAP_F_B`` action). DualPipeV emits such actions itself. Interleaved 1F1B does not: its steady state
+alternates one forward and one full backward, and :func:`overlap_pairs` merges adjacent ``F``, ``B`` (in either
+order) into an ``OVERLAP_F_B`` action unless the backward needs the forward (same stage and micro-batch, on the
+last stage) or the merge would hold back a send that another rank waits for (torch's own lowering pass says so:
+"Malformed compute schedule"). Each rank runs the same forwards and backwards, and the backwards of a stage in
+the same order, so gradients accumulate in the same order as in the plain schedule.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from torch import nn
+from torch.distributed import ProcessGroup
+from torch.distributed.pipelining import (
+    PipelineStage,
+    Schedule1F1B,
+    ScheduleDualPipeV,
+    ScheduleInterleaved1F1B,
+    ScheduleInterleavedZeroBubble,
+)
+
+from lightning_moe_overlap._compat import torch as torch_compat
+
+SCHEDULES = ("1f1b", "interleaved_1f1b", "dualpipev", "zero_bubble")
+_CLASSES = {
+    "1f1b": Schedule1F1B,
+    "interleaved_1f1b": ScheduleInterleaved1F1B,
+    "dualpipev": ScheduleDualPipeV,
+    "zero_bubble": ScheduleInterleavedZeroBubble,
+}
+LossFn = Callable[[Any, Any], Any]
+
+
+def default_schedule(vpp: int) -> str:
+    """``1f1b`` at one stage per rank, ``interleaved_1f1b`` with virtual stages."""
+    return "1f1b" if vpp == 1 else "interleaved_1f1b"
+
+
+def validate_schedule(name: str, *, pp: int, vpp: int, num_microbatches: int, overlap: bool) -> None:
+    """Check a schedule against the sizes before any stage or collective is built (the same verdict on every rank).
+
+    Raises:
+        ValueError: unknown name; ``vpp`` or ``M`` that the schedule cannot run.
+        NotImplementedError: overlap with a schedule that has no pair of a forward and a full backward.
+    """
+    if name not in SCHEDULES:
+        raise ValueError(
+            f"Unknown `pipeline_schedule={name!r}`: the schedules are {', '.join(SCHEDULES)}. Pick one of them "
+            f"(`{default_schedule(vpp)}` is the default at vpp={vpp})."
+        )
+    for label, value in (("pp", pp), ("vpp", vpp), ("num_microbatches", num_microbatches)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"`{label}={value!r}`: must be an int >= 1.")
+    if name == "1f1b" and vpp != 1:
+        raise ValueError(
+            f"`pipeline_schedule='1f1b'` runs one stage per rank, got vpp={vpp}. Use `interleaved_1f1b` (or "
+            "`dualpipev` at vpp=2) for virtual stages, or set vpp=1."
+        )
+    if name in ("interleaved_1f1b", "zero_bubble"):
+        if vpp < 2:
+            raise ValueError(
+                f"`pipeline_schedule={name!r}` interleaves virtual stages, got vpp={vpp}. Set vpp >= 2, or use "
+                "`1f1b` at vpp=1."
+            )
+        if num_microbatches % pp:
+            raise ValueError(
+                f"`pipeline_schedule={name!r}` needs num_microbatches a multiple of pp, got {num_microbatches} "
+                f"micro-batches and pp={pp}. Use {_multiple_near(num_microbatches, pp)} micro-batches."
+            )
+    if name == "dualpipev":
+        if vpp != 2:
+            raise ValueError(
+                f"`pipeline_schedule='dualpipev'` needs exactly two stages per rank (a V), got vpp={vpp}. Set vpp=2."
+            )
+        if num_microbatches < 2 * pp:
+            raise ValueError(
+                f"`pipeline_schedule='dualpipev'` needs at least as many micro-batches as stages (pp * vpp = "
+                f"{2 * pp}), got {num_microbatches}. Use num_microbatches >= {2 * pp}."
+            )
+    if overlap and pp > 1 and name == "1f1b":
+        raise NotImplementedError(
+            f"Overlap at pp={pp} with vpp=1 (`1f1b`): a rank holds one stage, so a forward and a backward never "
+            "run side by side. Set vpp >= 2 (`interleaved_1f1b`) or use `dualpipev` (vpp=2), or overlap=False."
+        )
+    if overlap and name == "zero_bubble":
+        raise NotImplementedError(
+            "Overlap with `zero_bubble`: its backwards are split into input and weight gradients, so it has no "
+            "pair of a forward and a full backward to overlap. Use `interleaved_1f1b` or `dualpipev`, or "
+            "overlap=False."
+        )
+
+
+def _multiple_near(m: int, pp: int) -> str:
+    low, high = (m // pp) * pp, (m // pp + 1) * pp
+    return f"{low} or {high}" if low else f"{high}"
+
+
+def stage_indices(name: str, *, pp: int, vpp: int, pp_rank: int) -> list[int]:
+    """The stages rank ``pp_rank`` of the pp group holds: ``r, r + pp, ...`` (loop), or ``r, 2pp-1-r`` (V)."""
+    if name == "dualpipev":
+        return [pp_rank, 2 * pp - 1 - pp_rank]
+    return [pp_rank + k * pp for k in range(vpp)]
+
+
+def build_stages(
+    chunks: Sequence[nn.Module], indices: Sequence[int], num_stages: int, group: ProcessGroup, device: Any
+) -> list[PipelineStage]:
+    """One ``PipelineStage`` per local chunk (``chunks[k]`` is stage ``indices[k]``), on the pp ``group``."""
+    if len(chunks) != len(indices):
+        raise ValueError(
+            f"`build_stages`: {len(chunks)} chunks for stages {list(indices)}. Pass one chunk per stage this rank "
+            "holds (see `stage_indices`)."
+        )
+    return [
+        PipelineStage(chunk, index, num_stages, device, group=group)
+        for chunk, index in zip(chunks, indices, strict=True)
+    ]
+
+
+def build_schedule(
+    name: str, stages: Sequence[PipelineStage], num_microbatches: int, loss_fn: LossFn, *, overlap: bool
+) -> Any:
+    """torch's schedule ``name`` over this rank's ``stages``; with ``overlap``, interleaved 1F1B's order rewritten
+    into ``OVERLAP_F_B`` pairs (:func:`overlap_pairs`). Run it through
+    :class:`~lightning_moe_overlap.pipeline.executor.PipelineExecutor`, which executes the pairs.
+
+    Raises:
+        ValueError, NotImplementedError: see :func:`validate_schedule`.
+    """
+    pp, vpp = stages[0].group_size, len(stages)
+    validate_schedule(name, pp=pp, vpp=vpp, num_microbatches=num_microbatches, overlap=overlap)
+    stage_arg: Any = stages[0] if name == "1f1b" else list(stages)
+    schedule = _CLASSES[name](stage_arg, num_microbatches, loss_fn=loss_fn)
+    if overlap and name == "interleaved_1f1b":
+        torch_compat.relower_pipeline_order(schedule, overlap_pairs(schedule))
+    return schedule
+
+
+def overlap_pairs(schedule: Any) -> dict[int, list[Any]]:
+    """The schedule's compute order with each mergeable adjacent ``F``, ``B`` (full backward) of a rank, in either
+    order, turned into
+    one ``OVERLAP_F_B`` action; greedy, first pair first, each merge kept only if torch's lowering still schedules
+    every send and receive. Deterministic: every rank computes the same order. Leaves ``schedule`` as it was."""
+    original = {rank: list(actions) for rank, actions in schedule.pipeline_order.items()}
+    order = {rank: list(actions) for rank, actions in original.items()}
+    try:
+        for rank in sorted(order):
+            k = 0
+            while k < len(order[rank]) - 1:
+                merged = _merge_at(order[rank], k)
+                if merged is not None and _lowers(schedule, {**order, rank: merged}):
+                    order[rank] = merged
+                k += 1
+    finally:
+        torch_compat.relower_pipeline_order(schedule, original)
+    return order
+
+
+def _merge_at(actions: list[Any], k: int) -> list[Any] | None:
+    first, second = actions[k], actions[k + 1]
+    if first is None or second is None:
+        return None
+    kinds = (torch_compat.action_kind(first), torch_compat.action_kind(second))
+    if kinds not in (("F", "B"), ("B", "F")):
+        return None
+    fwd, bwd = (first, second) if kinds == ("F", "B") else (second, first)
+    if fwd.stage_index == bwd.stage_index and fwd.microbatch_index == bwd.microbatch_index:
+        return None  # the backward needs this very forward (its loss)
+    pair = torch_compat.pipeline_action(-1, "OVERLAP_F_B", None, (fwd, bwd))
+    return [*actions[:k], pair, *actions[k + 2 :]]
+
+
+def _lowers(schedule: Any, order: dict[int, list[Any]]) -> bool:
+    try:
+        torch_compat.relower_pipeline_order(schedule, {rank: list(actions) for rank, actions in order.items()})
+    except AssertionError:
+        return False
+    return True
+
+
+def count_pairs(order: dict[int, list[Any]]) -> dict[int, int]:
+    """``OVERLAP_F_B`` actions per rank."""
+    return {
+        rank: sum(1 for a in actions if a is not None and torch_compat.action_kind(a) == "OVERLAP_F_B")
+        for rank, actions in order.items()
+    }
+
+
+def render_order(order: dict[int, list[Any]], ranks: Sequence[int] | None = None) -> str:
+    """The compute order as text, one line per rank, one column per time step: ``0F2`` is the forward of
+    micro-batch 2 on stage 0, ``2B0`` a full backward, ``0I2`` / ``0W2`` its input / weight halves, ``.`` a
+    bubble, and ``0F3|2B1`` an ``OVERLAP_F_B`` pair run as the two contexts."""
+    ranks = sorted(order) if ranks is None else list(ranks)
+    cells = {rank: [_cell(a) for a in order[rank]] for rank in ranks}
+    width = max((len(c) for row in cells.values() for c in row), default=1)
+    return "\n".join(
+        f"rank {rank}: " + " ".join(c.ljust(width) for c in cells[rank]).rstrip() for rank in ranks
+    )
+
+
+def _cell(action: Any) -> str:
+    if action is None:
+        return "."
+    if torch_compat.action_kind(action) == "OVERLAP_F_B":
+        return "|".join(_cell(sub) for sub in action.sub_actions)
+    return str(action)
+
+
+def docs_orders() -> str:
+    """The orders shown in docs/pipeline.md, computed from torch's schedules (pp=2, vpp=2, 4 micro-batches):
+    interleaved 1F1B rewritten into pairs, and DualPipeV as torch emits it. Needs no process group."""
+    from types import SimpleNamespace
+
+    def local_stages(name: str) -> list[Any]:
+        indices = stage_indices(name, pp=2, vpp=2, pp_rank=0)
+        return [SimpleNamespace(num_stages=4, group_size=2, group_rank=0, stage_index=i, submod=None) for i in indices]
+
+    interleaved = ScheduleInterleaved1F1B(local_stages("interleaved_1f1b"), 4, loss_fn=lambda out, target: out)
+    dualpipev = ScheduleDualPipeV(local_stages("dualpipev"), 4, loss_fn=lambda out, target: out)
+    return (
+        "interleaved_1f1b, overlap (pp=2, vpp=2, M=4)\n"
+        + render_order(overlap_pairs(interleaved))
+        + "\n\ndualpipev (pp=2, vpp=2, M=4)\n"
+        + render_order(dualpipev.pipeline_order)
+    )
