@@ -94,8 +94,9 @@ class Config:
         simulate_ep_ms: > 0: simulated expert parallelism (one rank, every all-to-all a loopback of this many ms).
         trace: with ``simulate_ep_ms``, write one overlapped step as a Chrome trace to this path.
         monitor: also measure ``overlap+monitor`` (the overhead of ``MoEMonitor``).
-        dedup: the all-to-all dispatcher's deduplicated dispatch (its default).
-        compare_dedup: also measure ``sequential/plain`` and ``overlap/plain`` (``dedup=False``).
+        dedup: the all-to-all dispatcher's deduplicated dispatch (off by default, as in the strategy).
+        compare_dedup: run the main modes deduplicated and also measure ``sequential/plain`` and ``overlap/plain``
+            (``dedup=False``).
     """
 
     ranks: int = 2
@@ -118,7 +119,7 @@ class Config:
     simulate_ep_ms: float = 0.0
     trace: str | None = None
     monitor: bool = False
-    dedup: bool = True
+    dedup: bool = False
     compare_dedup: bool = False
 
     @property
@@ -575,17 +576,19 @@ def parse_args(argv: list[str] | None = None) -> tuple[Config, bool]:
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
     parser.add_argument("--monitor", action="store_true", help="also measure overlap+monitor (MoEMonitor's overhead)")
     parser.add_argument(
-        "--no-dedup", dest="dedup", action="store_false",
-        help="alltoall: one row per (token, expert) on the wire, not per (token, rank)",
+        "--dedup", action="store_true",
+        help="alltoall: deduplicated dispatch, one row per (token, rank) on the wire, not per (token, expert)",
     )
     parser.add_argument(
         "--compare-dedup", action="store_true",
-        help="also measure sequential/plain and overlap/plain (alltoall without deduplicated dispatch)",
+        help="run the main modes with --dedup and also measure sequential/plain and overlap/plain (without it)",
     )
     args = vars(parser.parse_args(argv))
     as_json = args.pop("json")
     if args["simulate_ep_ms"] > 0:
         args.update(ranks=1, ep=1)
+    if args["compare_dedup"]:
+        args["dedup"] = True
     return Config(**args), as_json
 
 

@@ -49,6 +49,7 @@ class OverlapConfig:
     token_drop_policy: str = "probs"
     shared_expert_overlap: bool = False
     deepep_num_sms: int = 20
+    alltoall_dedup: bool = False
     process_group_backend: str | None = None
     start_method: str = "popen"
     expert_backend: str = "torch"

@@ -121,6 +121,26 @@ def rule_flex_backend_without_flex(cfg: OverlapConfig) -> list[Problem]:
     )
 
 
+def rule_dedup_without_alltoall(cfg: OverlapConfig) -> list[Problem]:
+    """Deduplication is a setting of the alltoall dispatcher; flex (DeepEP) deduplicates by itself."""
+    if not isinstance(cfg.alltoall_dedup, bool):
+        return _when(
+            True,
+            "alltoall-dedup",
+            f"`alltoall_dedup={cfg.alltoall_dedup!r}` is a {type(cfg.alltoall_dedup).__name__}; it switches the "
+            "alltoall dispatcher's deduplicated dispatch on or off. Pass True or False (default).",
+            error=TypeError,
+        )
+    return _when(
+        cfg.alltoall_dedup and cfg.dispatcher != "alltoall",
+        "dedup-without-alltoall",
+        f"`alltoall_dedup=True` does nothing with `dispatcher={cfg.dispatcher!r}`: only the alltoall dispatcher has a "
+        "deduplicated path (flex/DeepEP always deduplicates, allgather sends every token). Drop `alltoall_dedup`, or "
+        "use `dispatcher='alltoall'`.",
+        error=None,
+    )
+
+
 def rule_shared_expert_overlap(cfg: OverlapConfig) -> list[Problem]:
     """Megatron-Bridge pitfall: shared-expert overlap and dispatch overlap both claim the dispatch window."""
     return _when(
@@ -192,6 +212,7 @@ CONFIG_RULES: tuple[Callable[[OverlapConfig], list[Problem]], ...] = (
     rule_sizes,
     rule_choices,
     rule_flex_backend_without_flex,
+    rule_dedup_without_alltoall,
     rule_shared_expert_overlap,
     rule_pipeline,
     rule_overlap_needs_microbatches,

@@ -41,6 +41,7 @@ class MoEModelHandle:
             capacity_factor=config.capacity_factor,
             token_drop_policy=config.token_drop_policy,
             deepep_num_sms=config.deepep_num_sms,
+            dedup=config.alltoall_dedup,
             expert_backend=config.expert_backend,
             shared_expert_overlap=config.shared_expert_overlap,
         )

@@ -5,7 +5,7 @@ forward output and every gradient (input, routing weights / router, shared exper
 full size) must match; float64 within 1e-10, float32 with ``assert_close`` defaults. Routing cases include a
 rank that holds no tokens, ranks with different token counts, and every token routed to one expert. Each rank
 also reports its hand-over count: identical counts on every rank show that no rank skipped a collective.
-The all-to-all dispatcher runs deduplicated (its default); its plain path (``dedup=False``) must give bitwise the
+The all-to-all dispatcher's deduplicated path (``dedup=True``) and its plain path (the default) must give bitwise the
 same output and gradients, and send no fewer rows.
 """
 

@@ -1,7 +1,7 @@
 """The overlapped schedule is bitwise equal to the sequential one, on real expert-parallel MoE layers.
 
 One spawn of 4 gloo ranks runs the whole matrix: ep in {1, 2, 4}, micro-batches in {1, 2, 5}, top-k in {1, 2},
-recompute off / whole-layer checkpoint / sub-module checkpoint, dispatcher alltoall (deduplicated, its default;
+recompute off / whole-layer checkpoint / sub-module checkpoint, dispatcher alltoall (deduplicated: `dedup=True`;
 its plain path ``alltoall:plain``, top-k 3 and allgather for a subset),
 each trained for a few SGD steps three ways: sequential, overlapped, overlapped with delayed wgrad. The parameters
 after the steps must be ``torch.equal`` on every rank.
@@ -61,7 +61,7 @@ def _train(rank, groups, ep, micro, top_k, recompute, dispatcher, overlap, delay
     runtime = CommRuntime(delay_wgrad=delay_wgrad)
     net = Net(top_k, recompute)
     name, _, variant = dispatcher.partition(":")
-    knobs = {"dedup": False} if variant == "plain" else {}
+    knobs = {"dedup": variant != "plain"}
     experts = apply_expert_parallel(net, groups.ep, dispatcher=name, runtime=runtime, **knobs)
     expert_ids = {id(p) for m in experts for p in m.parameters()}
     dense = [p for p in net.parameters() if id(p) not in expert_ids]

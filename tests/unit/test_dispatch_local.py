@@ -151,14 +151,14 @@ def test_dedup_rows_and_local_choices() -> None:
 
 
 def test_alltoall_dedup_knob() -> None:
-    assert AllToAllDispatcher(None, E, None).dedup is True
+    assert AllToAllDispatcher(None, E, None).dedup is False
     idx, w = _routing(3, 2, seed=0)
     _, _, handle = AllToAllDispatcher(None, E, None).dispatch(torch.randn(3, D), idx, w)
     assert not isinstance(handle, DedupHandle)  # one rank, no loopback: nothing leaves the process
     assert build_dispatcher("alltoall", None, E, None, dedup=False).dedup is False
     assert "dedup=False" in repr(build_dispatcher("alltoall", None, E, None, dedup=False))
     assert isinstance(build_dispatcher("allgather", None, E, None, dedup=False), AllGatherDispatcher)  # ignored
-    with pytest.raises(TypeError, match=r"dedup='yes' is a str, not a bool.*Pass dedup=True \(default\)"):
+    with pytest.raises(TypeError, match=r"dedup='yes' is a str, not a bool.*Pass dedup=True or dedup=False \(default\)"):
         AllToAllDispatcher(None, E, None, dedup="yes")  # type: ignore[arg-type]
 
 
@@ -222,3 +222,20 @@ def test_expert_split_rule() -> None:
 def test_dispatcher_names_have_one_spelling() -> None:
     assert tuple(DISPATCHER_CLASSES) == DISPATCHERS
     assert DISPATCHER_KNOBS["flex"] == FlexDispatcher.knobs and DISPATCHER_KNOBS["alltoall"] == ("dedup",)
+
+
+@pytest.mark.parametrize("dedup", [False, True])
+def test_the_strategy_setting_reaches_the_alltoall_dispatcher(dedup: bool) -> None:
+    from types import SimpleNamespace
+
+    from lightning_moe_overlap.config import OverlapConfig
+    from lightning_moe_overlap.moe.ep import ExpertParallelExperts
+    from lightning_moe_overlap.moe.layer import MoELayer
+    from lightning_moe_overlap.overlap.runtime import CommRuntime
+    from lightning_moe_overlap.wrap import MoEModelHandle
+
+    model = torch.nn.Sequential(MoELayer(hidden_size=8, ffn_hidden_size=4, num_experts=E, top_k=2))
+    handle = MoEModelHandle(model)
+    handle.apply(OverlapConfig(alltoall_dedup=dedup), SimpleNamespace(ep=None), CommRuntime())
+    (experts,) = [m for m in model.modules() if isinstance(m, ExpertParallelExperts)]
+    assert isinstance(experts.dispatcher, AllToAllDispatcher) and experts.dispatcher.dedup is dedup

@@ -36,6 +36,7 @@ def _raise(problems):
         ({"flex_backend": "deepep"}, ValueError, r"`flex_backend='deepep'` does nothing with `dispatcher='alltoall'`"),
         ({"shared_expert_overlap": True}, ValueError, r"`shared_expert_overlap=True` conflicts with `overlap=True`"),
         ({"pp": 2}, ValueError, r"`overlap=True` with `pp=2` needs `vpp` set"),
+        ({"alltoall_dedup": "yes"}, TypeError, r"`alltoall_dedup='yes'` is a str; .*Pass True or False \(default\)"),
         ({"tp": 2}, NotImplementedError, r"tp=2: this version builds the process groups"),
         ({"pp": 2, "vpp": 2, "cp": 2}, NotImplementedError, r"pp=2, cp=2: this version"),
     ],
@@ -57,6 +58,7 @@ def test_validation_good_configs_pass_silently(recwarn):
     _raise(check_config(OverlapConfig(dispatcher="flex", flex_backend="deepep", num_microbatches=2)))
     _raise(check_config(OverlapConfig(overlap=False, shared_expert_overlap=True, delay_wgrad=True)))
     _raise(check_config(OverlapConfig(dispatcher="allgather", num_microbatches=2)))
+    _raise(check_config(OverlapConfig(alltoall_dedup=True, num_microbatches=2)))
     assert not [w for w in recwarn if issubclass(w.category, UserWarning)]
 
 
@@ -65,6 +67,10 @@ def test_validation_good_configs_pass_silently(recwarn):
     [
         ({"ep": 8, "vpp": 2}, r"`vpp=2` with `pp=1` has nothing to interleave"),
         ({"num_microbatches": 1}, r"`overlap=True` with `num_microbatches=1`: there is no second micro-batch"),
+        (
+            {"alltoall_dedup": True, "dispatcher": "allgather", "num_microbatches": 2},
+            r"`alltoall_dedup=True` does nothing with `dispatcher='allgather'`.*use `dispatcher='alltoall'`",
+        ),
     ],
 )
 def test_validation_config_warnings(kwargs, match):

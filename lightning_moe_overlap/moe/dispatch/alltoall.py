@@ -1,8 +1,8 @@
 """All-to-all token dispatcher: send each routed token straight to the ranks of its experts.
 
-With ``dedup=True`` (the default) a token goes once to each rank that holds any of its experts, with its routing
+With ``dedup=True`` a token goes once to each rank that holds any of its experts, with its routing
 weights and local expert indices, and comes back once per rank, already summed over that rank's experts
-(``dedup.py``); with ``dedup=False`` each (token, choice) row travels on its own and the weights stay on the
+(``dedup.py``); with ``dedup=False`` (the default) each (token, choice) row travels on its own and the weights stay on the
 source rank. The experts see the same rows in the same order either way.
 
 Per call, two comm points on the way in (the token counts, then the tokens) and one on the way out; the
@@ -115,13 +115,13 @@ class AllToAllDispatcher(DispatcherBase):
     backward_handoffs = 1  # the token-count exchange
 
     def __init__(
-        self, ep_group: ProcessGroup | None, num_experts: int, runtime: CommRuntime | None, dedup: bool = True
+        self, ep_group: ProcessGroup | None, num_experts: int, runtime: CommRuntime | None, dedup: bool = False
     ) -> None:
         super().__init__(ep_group, num_experts, runtime)
         if not isinstance(dedup, bool):
             raise TypeError(
                 f"`AllToAllDispatcher`: dedup={dedup!r} is a {type(dedup).__name__}, not a bool; it switches the "
-                "deduplicated dispatch on or off. Pass dedup=True (default) or dedup=False."
+                "deduplicated dispatch on or off. Pass dedup=True or dedup=False (default)."
             )
         self.dedup = dedup
 
