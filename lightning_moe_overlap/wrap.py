@@ -33,18 +33,12 @@ class MoEModelHandle:
 
     def apply(self, config: OverlapConfig, groups: ParallelGroups, runtime: CommRuntime) -> None:
         """Replace every experts module by its expert-parallel version holding only this rank's experts."""
+        backend_knobs = {"deepep_num_sms": config.deepep_num_sms, "dedup": config.alltoall_dedup}  # each its own
         self._ep_modules = apply_expert_parallel(
-            self.model,
-            groups.ep,
-            dispatcher=config.dispatcher,
-            runtime=runtime,
-            capacity_factor=config.capacity_factor,
-            token_drop_policy=config.token_drop_policy,
-            deepep_num_sms=config.deepep_num_sms,
-            dedup=config.alltoall_dedup,
-            expert_backend=config.expert_backend,
-            shared_expert_overlap=config.shared_expert_overlap,
-        )
+            self.model, groups.ep, dispatcher=config.dispatcher, runtime=runtime,
+            capacity_factor=config.capacity_factor, token_drop_policy=config.token_drop_policy,
+            expert_backend=config.expert_backend, shared_expert_overlap=config.shared_expert_overlap, **backend_knobs,
+        )  # fmt: skip
         self._bias_balancers = correction_bias_balancers(self.model)
 
     def routers(self) -> list[TopKRouter]:
