@@ -34,7 +34,7 @@ import sys
 import threading
 import time
 import traceback
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from datetime import timedelta
@@ -408,17 +408,20 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def launch(cfg: Config) -> list[dict[str, Any]]:
-    """Spawn one process per rank and collect their results (index = rank)."""
+def spawn_ranks(ranks: int, target: Callable[..., None], *args: Any) -> list[Any]:
+    """Run ``target(rank, *args, port, queue)`` in one spawned process per rank; their results, index = rank.
+
+    Each rank puts ``(rank, ok, payload)`` on ``queue``: its result, or the traceback that is raised here.
+    """
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     port = free_port()
-    procs = [ctx.Process(target=rank_entry, args=(r, cfg, port, queue), daemon=True) for r in range(cfg.ranks)]
+    procs = [ctx.Process(target=target, args=(r, *args, port, queue), daemon=True) for r in range(ranks)]
     for p in procs:
         p.start()
     results: dict[int, Any] = {}
     try:
-        for _ in range(cfg.ranks):
+        for _ in range(ranks):
             rank, ok, payload = queue.get(timeout=1800)
             if not ok:
                 raise RuntimeError(f"rank {rank} failed:\n{payload}")
@@ -428,7 +431,12 @@ def launch(cfg: Config) -> list[dict[str, Any]]:
             p.join(timeout=30)
             if p.is_alive():
                 p.kill()
-    return [results[r] for r in range(cfg.ranks)]
+    return [results[r] for r in range(ranks)]
+
+
+def launch(cfg: Config) -> list[dict[str, Any]]:
+    """Spawn one process per rank and collect their results (index = rank)."""
+    return spawn_ranks(cfg.ranks, rank_entry, cfg)
 
 
 # -- summary -------------------------------------------------------------------------------------------------------

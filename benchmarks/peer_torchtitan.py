@@ -39,10 +39,9 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from torch import Tensor, nn
 
-from overlap import Config, Net, align, build_trainer, busy_warning, free_port, make_batch, train_step
+from overlap import Config, Net, align, build_trainer, busy_warning, make_batch, spawn_ranks, train_step
 
 from lightning_moe_overlap.grads import sync_gradients
 from lightning_moe_overlap.parallel import ParallelDims, ParallelGroups, build_groups
@@ -260,28 +259,8 @@ def rank_entry(
 
 
 def launch(cfg: Config, rounds: int, warmup: int, profile: tuple[str, ...] = ()) -> list[dict[str, Any]]:
-    ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
-    port = free_port()
-    procs = [
-        ctx.Process(target=rank_entry, args=(r, cfg, rounds, warmup, profile, port, queue), daemon=True)
-        for r in range(cfg.ranks)
-    ]
-    for p in procs:
-        p.start()
-    results: dict[int, Any] = {}
-    try:
-        for _ in range(cfg.ranks):
-            rank, ok, payload = queue.get(timeout=1800)
-            if not ok:
-                raise RuntimeError(f"rank {rank} failed:\n{payload}")
-            results[rank] = payload
-    finally:
-        for p in procs:
-            p.join(timeout=30)
-            if p.is_alive():
-                p.kill()
-    return [results[r] for r in range(cfg.ranks)]
+    """Spawn one process per rank and collect their results (index = rank)."""
+    return spawn_ranks(cfg.ranks, rank_entry, cfg, rounds, warmup, profile)
 
 
 # -- summary ---------------------------------------------------------------------------------------------------------
