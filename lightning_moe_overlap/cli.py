@@ -31,7 +31,7 @@ from lightning.pytorch.cli import LightningCLI, SaveConfigCallback
 from typing_extensions import override
 
 import lightning_moe_overlap  # noqa: F401  (registers the strategy names)
-from lightning_moe_overlap.config import OverlapConfig, resolve_overlap
+from lightning_moe_overlap.config import OverlapConfig
 from lightning_moe_overlap.strategy import MoEOverlapStrategy
 from lightning_moe_overlap.validation import (
     Problem,
@@ -154,12 +154,11 @@ def _strategy_config(strategy: Any) -> OverlapConfig | None:
     if isinstance(strategy, str):
         if strategy not in _REGISTERED:
             return None
-        return OverlapConfig(**_REGISTERED[strategy], overlap=resolve_overlap(None, 1))
+        return OverlapConfig(**{"overlap": None, **_REGISTERED[strategy]})
     if isinstance(strategy, dict) and str(strategy.get("class_path", "")).endswith("MoEOverlapStrategy"):
         init_args = dict(strategy.get("init_args") or {})
         fields = {k: v for k, v in init_args.items() if k in OverlapConfig.__dataclass_fields__}
-        fields["overlap"] = resolve_overlap(fields.get("overlap"), fields.get("num_microbatches", 1))
-        return OverlapConfig(**fields)
+        return OverlapConfig(**{"overlap": None, **fields})
     return None
 
 

@@ -15,6 +15,7 @@ DropPolicy = Literal["probs", "position"]
 StartMethod = Literal["popen", "spawn", "fork", "forkserver"]
 ExpertBackend = Literal["torch", "te"]
 CheckpointFormat = Literal["sharded", "consolidated"]
+PipelineSchedule = Literal["1f1b", "interleaved_1f1b", "dualpipev", "zero_bubble"]
 
 DISPATCHERS: tuple[str, ...] = get_args(Dispatcher)
 FLEX_BACKENDS: tuple[str, ...] = get_args(FlexBackend)
@@ -22,13 +23,24 @@ DROP_POLICIES: tuple[str, ...] = get_args(DropPolicy)
 START_METHODS: tuple[str, ...] = get_args(StartMethod)
 EXPERT_BACKENDS: tuple[str, ...] = get_args(ExpertBackend)
 CHECKPOINT_FORMATS: tuple[str, ...] = get_args(CheckpointFormat)
+PIPELINE_SCHEDULES: tuple[str, ...] = get_args(PipelineSchedule)
+PAIRED_SCHEDULES: tuple[str, ...] = ("interleaved_1f1b", "dualpipev")  # those with a forward / backward pair
 
 
-def resolve_overlap(overlap: bool | None, num_microbatches: object) -> bool:
-    """``overlap=None`` (the strategy's default) means on whenever there is a second micro-batch to overlap with."""
+def default_schedule(vpp: int | None) -> str:
+    """``1f1b`` at one stage per rank, ``interleaved_1f1b`` with virtual stages."""
+    return "1f1b" if (vpp or 1) == 1 else "interleaved_1f1b"
+
+
+def resolve_overlap(
+    overlap: bool | None, num_microbatches: object, *, pp: object = 1, schedule: str | None = None
+) -> bool:
+    """``overlap=None`` (the strategy's default) means on whenever there is a second micro-batch to overlap with
+    and, at ``pp > 1``, a schedule that pairs a forward with a backward on one rank (``PAIRED_SCHEDULES``)."""
     if overlap is not None:
         return overlap
-    return isinstance(num_microbatches, int) and not isinstance(num_microbatches, bool) and num_microbatches > 1
+    several = isinstance(num_microbatches, int) and not isinstance(num_microbatches, bool) and num_microbatches > 1
+    return several and (pp == 1 or schedule in PAIRED_SCHEDULES)
 
 
 @dataclass(frozen=True)
@@ -42,7 +54,7 @@ class OverlapConfig:
     cp: int = 1
     dispatcher: str = "alltoall"
     flex_backend: str | None = None
-    overlap: bool = True
+    overlap: bool | None = True  # None (the strategy's default): resolved on construction, a bool afterwards
     delay_wgrad: bool = False
     num_microbatches: int = 1
     capacity_factor: float | None = None
@@ -53,6 +65,34 @@ class OverlapConfig:
     process_group_backend: str | None = None
     start_method: str = "popen"
     expert_backend: str = "torch"
+    pipeline_schedule: str | None = None
+    pipeline_layout: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.overlap is None:
+            try:
+                schedule = self.resolved_schedule if self.pp != 1 else None
+            except (TypeError, ValueError):  # a bad layout string: validation reports it
+                schedule = None
+            object.__setattr__(self, "overlap", resolve_overlap(None, self.num_microbatches, pp=self.pp,
+                                                                schedule=schedule))  # fmt: skip
+
+    @property
+    def resolved_vpp(self) -> int:
+        """Chunks per pp rank: ``vpp``, else the layout's chunks / ``pp``, else 1."""
+        if self.vpp is not None:
+            return self.vpp
+        if self.pipeline_layout is not None and isinstance(self.pp, int) and self.pp >= 1:
+            from lightning_moe_overlap.pipeline.layout import parse_layout
+
+            chunks = len(parse_layout(self.pipeline_layout))
+            return max(1, chunks // self.pp)
+        return 1
+
+    @property
+    def resolved_schedule(self) -> str:
+        """The pipeline schedule in effect: ``pipeline_schedule``, else the default for the chunks per rank."""
+        return self.pipeline_schedule or default_schedule(self.resolved_vpp)
 
     @property
     def resolved_flex_backend(self) -> str | None:

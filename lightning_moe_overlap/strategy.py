@@ -35,8 +35,8 @@ from lightning_moe_overlap.config import (
     ExpertBackend,
     FlexBackend,
     OverlapConfig,
+    PipelineSchedule,
     StartMethod,
-    resolve_overlap,
 )
 from lightning_moe_overlap.grads import clip_grad_norm, global_grad_norm
 from lightning_moe_overlap.launcher import ExpertParallelScriptLauncher, ExpertParallelSpawnLauncher
@@ -74,15 +74,24 @@ class MoEOverlapStrategy(ParallelStrategy):
         ep: Expert-parallel size: experts are sharded over ``ep`` ranks and tokens exchanged by all-to-all.
             Must divide ``dp * cp`` and every MoE block's number of experts.
         tp: Tensor-parallel size (groups are built; execution supports 1 in this version).
-        pp: Pipeline-parallel size (groups are built; execution supports 1 in this version).
-        vpp: Virtual pipeline stages per rank; needed when ``pp > 1`` with ``overlap``; ignored (warning) at ``pp=1``.
+        pp: Pipeline-parallel size: the model is cut into ``pp * vpp`` chunks (docs/pipeline.md), each rank builds
+            and trains only its own, and each step runs as torch's pipeline schedule ``pipeline_schedule``.
+        vpp: Virtual pipeline stages (chunks) per pp rank; None is 1, or the layout's chunks / ``pp``. With
+            ``overlap``, ``pp > 1`` needs ``vpp >= 2`` (the forward of one chunk's micro-batch runs against the
+            backward of another chunk's). Ignored (warning) at ``pp=1``.
         cp: Context-parallel size (groups are built; execution supports 1 in this version).
+        pipeline_schedule: ``"1f1b"``, ``"interleaved_1f1b"``, ``"dualpipev"`` (vpp=2, a V) or ``"zero_bubble"``
+            (no overlap); None picks ``1f1b`` at vpp=1 and ``interleaved_1f1b`` with virtual stages.
+        pipeline_layout: Which layers each chunk holds, as a Megatron layout string (``"Et*3|(tt|)*29,m|L"``,
+            grammar in docs/pipeline.md); None splits the layers evenly over the ``pp * vpp`` chunks.
         dispatcher: Token dispatcher: ``"alltoall"`` (uneven all-to-all, any backend), ``"allgather"`` (gather
             over ep, reduce-scatter back; small ep), ``"flex"`` (DeepEP kernels; CUDA only).
         flex_backend: Backend of the flex dispatcher (``"deepep"``); only valid with ``dispatcher="flex"``.
         overlap: Run the forward of micro-batch ``i+1`` and the backward of micro-batch ``i`` as two contexts that
-            hand over at every all-to-all, so one's communication hides behind the other's compute. None (the
-            default) turns it on whenever ``num_microbatches > 1``: with one micro-batch there is nothing to overlap.
+            hand over at every all-to-all, so one's communication hides behind the other's compute (at ``pp > 1``:
+            each forward / backward pair of the pipeline schedule). None (the default) turns it on whenever
+            ``num_microbatches > 1`` and, at ``pp > 1``, the schedule has such pairs (``interleaved_1f1b``,
+            ``dualpipev``).
         delay_wgrad: Queue expert weight-gradient GEMMs during backward and run them while the next all-to-all
             is in flight.
         num_microbatches: Micro-batches per optimizer step; each batch from the dataloader is split evenly along
@@ -121,6 +130,8 @@ class MoEOverlapStrategy(ParallelStrategy):
         pp: int = 1,
         vpp: int | None = None,
         cp: int = 1,
+        pipeline_schedule: PipelineSchedule | None = None,
+        pipeline_layout: str | None = None,
         dispatcher: Dispatcher = "alltoall",
         flex_backend: FlexBackend | None = None,
         overlap: bool | None = None,
@@ -157,7 +168,7 @@ class MoEOverlapStrategy(ParallelStrategy):
             cp=cp,
             dispatcher=dispatcher,
             flex_backend=flex_backend,
-            overlap=resolve_overlap(overlap, num_microbatches),
+            overlap=overlap,
             delay_wgrad=delay_wgrad,
             num_microbatches=num_microbatches,
             capacity_factor=capacity_factor,
@@ -168,6 +179,8 @@ class MoEOverlapStrategy(ParallelStrategy):
             process_group_backend=process_group_backend,
             start_method=start_method,
             expert_backend=expert_backend,
+            pipeline_schedule=pipeline_schedule,
+            pipeline_layout=pipeline_layout,
         )
         raise_problems(check_config(self.config))
         self._timeout = _as_timedelta(timeout)

@@ -25,6 +25,7 @@ from lightning_moe_overlap.config import (
     DROP_POLICIES,
     EXPERT_BACKENDS,
     FLEX_BACKENDS,
+    PIPELINE_SCHEDULES,
     START_METHODS,
     OverlapConfig,
 )
@@ -94,6 +95,12 @@ def rule_choices(cfg: OverlapConfig) -> list[Problem]:
         *(("choices", v in ok, f"`{n}={v!r}` is not one of {list(ok)}. Pick one of them.") for n, v, ok in choices),
         (
             "choices",
+            cfg.pipeline_schedule is None or cfg.pipeline_schedule in PIPELINE_SCHEDULES,
+            f"`pipeline_schedule={cfg.pipeline_schedule!r}` is not one of {list(PIPELINE_SCHEDULES)}; None picks "
+            "`1f1b` at vpp=1 and `interleaved_1f1b` with virtual stages.",
+        ),
+        (
+            "choices",
             cfg.flex_backend is None or cfg.flex_backend in FLEX_BACKENDS,
             f"`flex_backend={cfg.flex_backend!r}` is not one of {list(FLEX_BACKENDS)}.",
         ),
@@ -153,16 +160,52 @@ def rule_shared_expert_overlap(cfg: OverlapConfig) -> list[Problem]:
 
 
 def rule_pipeline(cfg: OverlapConfig) -> list[Problem]:
+    """The pipeline settings: the layout string parses, and the schedule runs at these sizes (docs/pipeline.md)."""
+    if rule_sizes(cfg) or rule_choices(cfg):
+        return []  # reported there
+    if cfg.pp == 1:
+        ignored = [f"`{n}={v!r}`" for n, v in (("vpp", cfg.vpp), ("pipeline_schedule", cfg.pipeline_schedule),
+                   ("pipeline_layout", cfg.pipeline_layout)) if v is not None and v != 1]  # fmt: skip
+        return _when(
+            bool(ignored),
+            "pipeline-without-pp",
+            f"{', '.join(ignored)} with `pp=1`: there is no pipeline, so the setting is ignored. Set `pp>1` to "
+            "split the model into pipeline stages, or remove it.",
+            error=None,
+        )
+    if cfg.pipeline_layout is not None:
+        from lightning_moe_overlap.pipeline.layout import parse_layout
+
+        try:
+            chunks = len(parse_layout(cfg.pipeline_layout))
+        except (TypeError, ValueError) as err:
+            return [Problem("pipeline-layout", f"{OWNER}: {err}", type(err))]
+        expected = cfg.pp * cfg.vpp if cfg.vpp is not None else None
+        if chunks % cfg.pp or (expected is not None and chunks != expected):
+            rule = f"pp * vpp = {expected}" if expected is not None else f"a multiple of pp={cfg.pp}"
+            return [
+                Problem(
+                    "pipeline-layout",
+                    f"{OWNER}: `pipeline_layout={cfg.pipeline_layout!r}` has {chunks} chunks; it needs {rule} "
+                    "(one per virtual stage). Add or remove '|' separators, or change `vpp`.",
+                )
+            ]
+    from lightning_moe_overlap.pipeline.schedules import validate_schedule
+
+    try:
+        validate_schedule(
+            cfg.resolved_schedule, pp=cfg.pp, vpp=cfg.resolved_vpp, num_microbatches=cfg.num_microbatches,
+            overlap=cfg.overlap,
+        )  # fmt: skip
+    except (ValueError, NotImplementedError) as err:
+        return [Problem("pipeline-schedule", f"{OWNER}: {err}", type(err))]
     return _when(
-        cfg.pp > 1 and cfg.overlap and cfg.vpp is None,
-        "pp-without-vpp",
-        f"`overlap=True` with `pp={cfg.pp}` needs `vpp` set: without interleaving, forward and backward on the last "
-        "stage depend on each other and cannot overlap. Set `vpp` (1 is allowed).",
-    ) + _when(
-        cfg.pp == 1 and cfg.vpp is not None and cfg.vpp > 1,
-        "vpp-without-pp",
-        f"`vpp={cfg.vpp}` with `pp=1` has nothing to interleave and is ignored.",
-        error=None,
+        cfg.delay_wgrad,
+        "pipeline-delay-wgrad",
+        f"`delay_wgrad=True` with `pp={cfg.pp}`: torch's pipeline stages run each backward to its end, so there is "
+        "no next all-to-all of the same backward to hide the expert weight gradients behind. Set "
+        "`delay_wgrad=False`, or `pp=1`.",
+        NotImplementedError,
     )
 
 
@@ -177,15 +220,15 @@ def rule_overlap_needs_microbatches(cfg: OverlapConfig) -> list[Problem]:
 
 
 def rule_not_implemented(cfg: OverlapConfig) -> list[Problem]:
-    sizes = (("tp", cfg.tp), ("pp", cfg.pp), ("cp", cfg.cp))
+    sizes = (("tp", cfg.tp), ("cp", cfg.cp))
     unsupported = [f"{n}={v}" for n, v in sizes if is_positive_int(v) and v > 1]
     if unsupported:
         return [
             Problem(
                 "not-implemented-parallelism",
-                f"{OWNER}: {', '.join(unsupported)}: this version builds the process groups for tp/pp/cp but "
-                "executes expert and data parallelism only. Use tp=pp=cp=1 (the world becomes dp, and ep folds "
-                "into it).",
+                f"{OWNER}: {', '.join(unsupported)}: this version builds the process groups for tp/cp but "
+                "executes expert, data and pipeline parallelism only. Use tp=cp=1 (the world becomes dp x pp, and "
+                "ep folds into dp).",
                 NotImplementedError,
             )
         ]

@@ -36,8 +36,8 @@ from torch.distributed.pipelining import (
 )
 
 from lightning_moe_overlap._compat import torch as torch_compat
-
-SCHEDULES = ("1f1b", "interleaved_1f1b", "dualpipev", "zero_bubble")
+from lightning_moe_overlap.config import PIPELINE_SCHEDULES as SCHEDULES
+from lightning_moe_overlap.config import default_schedule
 _CLASSES = {
     "1f1b": Schedule1F1B,
     "interleaved_1f1b": ScheduleInterleaved1F1B,
@@ -45,11 +45,6 @@ _CLASSES = {
     "zero_bubble": ScheduleInterleavedZeroBubble,
 }
 LossFn = Callable[[Any, Any], Any]
-
-
-def default_schedule(vpp: int) -> str:
-    """``1f1b`` at one stage per rank, ``interleaved_1f1b`` with virtual stages."""
-    return "1f1b" if vpp == 1 else "interleaved_1f1b"
 
 
 def validate_schedule(name: str, *, pp: int, vpp: int, num_microbatches: int, overlap: bool) -> None:
@@ -71,6 +66,11 @@ def validate_schedule(name: str, *, pp: int, vpp: int, num_microbatches: int, ov
         raise ValueError(
             f"`pipeline_schedule='1f1b'` runs one stage per rank, got vpp={vpp}. Use `interleaved_1f1b` (or "
             "`dualpipev` at vpp=2) for virtual stages, or set vpp=1."
+        )
+    if name == "1f1b" and num_microbatches < pp:
+        raise ValueError(
+            f"`pipeline_schedule='1f1b'` needs at least one micro-batch per stage, got num_microbatches="
+            f"{num_microbatches} for pp={pp}. Use num_microbatches >= {pp}."
         )
     if name in ("interleaved_1f1b", "zero_bubble"):
         if vpp < 2:

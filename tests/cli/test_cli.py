@@ -80,7 +80,7 @@ def test_cli_check_multinode_config_for_64_ranks_without_machine_checks():
         timeout=120,
     )
     assert out.returncode == 0, out.stdout + out.stderr
-    assert "[vpp-without-pp] warning" in out.stdout and "0 error(s), 1 warning(s)" in out.stdout
+    assert "[pipeline-without-pp] warning" in out.stdout and "0 error(s), 1 warning(s)" in out.stdout
 
 
 def test_cli_check_invalid_config_lists_every_problem_and_fails():

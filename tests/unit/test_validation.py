@@ -35,10 +35,29 @@ def _raise(problems):
         ({"deepep_num_sms": 7}, ValueError, r"`deepep_num_sms=7` must be a positive even integer"),
         ({"flex_backend": "deepep"}, ValueError, r"`flex_backend='deepep'` does nothing with `dispatcher='alltoall'`"),
         ({"shared_expert_overlap": True}, ValueError, r"`shared_expert_overlap=True` conflicts with `overlap=True`"),
-        ({"pp": 2}, ValueError, r"`overlap=True` with `pp=2` needs `vpp` set"),
+        ({"pp": 2}, ValueError, r"'1f1b'` needs at least one micro-batch per stage.*Use num_microbatches >= 2"),
+        ({"pp": 2, "num_microbatches": 2}, NotImplementedError, r"Overlap at pp=2 with vpp=1.*Set vpp >= 2"),
+        (
+            {"pp": 2, "vpp": 2, "num_microbatches": 3},
+            ValueError,
+            r"needs num_microbatches a multiple of pp, got 3 micro-batches and pp=2\. Use 2 or 4",
+        ),
+        ({"pp": 2, "vpp": 3, "pipeline_schedule": "dualpipev", "num_microbatches": 6}, ValueError, r"Set vpp=2"),
+        ({"pipeline_schedule": "gpipe"}, ValueError, r"`pipeline_schedule='gpipe'` is not one of \['1f1b'"),
+        (
+            {"pp": 2, "vpp": 2, "pipeline_layout": "Et|t|tL", "num_microbatches": 4},
+            ValueError,
+            r"`pipeline_layout='Et\|t\|tL'` has 3 chunks; it needs pp \* vpp = 4",
+        ),
+        ({"pp": 2, "pipeline_layout": "Et)|tL"}, ValueError, r"'\)' at position 2 has no matching '\('"),
+        (
+            {"pp": 2, "vpp": 2, "num_microbatches": 4, "delay_wgrad": True},
+            NotImplementedError,
+            r"`delay_wgrad=True` with `pp=2`.*Set `delay_wgrad=False`",
+        ),
         ({"alltoall_dedup": "yes"}, TypeError, r"`alltoall_dedup='yes'` is a str; .*Pass True or False \(default\)"),
         ({"tp": 2}, NotImplementedError, r"tp=2: this version builds the process groups"),
-        ({"pp": 2, "vpp": 2, "cp": 2}, NotImplementedError, r"pp=2, cp=2: this version"),
+        ({"pp": 2, "vpp": 2, "cp": 2, "num_microbatches": 4}, NotImplementedError, r"cp=2: this version"),
     ],
 )
 def test_validation_config_rules(kwargs, error, match):
@@ -59,13 +78,17 @@ def test_validation_good_configs_pass_silently(recwarn):
     _raise(check_config(OverlapConfig(overlap=False, shared_expert_overlap=True, delay_wgrad=True)))
     _raise(check_config(OverlapConfig(dispatcher="allgather", num_microbatches=2)))
     _raise(check_config(OverlapConfig(alltoall_dedup=True, num_microbatches=2)))
+    _raise(check_config(OverlapConfig(pp=2, vpp=2, num_microbatches=4)))
+    _raise(check_config(OverlapConfig(pp=2, num_microbatches=4, pipeline_layout="Et|t|t|tL")))  # vpp from the layout
+    _raise(check_config(OverlapConfig(pp=2, pipeline_schedule="dualpipev", vpp=2, num_microbatches=4)))
     assert not [w for w in recwarn if issubclass(w.category, UserWarning)]
 
 
 @pytest.mark.parametrize(
     "kwargs,match",
     [
-        ({"ep": 8, "vpp": 2}, r"`vpp=2` with `pp=1` has nothing to interleave"),
+        ({"ep": 8, "vpp": 2}, r"`vpp=2` with `pp=1`: there is no pipeline, so the setting is ignored"),
+        ({"pipeline_schedule": "dualpipev"}, r"`pipeline_schedule='dualpipev'` with `pp=1`: there is no pipeline"),
         ({"num_microbatches": 1}, r"`overlap=True` with `num_microbatches=1`: there is no second micro-batch"),
         (
             {"alltoall_dedup": True, "dispatcher": "allgather", "num_microbatches": 2},
@@ -83,6 +106,19 @@ def test_validation_torch_version_rule():
         _raise(rule_torch_version(OverlapConfig(), version="2.5.1+cu124"))
     assert rule_torch_version(OverlapConfig(overlap=False), version="2.5.1") == []
     assert rule_torch_version(OverlapConfig(), version="2.13.0+cpu") == []
+
+
+def test_overlap_default_follows_the_schedule():
+    """None: on with several micro-batches, at pp > 1 only with a schedule that pairs a forward with a backward."""
+    assert OverlapConfig(overlap=None, num_microbatches=2).overlap is True
+    assert OverlapConfig(overlap=None, num_microbatches=1).overlap is False
+    assert OverlapConfig(overlap=None, pp=2, num_microbatches=4).overlap is False  # 1f1b
+    assert OverlapConfig(overlap=None, pp=2, vpp=2, num_microbatches=4).overlap is True  # interleaved_1f1b
+    zero_bubble = OverlapConfig(overlap=None, pp=2, vpp=2, num_microbatches=4, pipeline_schedule="zero_bubble")
+    assert zero_bubble.overlap is False
+    layout = OverlapConfig(overlap=None, pp=2, num_microbatches=4, pipeline_layout="Et|t|t|tL")
+    assert (layout.resolved_vpp, layout.resolved_schedule, layout.overlap) == (2, "interleaved_1f1b", True)
+    assert OverlapConfig(overlap=None, pp=2, pipeline_layout="Et)").overlap is False  # reported by validation
 
 
 def test_validation_world_rules():
