@@ -9,8 +9,9 @@ over the ``D = dp * cp`` data-parallel ranks, so
   contributions of every rank of its ``ep`` group (their tokens came to it through the all-to-all). Summing over
   ``edp`` therefore covers all ``D`` ranks, and it is divided by ``D`` as well, not by ``edp``.
 
-Norm. After the sync, dense gradients are identical on every rank and expert gradients differ between ep ranks,
-so ``|g|^2 = dense^2 + sum over the ep group of expert^2``.
+Norm. After the sync, dense gradients are identical on every rank of a pp stage and expert gradients differ
+between ep ranks, so ``|g|^2 = sum over the pp group of (dense^2 + sum over the ep group of expert^2)``: each pp
+rank holds different chunks of the model (at ``pp = 1`` the outer sum has one term).
 """
 
 from __future__ import annotations
@@ -117,18 +118,23 @@ def global_grad_norm(
     expert: Sequence[torch.nn.Parameter],
     *,
     ep_group: ProcessGroup,
+    pp_group: ProcessGroup | None = None,
     device: torch.device | None = None,
 ) -> Tensor:
     """The L2 norm of every gradient of the model, a float64 scalar identical on every rank.
 
-    The norm stays a tensor on ``device`` (default: the first parameter's device): no host sync, and one
-    all-reduce of the expert part over ``ep_group`` (dense gradients are already equal on every rank).
+    The norm stays a tensor on ``device`` (default: the first parameter's device): no host sync, one all-reduce of
+    the expert part over ``ep_group`` (dense gradients are already equal on every rank of a stage) and, with a
+    ``pp_group`` of several ranks, one of the whole over it (each pp rank holds other chunks).
     """
     device = _norm_device([*dense, *expert], device)
     expert_sq = _sum_of_squares(expert, device)
     if dist.is_initialized() and dist.get_world_size(ep_group) > 1:
         dist.all_reduce(expert_sq, group=ep_group)
-    return (_sum_of_squares(dense, device) + expert_sq).sqrt()
+    total_sq = _sum_of_squares(dense, device) + expert_sq
+    if pp_group is not None and dist.is_initialized() and dist.get_world_size(pp_group) > 1:
+        dist.all_reduce(total_sq, group=pp_group)
+    return total_sq.sqrt()
 
 
 def clip_grad_norm(
@@ -137,6 +143,7 @@ def clip_grad_norm(
     max_norm: float,
     *,
     ep_group: ProcessGroup,
+    pp_group: ProcessGroup | None = None,
     eps: float = 1e-6,
     device: torch.device | None = None,
 ) -> Tensor:
@@ -145,7 +152,7 @@ def clip_grad_norm(
     The coefficient is applied on the device (``clamp``, no ``if``), so clipping never waits for the device.
     Returns the norm before clipping (a float64 tensor on ``device``).
     """
-    norm = global_grad_norm(dense, expert, ep_group=ep_group, device=device)
+    norm = global_grad_norm(dense, expert, ep_group=ep_group, pp_group=pp_group, device=device)
     coef = torch.clamp(max_norm / (norm + eps), max=1.0)
     for (grad_device, dtype), grads in _by_device_and_dtype(_present_grads([*dense, *expert])).items():
         torch_compat.foreach_mul_(grads, coef.to(grad_device, dtype))

@@ -39,12 +39,21 @@ class MicroBatchLogs:
     def _capture(self, name: str, value: Any, *args: Any, **kwargs: Any) -> None:
         self.calls.setdefault(name, []).append((value, args, kwargs))
 
-    def replay(self) -> None:
-        """Log each captured name once, through the module's own ``log``, with :func:`mean_of` its values."""
+    def summary(self) -> list[tuple[str, Any, tuple, dict]]:
+        """``(name, mean of its values, last call's args, last call's kwargs)`` per captured name, in first-call order
+        (at ``pp > 1`` the last stage's summary is sent to the other ranks of its pipeline)."""
+        out = []
         for name, calls in self.calls.items():
-            values = [value for value, _, _ in calls]
+            value = mean_of([value for value, _, _ in calls])
             _, args, kwargs = calls[-1]
-            self.module.log(name, mean_of(values), *args, **kwargs)
+            out.append((name, value, args, kwargs))
+        return out
+
+    def replay(self, summary: list[tuple[str, Any, tuple, dict]] | None = None) -> None:
+        """Log each captured name once, through the module's own ``log``, with :func:`mean_of` its values (or the
+        entries of ``summary``, e.g. another rank's)."""
+        for name, value, args, kwargs in self.summary() if summary is None else summary:
+            self.module.log(name, value, *args, **kwargs)
 
 
 def mean_of(values: list[Any]) -> Any:

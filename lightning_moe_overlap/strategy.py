@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Generator, Mapping
+from contextlib import contextmanager
 from datetime import timedelta
 from typing import Any
 
@@ -46,6 +47,7 @@ from lightning_moe_overlap.overlap.failures import default_nccl_error_handling, 
 from lightning_moe_overlap.overlap.runtime import CommRuntime
 from lightning_moe_overlap.parallel import ParallelDims, ParallelGroups, build_groups
 from lightning_moe_overlap.parallel.shutdown import destroy_process_groups_at_exit
+from lightning_moe_overlap.pipeline.pipelined import PipelinedModel
 from lightning_moe_overlap.precision import ExpertParallelPrecision, with_global_norm_clip
 from lightning_moe_overlap.step_logs import MicroBatchLogs
 from lightning_moe_overlap.validation import (
@@ -190,6 +192,7 @@ class MoEOverlapStrategy(ParallelStrategy):
         self.runtime = CommRuntime(delay_wgrad=delay_wgrad)
         self._ep_model: MoEModelHandle | None = None
         self._loop: MicroBatchLoop | None = None
+        self._pipeline: PipelinedModel | None = None  # at pp > 1: this rank's chunks and their schedule
         self._loop_trainer: Trainer | None = None  # whose automatic optimization skips backward for the loop
         self.checkpoint_format = checkpointer.check_format(checkpoint_format)
 
@@ -309,6 +312,16 @@ class MoEOverlapStrategy(ParallelStrategy):
         rank_zero_only.rank = self.global_rank
 
     # -- model -----------------------------------------------------------------------------------------------
+    @contextmanager
+    @override
+    def model_sharded_context(self) -> Generator[None, None, None]:
+        """At ``pp > 1`` ``configure_model`` builds on the meta device: each rank then allocates only its own chunks."""
+        if self.config.pp > 1:
+            with torch.device("meta"):
+                yield
+        else:
+            yield
+
     @override
     def setup(self, trainer: Trainer) -> None:
         assert self.accelerator is not None and self.model is not None
@@ -326,20 +339,30 @@ class MoEOverlapStrategy(ParallelStrategy):
             self._ep_model = MoEModelHandle(self.model)
             dp_cp = self.dims.dp * self.dims.cp
             raise_problems(check_model(self.config, self._ep_model.experts_per_block(), dp_cp))
-            self._ep_model.apply(self.config, self.parallel_groups, self.runtime)
-            self._ep_model.set_aux_loss_scale(1.0 / self.config.num_microbatches)
+            held = None
+            if self.dims.pp > 1:
+                self._pipeline = PipelinedModel.cut(self.lightning_module, self.config, self.parallel_groups)
+                self._pipeline.place(self.root_device, seed=torch.initial_seed())
+                held = self._pipeline.held_chunks
+            self._ep_model.apply(self.config, self.parallel_groups, self.runtime, modules=held)
+            # torch's pipeline schedules divide every gradient by the micro-batch count themselves
+            self._ep_model.set_aux_loss_scale(1.0 if held is not None else 1.0 / self.config.num_microbatches)
         self.precision_plugin.convert_module(self.model)
         self.model_to_device()
         self._ep_model.broadcast_replicas(self.parallel_groups)
         if fitting:
             self.setup_optimizers(trainer)
         self.setup_precision_plugin()
+        if self._pipeline is not None and not fitting:
+            self._pipeline.build_schedule(None, self.root_device)
         if fitting:
             pl_compat.optimizers_to_device(self.optimizers, self.root_device)
             nets = safety_nets(self._timeout.total_seconds(), self._backend())
             engine = OverlapEngine(
                 self.runtime, overlap=self.config.overlap, timeout_s=nets.wait_s, stall_timeout_s=nets.stall_s
             )
+            if self._pipeline is not None:
+                self._pipeline.build_schedule(engine, self.root_device)
             self._loop = MicroBatchLoop(self._step_hooks(trainer), engine, self.config.num_microbatches)
             pl_compat.set_skip_backward(trainer, True)
             self._loop_trainer = trainer
@@ -382,13 +405,60 @@ class MoEOverlapStrategy(ParallelStrategy):
     @override
     def model_to_device(self) -> None:
         assert self.model is not None
-        self.model.to(self.root_device)
+        if self._pipeline is not None:  # the other pp ranks' chunks stay on meta
+            self._pipeline.place(self.root_device, seed=torch.initial_seed())
+        else:
+            self.model.to(self.root_device)
 
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
         if self._loop is None:
             return super().training_step(*args, **kwargs)
+        if self._pipeline is not None:
+            return self._pipeline_train_step(*args, **kwargs)
         return self._loop.step(*args, **kwargs)
+
+    def _pipeline_train_step(self, batch: Any, batch_idx: int, *rest: Any) -> Tensor:
+        """One optimizer step as the pipeline schedule (docs/pipeline.md, "With the strategy"): the user's
+        ``training_step`` is not called; the chunks and the loss function run on the ranks that hold them."""
+        assert self._loop is not None and self._pipeline is not None
+        hooks = self._loop.hooks
+        hooks.zero_grad(batch_idx)
+        result = self._pipeline.train_step(batch, hooks.capture_logs(), self.precision_plugin.train_step_context)
+        hooks.sync_gradients()
+        MicroBatchLogs(self.lightning_module).replay(result.logs)
+        return result.loss
+
+    @override
+    def validation_step(self, *args: Any, **kwargs: Any) -> Any:
+        if self._pipeline is None:
+            return super().validation_step(*args, **kwargs)
+        return self._pipeline_eval_step(self.precision_plugin.val_step_context, *args)
+
+    @override
+    def test_step(self, *args: Any, **kwargs: Any) -> Any:
+        if self._pipeline is None:
+            return super().test_step(*args, **kwargs)
+        return self._pipeline_eval_step(self.precision_plugin.test_step_context, *args)
+
+    @override
+    def predict_step(self, *args: Any, **kwargs: Any) -> Any:
+        if self._pipeline is not None:
+            raise NotImplementedError(
+                f"`MoEOverlapStrategy(pp={self.dims.pp})`: `Trainer.predict` with pipeline parallelism is not "
+                "supported: the outputs live on the last stage's ranks only. Predict at pp=1 (load the checkpoint "
+                "there: checkpoints are keyed by the unsplit model's names and load at any pp)."
+            )
+        return super().predict_step(*args, **kwargs)
+
+    def _pipeline_eval_step(self, context: Callable[[], Any], batch: Any, batch_idx: int = 0, *rest: Any) -> Tensor:
+        """The forwards of a validation / test batch through the pipeline; the mean loss on every rank (the user's
+        ``validation_step`` / ``test_step`` is not called; what the loss function logs is replayed everywhere)."""
+        assert self._pipeline is not None
+        module = self.lightning_module
+        result = self._pipeline.eval_step(batch, MicroBatchLogs(module), context, self.root_device)
+        MicroBatchLogs(module).replay(result.logs)
+        return result.loss
 
     def sync_gradients(self) -> None:
         """Average gradients over the data-parallel groups (called once per step, after the last micro-batch)."""
@@ -400,13 +470,14 @@ class MoEOverlapStrategy(ParallelStrategy):
         assert self._ep_model is not None
         dense, expert = self._ep_model.partition_parameters()
         groups = self.parallel_groups
-        return global_grad_norm(dense, expert, ep_group=groups.ep, device=self.root_device)
+        return global_grad_norm(dense, expert, ep_group=groups.ep, pp_group=groups.pp, device=self.root_device)
 
     def _clip_grad_by_norm(self, optimizer: torch.optim.Optimizer, max_norm: float) -> None:
         """Clip the optimizer's gradients by the norm over all ranks (``ExpertParallelPrecision`` calls it)."""
         assert self._ep_model is not None
         dense, expert = self._ep_model.partition_parameters(optimizer)
-        clip_grad_norm(dense, expert, max_norm, ep_group=self.parallel_groups.ep, device=self.root_device)
+        groups = self.parallel_groups
+        clip_grad_norm(dense, expert, max_norm, ep_group=groups.ep, pp_group=groups.pp, device=self.root_device)
 
     # -- checkpoints (docs/checkpoints.md): layout-free state, sharded or consolidated, committed atomically ------
     @property
@@ -509,7 +580,17 @@ class MoEOverlapStrategy(ParallelStrategy):
             pl_compat.set_skip_backward(self._loop_trainer, False)
             self._loop_trainer = None
         self._loop = None
-        super().teardown()
+        if self._pipeline is None:
+            super().teardown()
+            return
+        # Strategy.teardown, except that the module moves to the CPU without the other pp ranks' chunks (meta)
+        pl_compat.optimizers_to_device(self.optimizers, torch.device("cpu"))
+        self._pipeline.place(torch.device("cpu"), seed=torch.initial_seed())
+        self.precision_plugin.teardown()
+        assert self.accelerator is not None and self.cluster_environment is not None
+        self.accelerator.teardown()
+        self.checkpoint_io.teardown()
+        self.cluster_environment.teardown()
 
     @classmethod
     @override

@@ -1,8 +1,13 @@
-"""What the strategy does to a user's model: make its experts expert-parallel, keep replicas equal, sync grads."""
+"""What the strategy does to a user's model: make its experts expert-parallel, keep replicas equal, sync grads.
+
+At ``pp > 1`` the model is the unsplit one, and the tensors of the chunks other pp ranks hold are on the meta
+device (``pipeline/pipelined.py``): everything here acts on the tensors this rank holds, which are the same ones on
+every rank of a ``dp_cp`` group (they share the pp coordinate).
+"""
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 
 import torch
 import torch.distributed as dist
@@ -31,18 +36,32 @@ class MoEModelHandle:
         """``{module name: num_experts}`` for every experts module found (for validation before wrapping)."""
         return find_moe_blocks(self.model)
 
-    def apply(self, config: OverlapConfig, groups: ParallelGroups, runtime: CommRuntime) -> None:
-        """Replace every experts module by its expert-parallel version holding only this rank's experts."""
+    def apply(
+        self,
+        config: OverlapConfig,
+        groups: ParallelGroups,
+        runtime: CommRuntime,
+        modules: Sequence[nn.Module] | None = None,
+    ) -> None:
+        """Replace every experts module by its expert-parallel version holding only this rank's experts.
+
+        ``modules``: the parts of the model to apply it to (at ``pp > 1`` the chunks this rank holds); the whole
+        model by default.
+        """
         backend_knobs = {"deepep_num_sms": config.deepep_num_sms, "dedup": config.alltoall_dedup}  # each its own
-        self._ep_modules = apply_expert_parallel(
-            self.model, groups.ep, dispatcher=config.dispatcher, runtime=runtime,
-            capacity_factor=config.capacity_factor, token_drop_policy=config.token_drop_policy,
-            expert_backend=config.expert_backend, shared_expert_overlap=config.shared_expert_overlap, **backend_knobs,
-        )  # fmt: skip
-        self._bias_balancers = correction_bias_balancers(self.model)
+        self._ep_modules, self._bias_balancers = [], []
+        for module in [self.model] if modules is None else modules:
+            self._ep_modules += apply_expert_parallel(
+                module, groups.ep, dispatcher=config.dispatcher, runtime=runtime,
+                capacity_factor=config.capacity_factor, token_drop_policy=config.token_drop_policy,
+                expert_backend=config.expert_backend, shared_expert_overlap=config.shared_expert_overlap,
+                **backend_knobs,
+            )  # fmt: skip
+            self._bias_balancers += correction_bias_balancers(module)
 
     def routers(self) -> list[TopKRouter]:
-        return [m for m in self.model.modules() if isinstance(m, TopKRouter)]
+        """The routers this rank holds (at ``pp > 1``, those of its own chunks)."""
+        return [m for m in self.model.modules() if isinstance(m, TopKRouter) and not _is_meta(m)]
 
     def set_aux_loss_scale(self, scale: float) -> None:
         """Scale the routers' aux / z losses like the main loss (each micro-batch backpropagates ``loss / M``)."""
@@ -64,7 +83,7 @@ class MoEModelHandle:
         self, optimizer: torch.optim.Optimizer | None = None
     ) -> tuple[list[nn.Parameter], list[nn.Parameter]]:
         """(dense, expert) trainable parameters, in model order (the same order on every rank)."""
-        params = [p for p in self.model.parameters() if p.requires_grad]
+        params = [p for p in self.model.parameters() if p.requires_grad and not p.is_meta]
         if optimizer is not None:
             in_opt = {id(p) for group in optimizer.param_groups for p in group["params"]}
             params = [p for p in params if id(p) in in_opt]
@@ -76,7 +95,7 @@ class MoEModelHandle:
         expert state from the first rank of each edp group."""
         expert = [t for m in self._ep_modules for t in _state_tensors(m)]
         expert_ids = {id(t) for t in expert}
-        dense = [t for t in _state_tensors(self.model) if id(t) not in expert_ids]
+        dense = [t for t in _state_tensors(self.model) if id(t) not in expert_ids and not t.is_meta]
         _broadcast_from_first(dense, groups.dp_cp)
         _broadcast_from_first(expert, groups.edp)
 
@@ -84,6 +103,10 @@ class MoEModelHandle:
         dense, expert = self.partition_parameters()
         dims = groups.dims
         sync_gradients(dense, expert, dp_cp_group=groups.dp_cp, edp_group=groups.edp, dp_cp_size=dims.dp * dims.cp)
+
+
+def _is_meta(module: nn.Module) -> bool:
+    return any(t.is_meta for t in _state_tensors(module))
 
 
 def _state_tensors(module: nn.Module) -> list[torch.Tensor]:

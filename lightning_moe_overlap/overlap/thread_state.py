@@ -7,12 +7,15 @@ every task, in the thread that runs it. Propagated:
 - grad mode (``torch.is_grad_enabled``) and inference mode;
 - autocast, per device type (``cpu``, ``cuda``, ``xpu``, ``hpu``, ``mps``): enabled flag and dtype, and the
   autocast weight-cache flag;
-- the CUDA current device and current stream (see ``streams.py``), when CUDA is in use.
+- the CUDA current device and current stream (see ``streams.py``), when CUDA is in use;
+- the intra-op thread count (``torch.set_num_threads``): OpenMP keeps it per thread, and a new thread starts at
+  OpenMP's default (the number of cores) whatever ``torch.get_num_threads`` reports, so GEMMs on a context thread
+  could be blocked differently from the same GEMMs on the caller's thread and differ in the last bit.
 
 Not propagated, because PyTorch has no public API to read them: saved-tensor hooks
 (``torch.autograd.graph.saved_tensors_hooks``), ``TorchFunctionMode``/``TorchDispatchMode`` stacks (including
 ``torch.set_default_device``). Install these through the engine's ``context_factory``. Process-wide settings
-(default dtype, deterministic algorithms, anomaly mode, intra-op threads) need no propagation. The random
+(default dtype, deterministic algorithms, anomaly mode) need no propagation. The random
 generators are process-wide too; the baton gives each context its own stream (see ``rng.py``).
 """
 
@@ -44,6 +47,7 @@ class ThreadState:
     autocast: tuple[AutocastState, ...]
     autocast_cache: bool
     streams: StreamState
+    intra_op_threads: int = 1
 
     @classmethod
     def capture(cls) -> ThreadState:
@@ -59,11 +63,13 @@ class ThreadState:
             autocast=autocast,
             autocast_cache=torch.is_autocast_cache_enabled(),
             streams=StreamState.capture(),
+            intra_op_threads=torch.get_num_threads(),
         )
 
     @contextmanager
     def applied(self) -> Iterator[None]:
         """Establish the snapshot in the calling thread; restore that thread's own state on exit."""
+        torch.set_num_threads(self.intra_op_threads)  # this thread's OpenMP count; the caller's value, so no restore
         with ExitStack() as stack:
             stack.enter_context(self.streams.applied())
             if self.inference_mode:

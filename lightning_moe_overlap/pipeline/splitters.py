@@ -34,6 +34,26 @@ def builtin_splitter(model: nn.Module) -> Splitter:
     )
 
 
+def count_layers(model: nn.Module) -> int:
+    """Decoder layers of ``model``: its ``pipeline_num_layers`` attribute, else the built-in splitters' layer list
+    (``MoEGPT.layers``, an HF decoder's ``model.layers``)."""
+    from lightning_moe_overlap.demo import MoEGPT
+
+    declared = getattr(model, "pipeline_num_layers", None)
+    if declared is not None:
+        return declared
+    if isinstance(model, MoEGPT):
+        return len(model.layers)
+    hf = find_hf_decoder(model)
+    if hf is not None:
+        return len(hf.model.layers)
+    raise TypeError(
+        f"The pipeline layout needs the number of decoder layers of {type(model).__name__}, which no built-in "
+        "splitter knows. Rule: built in are MoEGPT and Hugging Face v5 decoder LMs. Fix: give the model a "
+        "`pipeline_num_layers` attribute (and a configure_pipeline(layout) method that cuts it)."
+    )
+
+
 def _check_layers(model: nn.Module, layout: PipelineLayout, num_layers: int) -> None:
     if layout.num_layers != num_layers:
         raise ValueError(

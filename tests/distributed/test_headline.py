@@ -37,4 +37,4 @@ def test_headline_ep8_vpp2_runs_on_eight_processes():
     for r in results:
         assert r["step"] == 2 and r["ep"] == 8
         assert r["local_experts"] == {1}  # 8 experts over ep=8: one per rank
-        assert any("`vpp=2` with `pp=1` has nothing to interleave" in w for w in r["warnings"])
+        assert any("`vpp=2` with `pp=1`: there is no pipeline" in w for w in r["warnings"])

@@ -249,3 +249,27 @@ def test_device_max_connections_warning(monkeypatch: pytest.MonkeyPatch) -> None
     assert "CUDA_DEVICE_MAX_CONNECTIONS=1" in device_max_connections_warning()
     monkeypatch.setenv("CUDA_DEVICE_MAX_CONNECTIONS", "32")
     assert device_max_connections_warning() is None
+
+
+def test_thread_state_carries_the_intra_op_thread_count_into_a_context_thread():
+    """OpenMP keeps the thread count per thread: a context thread must use the caller's, or its GEMMs may be blocked
+    differently and differ in the last bit from the same GEMMs on the caller's thread."""
+    from lightning_moe_overlap.overlap.thread_state import ThreadState
+
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        state = ThreadState.capture()
+        seen = {}
+
+        def run() -> None:
+            torch.set_num_threads(2)  # a thread whose own count differs from the caller's
+            with state.applied():
+                seen["inside"] = torch.get_num_threads()
+
+        thread = threading.Thread(target=run)
+        thread.start()
+        thread.join()
+        assert state.intra_op_threads == 1 and seen["inside"] == 1
+    finally:
+        torch.set_num_threads(before)

@@ -1,0 +1,234 @@
+"""A LightningModule's model cut into this rank's pipeline chunks and run as torch stages (``MoEOverlapStrategy`` at
+``pp > 1``).
+
+What the strategy does with it, in order (docs/pipeline.md, "With the strategy")::
+
+    pipelined = PipelinedModel.cut(module, config, groups)  # layout, split, which chunks this rank holds
+    pipelined.place(device, seed)                 # own chunks allocated (seeded init if built on meta), others on meta
+    handle.apply(config, groups, runtime, modules=pipelined.held_chunks)   # experts of own chunks expert-parallel
+    pipelined.build_schedule(engine, context)     # torch stages of own chunks, the schedule, the overlap executor
+    loss = pipelined.train_step(batch, logs)      # one optimizer step's forwards and backwards
+    loss = pipelined.eval_step(batch, logs)       # forward only (validation, test)
+
+The model object stays the unsplit one (chunks share its modules), so the LightningModule's state-dict keys are the
+unsplit model's at any ``pp``; the tensors of chunks other pp ranks hold are on the meta device.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import AbstractContextManager, contextmanager, nullcontext
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+
+from lightning_moe_overlap.config import OverlapConfig
+from lightning_moe_overlap.loop import split_batch
+from lightning_moe_overlap.overlap.engine import OverlapEngine
+from lightning_moe_overlap.parallel import ParallelGroups
+from lightning_moe_overlap.pipeline.executor import PipelineExecutor
+from lightning_moe_overlap.pipeline.layout import PipelineLayout, build_layout
+from lightning_moe_overlap.pipeline.schedules import build_schedule, build_stages
+from lightning_moe_overlap.pipeline.split import SplitModel, split_model
+from lightning_moe_overlap.pipeline.splitters import count_layers
+from lightning_moe_overlap.step_logs import MicroBatchLogs
+
+ContextFactory = Callable[[], AbstractContextManager]
+
+
+class _InContext(nn.Module):
+    """A chunk whose forward runs inside ``context()`` (the precision plugin's autocast), on whichever thread runs it:
+    autocast state is thread-local, and the overlapped pair runs chunks on the engine's two threads."""
+
+    def __init__(self, chunk: nn.Module) -> None:
+        super().__init__()
+        self.chunk = chunk
+        self.context: ContextFactory = nullcontext
+
+    def forward(self, *args: Any) -> Any:
+        with self.context():
+            return self.chunk(*args)
+
+
+class PipelinedModel:
+    """This rank's chunks of a split model, with the schedule that runs them. Build it with :meth:`cut`."""
+
+    def __init__(self, split: SplitModel, config: OverlapConfig, groups: ParallelGroups) -> None:
+        self.split = split
+        self.config = config
+        self.groups = groups
+        self.schedule_name = config.resolved_schedule
+        self.held = split.chunk_indices_of_rank(groups.coords.pp)
+        self._wrapped = [_InContext(split.chunks[c]) for c in self.held]
+        self.device = torch.device("cpu")  # where the chunks live, set by place()
+        self._train: PipelineExecutor | None = None
+        self._eval: Any = None  # a plain schedule over separate stage objects, built at the first eval step
+
+    @classmethod
+    def cut(cls, module: nn.Module, config: OverlapConfig, groups: ParallelGroups) -> PipelinedModel:
+        """Cut ``module`` into ``pp * vpp`` chunks per ``config`` (``split_model``'s rules say who cuts it)."""
+        layout = build_layout(
+            count_layers(module), config.pp, config.resolved_vpp, config.pipeline_layout,
+            placement="v" if config.resolved_schedule == "dualpipev" else "interleaved",
+        )  # fmt: skip
+        return cls(split_model(module, layout), config, groups)
+
+    @property
+    def layout(self) -> PipelineLayout:
+        return self.split.layout
+
+    @property
+    def held_chunks(self) -> list[nn.Module]:
+        return [self.split.chunks[c] for c in self.held]
+
+    @property
+    def holds_first(self) -> bool:
+        return 0 in self.held
+
+    @property
+    def holds_last(self) -> bool:
+        return self.layout.num_chunks - 1 in self.held
+
+    # -- memory: own chunks on the device, the others on meta ------------------------------------------------------
+    def place(self, device: torch.device, seed: int) -> None:
+        """Allocate this rank's chunks on ``device`` and free the others (meta).
+
+        A model built on the meta device (``configure_model`` runs under it at ``pp > 1``) gets its chunks
+        initialised with :func:`~lightning_moe_overlap.pipeline.split.seeded_init` under ``seed`` (values equal on
+        every rank and equal to ``seeded_init`` of the unsplit model); a model built with values keeps them.
+        Tensors of the module outside every chunk move to ``device``.
+        """
+        self.device = torch.device(device)
+        held_tensors = {id(t) for chunk in self.held_chunks for t in _tensors(chunk)}
+        if any(t.is_meta for chunk in self.held_chunks for t in _tensors(chunk)):
+            self.split.materialize(self.held, device, seed=seed)
+            held_tensors = {id(t) for chunk in self.held_chunks for t in _tensors(chunk)}
+        in_chunks = {id(t) for chunk in self.split.chunks for t in _tensors(chunk)}
+        for owner, name, tensor in _owned_tensors(self.split.model):
+            if id(tensor) in held_tensors or id(tensor) not in in_chunks:
+                _move(owner, name, tensor, device)
+            else:
+                _move(owner, name, tensor, torch.device("meta"))
+
+    # -- schedules ---------------------------------------------------------------------------------------------------
+    def build_schedule(self, engine: OverlapEngine | None, device: torch.device) -> None:
+        """torch stages over this rank's chunks and the training schedule (pairs run by ``engine`` when it overlaps)."""
+        overlap = engine is not None and engine.overlap
+        schedule = self._schedule(device, overlap=overlap)
+        self._train = PipelineExecutor(schedule, engine)
+
+    def _schedule(self, device: torch.device, *, overlap: bool) -> Any:
+        stages = build_stages(self._wrapped, self.held, self.layout.num_chunks, self.groups.pp, device)
+        return build_schedule(
+            self.schedule_name, stages, self.config.num_microbatches, self.split.loss_fn, overlap=overlap
+        )
+
+    # -- steps -------------------------------------------------------------------------------------------------------
+    def train_step(self, batch: Any, logs: MicroBatchLogs, context: ContextFactory) -> StepResult:
+        """One optimizer step's forwards and backwards: the mean loss over the micro-batches and what the last stage
+        logged, the same on every rank of the pipeline."""
+        if self._train is None:
+            raise RuntimeError("PipelinedModel.train_step before build_schedule(); the strategy builds it in setup.")
+        args, target = self._inputs(batch)
+        losses: list[Tensor] = []
+        with _forward_context(self._wrapped, context), logs:
+            self._train.step(*args, target=target, losses=losses)
+        return self._share(losses, logs)
+
+    def eval_step(self, batch: Any, logs: MicroBatchLogs, context: ContextFactory, device: torch.device) -> StepResult:
+        """The forwards of one batch (no backward), as :meth:`train_step` reports them. The first call builds a
+        plain schedule over separate stage objects (torch's ``eval``; the training schedule's pairs need backwards)."""
+        if self._eval is None:
+            self._eval = self._schedule(device, overlap=False)
+        args, target = self._inputs(batch)
+        losses: list[Tensor] = []
+        with _forward_context(self._wrapped, context), logs:
+            self._eval.eval(*args, target=target, losses=losses)
+        return self._share(losses, logs)
+
+    def _inputs(self, batch: Any) -> tuple[tuple[Tensor, ...], Tensor | None]:
+        """The first chunk's inputs (on the rank holding it) and the loss target (on the rank holding the last)."""
+        args, target = self.split.prepare_batch(batch)
+        split_batch((args, target), self.config.num_microbatches)  # the micro-batch rule, with its message
+        return (tuple(args) if self.holds_first else ()), (target if self.holds_last else None)
+
+    def _share(self, losses: list[Tensor], logs: MicroBatchLogs) -> StepResult:
+        """The step's mean loss and the values logged on the last stage, sent to every rank of the pp group."""
+        payload = None
+        if self.holds_last:
+            loss = torch.stack([l.detach().float() for l in losses]).mean()
+            payload = StepResult(loss, logs.summary())
+        pp_group = self.groups.pp
+        if dist.get_world_size(pp_group) > 1:
+            holder = [None if payload is None else payload.to(torch.device("cpu"))]
+            dist.broadcast_object_list(holder, src=dist.get_global_rank(pp_group, self.layout.chunks[-1].rank),
+                                       group=pp_group)  # fmt: skip
+            payload = holder[0].to(self.device)
+        assert payload is not None  # noqa: S101 - the last stage's rank sent it
+        return payload
+
+
+@dataclass(frozen=True)
+class StepResult:
+    """What a pipeline step reports on every rank: the mean loss over its micro-batches and the logged values."""
+
+    loss: Tensor
+    logs: list[tuple[str, Any, tuple, dict]]
+
+    def to(self, device: torch.device) -> StepResult:
+        def move(value: Any) -> Any:
+            return value.to(device) if isinstance(value, Tensor) else value
+
+        return StepResult(move(self.loss), [(n, move(v), a, k) for n, v, a, k in self.logs])
+
+
+@contextmanager
+def _forward_context(wrapped: Sequence[_InContext], context: ContextFactory) -> Iterator[None]:
+    """The chunks' forwards run inside ``context`` for one step."""
+    for w in wrapped:
+        w.context = context
+    try:
+        yield
+    finally:
+        for w in wrapped:
+            w.context = nullcontext
+
+
+def _tensors(module: nn.Module) -> Iterator[Tensor]:
+    yield from module.parameters()
+    yield from module.buffers()
+
+
+def _owned_tensors(module: nn.Module) -> Iterator[tuple[nn.Module, str, Tensor]]:
+    """(owner module, name, tensor) for every parameter and buffer, each once."""
+    seen: set[int] = set()
+    for owner in module.modules():
+        for name, tensor in [*owner.named_parameters(recurse=False), *owner.named_buffers(recurse=False)]:
+            if id(tensor) not in seen:
+                seen.add(id(tensor))
+                yield owner, name, tensor
+
+
+def _move(owner: nn.Module, name: str, tensor: Tensor, device: torch.device) -> None:
+    if tensor.device == device:
+        return
+    if tensor.is_meta and device.type != "meta":
+        raise RuntimeError(
+            f"{type(owner).__name__}.{name} is on the meta device and belongs to no pipeline chunk, so nothing "
+            "initialises it. Rule: at pp > 1 every tensor built on meta is part of a chunk. Fix: build it outside "
+            "the meta device (in __init__), or make it part of a chunk."
+        )
+    with torch.no_grad():
+        moved = tensor.to(device)
+    if isinstance(tensor, nn.Parameter):
+        owner.register_parameter(name, nn.Parameter(moved, requires_grad=tensor.requires_grad))
+    else:
+        owner.register_buffer(name, moved, persistent=name not in _non_persistent(owner))
+
+
+def _non_persistent(owner: nn.Module) -> set[str]:
+    persistent = set(owner.state_dict(keep_vars=True).keys())
+    return {name for name, _ in owner.named_buffers(recurse=False) if name not in persistent}
