@@ -7,7 +7,9 @@
 
 ``check`` parses the config with the parser ``fit`` uses (every key ``fit`` accepts, every key it rejects),
 applies every validation rule for a world size without starting any process or building the model's weights (the
-model is instantiated on the meta device), and prints every problem with its fix.
+model is instantiated on the meta device), and prints every problem with its fix. At ``pp > 1`` it also cuts the
+meta model as the strategy will and prints the pipeline layout and the parameters one process of each pp rank
+holds (``pipeline/report.py``).
 
 ``--trace_step N`` (with ``fit``) adds an :class:`~lightning_moe_overlap.callbacks.OverlapTimeline` for global step
 ``N``: a Chrome trace and a PNG of that step on every rank, written to ``--trace_dir`` (default
@@ -23,6 +25,7 @@ import sys
 import warnings
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -34,6 +37,7 @@ import lightning_moe_overlap  # noqa: F401  (registers the strategy names)
 from lightning_moe_overlap.config import OverlapConfig
 from lightning_moe_overlap.strategy import MoEOverlapStrategy
 from lightning_moe_overlap.validation import (
+    OWNER,
     Problem,
     check_config,
     check_flex,
@@ -186,6 +190,14 @@ def _batch_size(data: Any) -> int | None:
     return None
 
 
+@dataclass
+class CheckResult:
+    """What ``check`` finds: the problems, and at ``pp > 1`` the pipeline layout report (None otherwise)."""
+
+    problems: list[Problem]
+    pipeline: str | None = None
+
+
 def collect_problems(
     config: dict[str, Any], world_size: int | None = None, *, machine_checks: bool = True
 ) -> list[Problem]:
@@ -195,10 +207,17 @@ def collect_problems(
     ``machine_checks=False`` skips the rules about this machine (installed DeepEP, CUDA), to check a GPU job's
     config from another machine.
     """
+    return run_checks(config, world_size, machine_checks=machine_checks).problems
+
+
+def run_checks(config: dict[str, Any], world_size: int | None = None, *, machine_checks: bool = True) -> CheckResult:
+    """:func:`collect_problems`, plus the pipeline layout report at ``pp > 1``."""
     trainer = config.get("trainer") or {}
     cfg = _strategy_config(trainer.get("strategy", "auto"))
     if cfg is None:
-        return [Problem("strategy", "`check`: trainer.strategy is not `MoEOverlapStrategy` (or `moe_overlap`).")]
+        return CheckResult(
+            [Problem("strategy", "`check`: trainer.strategy is not `MoEOverlapStrategy` (or `moe_overlap`).")]
+        )
     problems = check_config(cfg)
     world = _world_size(trainer, world_size)
     if world is None:
@@ -218,11 +237,12 @@ def collect_problems(
         accelerator = trainer.get("accelerator", "auto")
         problems += check_machine(cfg, "cuda" if accelerator in ("gpu", "cuda") else "cpu")
     problems += check_launch(cfg, _batch_size(config.get("data")), config.get("ckpt_path"))
-    automatic = True
+    automatic, report = True, None
     model_spec = config.get("model")
     if isinstance(model_spec, dict) and "class_path" in model_spec:
         try:
-            automatic, experts = _model_structure(model_spec)
+            model = _meta_model(model_spec)
+            automatic, experts = _model_structure(model)
         except Exception as err:  # noqa: BLE001 - a finding, never a traceback
             problems.append(
                 Problem("model", f"`check`: building the model on the meta device failed: {type(err).__name__}: {err}")
@@ -232,16 +252,58 @@ def collect_problems(
             known = world is not None and model_parallel and world % model_parallel == 0
             dp_cp = world // (cfg.pp * cfg.tp) if known else None
             problems += check_model(cfg, experts, dp_cp)
+            if _pipeline_known(cfg, problems):
+                report, found = pipeline_findings(cfg, model)
+                problems += found
     accumulate = int(trainer.get("accumulate_grad_batches") or 1)
-    return problems + check_trainer(cfg, accumulate_grad_batches=accumulate, automatic_optimization=automatic)
+    problems += check_trainer(cfg, accumulate_grad_batches=accumulate, automatic_optimization=automatic)
+    return CheckResult(problems, report)
 
 
-def _model_structure(model_spec: dict[str, Any]) -> tuple[bool, dict[str, int]]:
+def _meta_model(model_spec: dict[str, Any]) -> Any:
+    with torch.device("meta"):
+        return _instantiate(model_spec)
+
+
+def _model_structure(model: Any) -> tuple[bool, dict[str, int]]:
     from lightning_moe_overlap.wrap import MoEModelHandle
 
-    with torch.device("meta"):
-        model = _instantiate(model_spec)
-    return model.automatic_optimization, MoEModelHandle(model).experts_per_block()
+    return model.automatic_optimization, dict(MoEModelHandle(model).experts_per_block())
+
+
+def _pipeline_known(cfg: OverlapConfig, problems: list[Problem]) -> bool:
+    """``pp > 1`` with sizes and a layout string the rules accept (else the layout cannot be built)."""
+    return not rule_sizes(cfg) and cfg.pp > 1 and not any(p.rule == "pipeline-layout" for p in problems)
+
+
+def pipeline_findings(cfg: OverlapConfig, model: Any) -> tuple[str | None, list[Problem]]:
+    """At ``pp > 1``: cut the (meta) model as the strategy will, and report the layout, or why it cannot be cut.
+
+    Findings: ``pipeline-splitter`` (no splitter knows the model, or it does not say its number of layers),
+    ``pipeline-layers`` (the layers do not fit the chunks: the message suggests a layout), ``pipeline-split`` (the
+    splitter's result breaks a rule of ``split_model``)."""
+    from lightning_moe_overlap.pipeline.layout import build_layout
+    from lightning_moe_overlap.pipeline.report import layout_report, placement_for
+    from lightning_moe_overlap.pipeline.split import split_model
+    from lightning_moe_overlap.pipeline.splitters import count_layers
+
+    schedule = cfg.resolved_schedule
+    try:
+        num_layers = count_layers(model)
+    except (TypeError, ValueError) as err:
+        return None, [Problem("pipeline-splitter", f"{OWNER} with `pp={cfg.pp}`: {err}", type(err))]
+    try:
+        layout = build_layout(
+            num_layers, cfg.pp, cfg.resolved_vpp, cfg.pipeline_layout, placement=placement_for(schedule)
+        )
+    except ValueError as err:
+        return None, [Problem("pipeline-layers", f"{OWNER}: {err}")]
+    try:
+        split = split_model(model, layout)
+    except Exception as err:  # noqa: BLE001 - the splitter may be the user's code: a finding, never a traceback
+        text = err.args[0] if isinstance(err, KeyError) and err.args else err
+        return None, [Problem("pipeline-split", f"{OWNER} with `pp={cfg.pp}`: {text}", type(err))]
+    return layout_report(split, cfg.ep, schedule=schedule), []
 
 
 def check_main(argv: Sequence[str]) -> int:
@@ -261,7 +323,10 @@ def check_main(argv: Sequence[str]) -> int:
         problems = [parse_error]
     else:
         assert config is not None
-        problems = collect_problems(config, args.world_size, machine_checks=not args.no_machine_checks)
+        result = run_checks(config, args.world_size, machine_checks=not args.no_machine_checks)
+        problems = result.problems
+        if result.pipeline is not None:
+            print(result.pipeline)
     errors = [p for p in problems if p.is_error]
     for p in problems:
         print(p)
@@ -284,4 +349,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         run_cli(rest, trainer_defaults)
 
 
-__all__ = ["MoEOverlapStrategy", "SaveConfigToLogDir", "collect_problems", "main", "parse_fit_config", "run_cli"]
+__all__ = [
+    "CheckResult", "MoEOverlapStrategy", "SaveConfigToLogDir", "collect_problems", "main", "parse_fit_config",
+    "pipeline_findings", "run_checks", "run_cli",
+]

@@ -31,6 +31,7 @@ from lightning_moe_overlap.overlap.engine import OverlapEngine
 from lightning_moe_overlap.parallel import ParallelGroups
 from lightning_moe_overlap.pipeline.executor import PipelineExecutor
 from lightning_moe_overlap.pipeline.layout import PipelineLayout, build_layout
+from lightning_moe_overlap.pipeline.report import placement_for
 from lightning_moe_overlap.pipeline.schedules import build_schedule, build_stages
 from lightning_moe_overlap.pipeline.split import SplitModel, split_model
 from lightning_moe_overlap.pipeline.splitters import count_layers
@@ -72,7 +73,7 @@ class PipelinedModel:
         """Cut ``module`` into ``pp * vpp`` chunks per ``config`` (``split_model``'s rules say who cuts it)."""
         layout = build_layout(
             count_layers(module), config.pp, config.resolved_vpp, config.pipeline_layout,
-            placement="v" if config.resolved_schedule == "dualpipev" else "interleaved",
+            placement=placement_for(config.resolved_schedule),
         )  # fmt: skip
         return cls(split_model(module, layout), config, groups)
 

@@ -16,7 +16,9 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from lightning_moe_overlap.pipeline.layout import Chunk, PipelineLayout
-from lightning_moe_overlap.pipeline.split import PipelineChunks, Splitter, reset_module
+from lightning_moe_overlap.pipeline.split import PipelineChunks, PipelineSplittable, Splitter, reset_module
+
+NUM_LAYERS_ATTR = "pipeline_num_layers"  # how a model with configure_pipeline says its number of decoder layers
 
 
 def builtin_splitter(model: nn.Module) -> Splitter:
@@ -35,22 +37,40 @@ def builtin_splitter(model: nn.Module) -> Splitter:
 
 
 def count_layers(model: nn.Module) -> int:
-    """Decoder layers of ``model``: its ``pipeline_num_layers`` attribute, else the built-in splitters' layer list
-    (``MoEGPT.layers``, an HF decoder's ``model.layers``)."""
+    """The decoder layers of ``model``: the ``num_layers`` to build its :class:`PipelineLayout` with.
+
+    ``MoEGPT`` and HF v5 decoder LMs: the length of their layers ``nn.ModuleList``. A model that cuts itself
+    (``configure_pipeline``) says it with a ``pipeline_num_layers`` attribute, which also overrides the count of a
+    built-in model. Raises ``TypeError`` for a model that is neither, with the hook to implement.
+    """
     from lightning_moe_overlap.demo import MoEGPT
 
-    declared = getattr(model, "pipeline_num_layers", None)
-    if declared is not None:
-        return declared
+    value = getattr(model, NUM_LAYERS_ATTR, None)
+    if value is not None:
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(
+                f"count_layers: {type(model).__name__}.{NUM_LAYERS_ATTR}={value!r}. Rule: the number of decoder "
+                "layers configure_pipeline cuts, an integer >= 1. Fix: set it to the length of the model's layer "
+                "list."
+            )
+        return value
     if isinstance(model, MoEGPT):
         return len(model.layers)
     hf = find_hf_decoder(model)
     if hf is not None:
         return len(hf.model.layers)
+    if isinstance(model, PipelineSplittable):
+        raise TypeError(
+            f"count_layers: {type(model).__name__} cuts itself (configure_pipeline) but does not say how many "
+            f"decoder layers the layout places. Rule: such a model has a `{NUM_LAYERS_ATTR}` attribute (an int). "
+            f"Fix: set `self.{NUM_LAYERS_ATTR} = len(self.<your layers>)` in its __init__."
+        )
     raise TypeError(
-        f"The pipeline layout needs the number of decoder layers of {type(model).__name__}, which no built-in "
-        "splitter knows. Rule: built in are MoEGPT and Hugging Face v5 decoder LMs. Fix: give the model a "
-        "`pipeline_num_layers` attribute (and a configure_pipeline(layout) method that cuts it)."
+        f"count_layers: no built-in splitter knows {type(model).__name__}, so its decoder layers are unknown. Rule: "
+        "built in are MoEGPT and Hugging Face transformers v5 decoder LMs (model.model.layers, also as a "
+        "LightningModule's `model`); other models cut themselves. Fix: give the model a configure_pipeline(layout) "
+        f"-> PipelineChunks method and a `{NUM_LAYERS_ATTR}` attribute (docs/pipeline.md, 'The hook for other "
+        "models')."
     )
 
 

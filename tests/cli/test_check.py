@@ -82,3 +82,111 @@ def test_experts_error_suggests_only_ep_values_valid_for_the_world(capsys):
     found = {p.rule: p.message for p in collect_problems(config, 4)}
     assert "ep=3 does not divide dp*cp=4" in found["ep-divides-dp-cp"]
     assert "Choose ep among [1, 2, 4]" in found["experts-divisible-by-ep"]  # 8 experts, 4 processes: not 8
+
+
+# -- pp > 1: the layout, cut from the meta model as the strategy will cut it ---------------------------------------
+PP = str(CONFIGS / "cpu_pp.yaml")
+
+
+def test_pipeline_config_prints_the_layout_and_each_ranks_parameters(capsys):
+    import torch.distributed as dist
+
+    code, out = _check(capsys, "--config", PP, "--world-size", "4")
+    assert code == 0 and out.strip().endswith("0 error(s), 0 warning(s)"), out
+    lines = out.splitlines()
+    assert lines[:5] == [
+        "Pipeline: 4 layers in pp * vpp = 2 * 2 = 4 chunks, placement 'interleaved', schedule 'interleaved_1f1b'",
+        "  pipeline_layout: 'Et|t|t|tL'",
+        "  pp rank 0: chunk 0: Et; chunk 2: t",
+        "  pp rank 1: chunk 1: t; chunk 3: tL",
+        "Parameters per process (experts: 1/ep of the held chunks' experts, ep=2):",
+    ]
+    # MoEGPT(vocab 128, hidden 64, 8 experts of ffn 128): a layer's experts 8 * 3 * 64 * 128 = 196,608 and its
+    # dense part 17,024; the embedding and the head 8,192 each, the final norm 64
+    assert lines[5:7] == [
+        "  pp rank 0: 238,848 = dense 42,240 + experts 196,608 (of 393,216); 27.4% of the model's 870,976",
+        "  pp rank 1: 238,912 = dense 42,304 + experts 196,608 (of 393,216); 27.4% of the model's 870,976",
+    ]
+    assert not dist.is_initialized()  # the check path starts no process group
+
+
+def test_pipeline_config_follows_the_schedules_placement_and_a_layout_string(capsys):
+    over = "--trainer.strategy.init_args."
+    code, out = _check(capsys, "--config", PP, f"{over}pipeline_schedule=dualpipev")
+    assert code == 0 and "  pp rank 0: chunk 0: Et; chunk 3: tL\n  pp rank 1: chunk 1: t; chunk 2: t\n" in out, out
+    code, out = _check(capsys, "--config", PP, f"{over}vpp=null", f"{over}pipeline_layout=Ett|t||tL")
+    assert code == 0 and "  pp rank 0: chunk 0: Et*2; chunk 2: (empty)\n" in out, out
+
+
+def test_pipeline_config_on_a_wrong_world_size(capsys):
+    code, out = _check(capsys, "--config", PP, "--world-size", "3")
+    assert code == 1 and "[world-size] ValueError" in out and "world_size=3" in out, out
+    assert out.strip().endswith("1 error(s), 0 warning(s)")
+
+
+def test_pipeline_layers_that_do_not_split_evenly(capsys):
+    code, out = _check(capsys, "--config", PP, "--model.init_args.num_layers=5")
+    assert code == 1 and "Pipeline:" not in out, out
+    assert "[pipeline-layers] ValueError: `MoEOverlapStrategy`: num_layers=5 does not split evenly into pp * vpp = " \
+           "2 * 2 = 4 chunks" in out
+    assert "Fix: pass pipeline_layout='Et|t*2|t|tL'" in out
+    code, out = _check(capsys, "--config", PP, "--model.init_args.num_layers=5",
+                       "--trainer.strategy.init_args.pipeline_layout=Et|t*2|t|tL")
+    assert code == 0 and "  pipeline_layout: 'Et|t*2|t|tL'" in out, out  # the suggested layout passes
+
+
+def test_pipeline_findings_for_models_no_splitter_knows():
+    from torch import nn
+
+    from lightning_moe_overlap.cli import pipeline_findings
+    from lightning_moe_overlap.config import OverlapConfig
+    from lightning_moe_overlap.pipeline.split import PipelineChunks
+
+    class SelfSplitting(nn.Module):
+        def configure_pipeline(self, layout):
+            return PipelineChunks([nn.Identity()] * layout.num_chunks, nn.functional.mse_loss, lambda b: ((b,), b))
+
+    cfg = OverlapConfig(pp=2, vpp=2, ep=2, num_microbatches=4)
+    report, found = pipeline_findings(cfg, nn.Sequential(nn.Linear(2, 2)))
+    assert report is None and [(p.rule, p.error) for p in found] == [("pipeline-splitter", TypeError)]
+    assert "no built-in splitter knows Sequential" in found[0].message and "configure_pipeline" in found[0].message
+    report, found = pipeline_findings(cfg, SelfSplitting())
+    assert report is None and "`pipeline_num_layers` attribute" in found[0].message
+    model = SelfSplitting()
+    model.pipeline_num_layers = 4
+    model.fc = nn.Linear(2, 2)  # in no chunk
+    report, found = pipeline_findings(cfg, model)
+    assert report is None and [(p.rule, p.error) for p in found] == [("pipeline-split", ValueError)]
+    assert "2 parameter(s) of the unsplit model are in no chunk" in found[0].message
+
+
+def test_no_layout_at_pp_1():
+    from lightning_moe_overlap.cli import run_checks
+
+    config, error = parse_fit_config([str(CONFIGS / "cpu.yaml")])
+    assert error is None and config is not None
+    result = run_checks(config)
+    assert result.pipeline is None and result.problems == []
+    config, _ = parse_fit_config([PP])
+    assert run_checks(config).pipeline.startswith("Pipeline: 4 layers")
+
+
+def _doc_runs(doc: Path) -> list[tuple[list[str], str]]:
+    """``(check arguments, printed output)`` of every ``$ lightning-moe-overlap check`` text block of ``doc``."""
+    import shlex
+
+    runs = []
+    for block in doc.read_text().split("```text\n")[1:]:
+        first, _, rest = block.partition("```")[0].partition("\n")
+        if first.startswith("$ lightning-moe-overlap check "):
+            runs.append((shlex.split(first)[3:], rest))
+    return runs
+
+
+def test_pipeline_doc_shows_the_real_output(capsys, monkeypatch):
+    runs = _doc_runs(ROOT / "docs" / "pipeline.md")
+    assert len(runs) == 2
+    monkeypatch.chdir(ROOT)
+    for argv, shown in runs:
+        _, out = _check(capsys, *argv)
+        assert out == shown, f"docs/pipeline.md is stale for {argv}: paste\n{out}"
