@@ -7,7 +7,7 @@ Shape legend: B batch, S sequence, D hidden, H heads, V vocabulary.
 
 from __future__ import annotations
 
-from typing import Any
+from dataclasses import replace
 
 import torch
 import torch.nn.functional as F
@@ -16,6 +16,8 @@ from torch import Tensor, nn
 from torch.utils.data import DataLoader, Dataset
 
 from lightning_moe_overlap.moe.layer import MoELayer
+from lightning_moe_overlap.pipeline.layout import PipelineLayout
+from lightning_moe_overlap.pipeline.split import PipelineChunks
 
 
 class RMSNorm(nn.Module):
@@ -121,40 +123,39 @@ class MoEGPT(LightningModule):
         return F.cross_entropy(logits_BSV.reshape(-1, logits_BSV.shape[-1]).float(), tokens_BS[:, 1:].reshape(-1))
 
     def training_step(self, batch: Tensor, batch_idx: int) -> Tensor:
-        return self._log_loss(self._loss(batch))
+        return log_loss(self, self._loss(batch))
 
     def validation_step(self, batch: Tensor, batch_idx: int) -> None:
-        self._log_loss(self._loss(batch))
+        log_loss(self, self._loss(batch))
 
-    def _log_loss(self, loss: Tensor) -> Tensor:
-        """``train_loss`` while training, ``val_loss`` while validating (when a Trainer runs the model)."""
-        trainer = self._attached_trainer()
-        if trainer is not None and trainer.training:
-            self.log("train_loss", loss, prog_bar=True)
-        elif trainer is not None and (trainer.validating or trainer.sanity_checking):
-            self.log("val_loss", loss, sync_dist=True)
-        return loss
-
-    def _attached_trainer(self) -> Any:
-        try:
-            return self.trainer
-        except RuntimeError:  # not attached to a Trainer (the model used on its own)
-            return None
-
-    def configure_pipeline(self, layout: Any) -> Any:
-        """The pipeline chunks at ``pp > 1`` (docs/pipeline.md): the built-in split, with the loss logged as
+    def configure_pipeline(self, layout: PipelineLayout) -> PipelineChunks:
+        """The pipeline chunks at ``pp > 1`` (docs/pipeline.md): the built-in split, its loss logged as
         ``training_step`` / ``validation_step`` log it (on the last stage; the strategy replays it on every rank)."""
-        from dataclasses import replace
+        from lightning_moe_overlap.pipeline.splitters import split_moegpt
 
-        from lightning_moe_overlap.pipeline.splitters import gpt_loss, split_moegpt
-
-        def loss_fn(logits_BSV: Tensor, target_BS: Tensor) -> Tensor:
-            return self._log_loss(gpt_loss(logits_BSV, target_BS))
-
-        return replace(split_moegpt(self, layout), loss_fn=loss_fn)
+        return with_logged_loss(self, split_moegpt(self, layout))
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
         return torch.optim.AdamW(self.parameters(), lr=self.hparams.lr)
+
+
+def log_loss(module: LightningModule, loss: Tensor) -> Tensor:
+    """Log ``train_loss`` while training, ``val_loss`` while validating (when a Trainer runs ``module``)."""
+    try:
+        trainer = module.trainer
+    except RuntimeError:  # not attached to a Trainer (the model used on its own)
+        return loss
+    if trainer.training:
+        module.log("train_loss", loss, prog_bar=True)
+    elif trainer.validating or trainer.sanity_checking:
+        module.log("val_loss", loss, sync_dist=True)
+    return loss
+
+
+def with_logged_loss(module: LightningModule, chunks: PipelineChunks) -> PipelineChunks:
+    """``chunks`` whose loss function logs like :func:`log_loss` (the demos' ``configure_pipeline``)."""
+    loss_fn = chunks.loss_fn
+    return replace(chunks, loss_fn=lambda output, target: log_loss(module, loss_fn(output, target)))
 
 
 class _PatternTokens(Dataset):

@@ -14,6 +14,10 @@ from lightning.pytorch import LightningModule
 from torch import Tensor
 
 from lightning_moe_overlap._install import install_hint
+from lightning_moe_overlap.demo import log_loss, with_logged_loss
+from lightning_moe_overlap.pipeline.layout import PipelineLayout
+from lightning_moe_overlap.pipeline.split import PipelineChunks
+from lightning_moe_overlap.pipeline.splitters import split_hf_decoder
 
 ModelType = Literal["qwen3_moe", "mixtral", "qwen2_moe", "olmoe"]
 
@@ -73,12 +77,15 @@ class HFMoECausalLM(LightningModule):
         self.model = build_hf_model(model_type, **(config_overrides or {}))
 
     def training_step(self, batch: Tensor, batch_idx: int) -> Tensor:
-        loss = self.model(input_ids=batch, labels=batch).loss
-        self.log("train_loss", loss, prog_bar=True)
-        return loss
+        return log_loss(self, self.model(input_ids=batch, labels=batch).loss)
 
     def validation_step(self, batch: Tensor, batch_idx: int) -> None:
-        self.log("val_loss", self.model(input_ids=batch, labels=batch).loss, sync_dist=True)
+        log_loss(self, self.model(input_ids=batch, labels=batch).loss)
+
+    def configure_pipeline(self, layout: PipelineLayout) -> PipelineChunks:
+        """The pipeline chunks at ``pp > 1``: the built-in split of the HF decoder, its loss logged as the steps
+        log it (docs/pipeline.md)."""
+        return with_logged_loss(self, split_hf_decoder(self, layout))
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
         return torch.optim.AdamW(self.parameters(), lr=self.hparams.lr)

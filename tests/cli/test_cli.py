@@ -44,6 +44,13 @@ def test_cli_fit_saves_config_into_the_loggers_directory(tmp_path):
     assert [p.parent.name for p in saved] == ["version_0"], saved
 
 
+def test_cli_fit_cpu_pp_yaml_pipeline_on_four_processes():
+    """The pipeline example (pp=2, vpp=2, ep=2 on 4 processes, interleaved 1F1B with overlap) trains from the CLI."""
+    out = _console("fit", "--config", str(CONFIGS / "cpu_pp.yaml"), "--trainer.max_steps=2", timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "`Trainer.fit` stopped: `max_steps=2` reached." in out.stderr + out.stdout
+
+
 def test_cli_help_lists_check():
     out = _console("--help", timeout=120)
     assert out.returncode == 0, out.stderr
@@ -60,7 +67,7 @@ def test_cli_fit_hf_yaml_with_registered_strategy_name():
     assert "`Trainer.fit` stopped: `max_steps=2` reached." in out.stderr + out.stdout
 
 
-@pytest.mark.parametrize("name", ["cpu.yaml", "cpu_hf_qwen3.yaml", "gpu.yaml", "gpu_multinode.yaml"])
+@pytest.mark.parametrize("name", ["cpu.yaml", "cpu_pp.yaml", "cpu_hf_qwen3.yaml", "gpu.yaml", "gpu_multinode.yaml"])
 def test_cli_print_config_resolves_the_strategy(name):
     out = _run("fit", "--config", str(CONFIGS / name), "--print_config", timeout=120)
     assert out.returncode == 0, out.stderr[-3000:]

@@ -25,17 +25,19 @@ from lightning.pytorch import Callback, Trainer
 
 from lightning_moe_overlap import MoEOverlapStrategy
 from lightning_moe_overlap.demo import MoEGPT, SyntheticTokens
+from lightning_moe_overlap.demo_hf import HFMoECausalLM
 from tests.helpers.distributed import run_distributed
 
 WORLD, PP, EP, DP, M, B, STEPS, LR, CLIP = 4, 2, 2, 2, 4, 4, 2, 0.5, 0.5
 MODEL = dict(vocab_size=32, hidden_size=16, num_layers=4, num_heads=2, num_experts=4, top_k=2, ffn_hidden_size=8,
              aux_loss_coeff=0.0)  # fmt: skip
 DATA = dict(vocab_size=32, seq_len=6, batch_size=B, num_samples=64)
-RUNS = (  # (name, schedule, vpp, overlap)
-    ("interleaved", "interleaved_1f1b", 2, True),
-    ("interleaved-off", "interleaved_1f1b", 2, False),
-    ("dualpipev", "dualpipev", 2, True),  # its overlap vs torch alone: bitwise in test_pipeline_overlap.py
-    ("1f1b", "1f1b", 1, False),
+RUNS = (  # (name, model, schedule, vpp, overlap)
+    ("interleaved", "gpt", "interleaved_1f1b", 2, True),
+    ("interleaved-off", "gpt", "interleaved_1f1b", 2, False),
+    ("dualpipev", "gpt", "dualpipev", 2, True),  # its overlap vs torch alone: bitwise in test_pipeline_overlap.py
+    ("1f1b", "gpt", "1f1b", 1, False),
+    ("hf-interleaved", "qwen3_moe", "interleaved_1f1b", 2, True),
 )
 
 
@@ -44,6 +46,23 @@ class SGDGPT(MoEGPT):
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
         return torch.optim.SGD(self.parameters(), lr=LR)
+
+
+class SGDQwen3(HFMoECausalLM):
+    """HF transformers' Qwen3-MoE, tiny, 4 layers, trained with SGD."""
+
+    def __init__(self) -> None:
+        super().__init__(model_type="qwen3_moe", config_overrides={"num_hidden_layers": 4})
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=LR)
+
+    def _loss(self, tokens_BS: torch.Tensor) -> torch.Tensor:
+        return self.model(input_ids=tokens_BS, labels=tokens_BS).loss
+
+
+def build(kind: str) -> MoEGPT | SGDQwen3:
+    return SGDGPT(**MODEL) if kind == "gpt" else SGDQwen3()
 
 
 class Record(Callback):
@@ -62,8 +81,8 @@ class Record(Callback):
         self.val_batches.append(batch.detach().cpu().clone())
 
 
-def fit(schedule: str, vpp: int, overlap: bool, validate: bool) -> dict:
-    model = SGDGPT(**MODEL)
+def fit(kind: str, schedule: str, vpp: int, overlap: bool, validate: bool) -> dict:
+    model = build(kind)
     record = Record()
     strategy = MoEOverlapStrategy(
         ep=EP, pp=PP, vpp=vpp, pipeline_schedule=schedule, overlap=overlap, num_microbatches=M, timeout=120
@@ -89,14 +108,16 @@ def fit(schedule: str, vpp: int, overlap: bool, validate: bool) -> dict:
 
 def worker(rank: int, world_size: int) -> dict:
     torch.use_deterministic_algorithms(True)
-    return {name: fit(schedule, vpp, overlap, validate=name == "interleaved") for name, schedule, vpp, overlap in RUNS}
+    return {name: fit(*run, validate=name == "interleaved") for name, *run in RUNS}
 
 
-def reference(batches: list[torch.Tensor], val_batches: list[torch.Tensor]) -> tuple[list[list[float]], dict, float]:
+def reference(
+    kind: str, batches: list[torch.Tensor], val_batches: list[torch.Tensor]
+) -> tuple[list[list[float]], dict, float]:
     """The unsplit model in one process on the global batches (gradients: the mean over dp ranks and micro-batches;
     clipping, SGD). Losses per dp rank and step: the mean over that rank's micro-batches, as each rank reports it."""
     torch.use_deterministic_algorithms(True)
-    model = SGDGPT(**MODEL)
+    model = build(kind)
     opt = model.configure_optimizers()
     losses: list[list[float]] = [[] for _ in range(DP)]
     for step in range(STEPS):
@@ -106,7 +127,7 @@ def reference(batches: list[torch.Tensor], val_batches: list[torch.Tensor]) -> t
             for micro in batches[d * STEPS + step].chunk(M):
                 loss = model._loss(micro)
                 (loss / (DP * M)).backward()
-                total += float(loss) / M
+                total += float(loss.detach()) / M
             losses[d].append(total)
         torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)
         opt.step()
@@ -148,10 +169,10 @@ def test_overlap_on_equals_off_bitwise_on_every_rank(results: list[dict]) -> Non
 def test_pipeline_runs_match_the_unsplit_model(results: list[dict]) -> None:
     first = [r for r in results if r["1f1b"]["coords"][0] == 0]  # one rank per dp index on pp rank 0
     by_dp = {r["1f1b"]["coords"][1]: r for r in first}
-    for name, *_ in RUNS:
+    for name, kind, *_ in RUNS:
         batches = [b for d in range(DP) for b in by_dp[d][name]["batches"]]
         val_batches = [b for d in range(DP) for b in by_dp[d][name]["val_batches"]]
-        ref_losses, ref_params, ref_val = reference(batches, val_batches)
+        ref_losses, ref_params, ref_val = reference(kind, batches, val_batches)
         seen: set[str] = set()
         for rank, runs in enumerate(results):
             run = runs[name]
