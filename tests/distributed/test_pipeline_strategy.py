@@ -9,7 +9,8 @@ One spawn, several fits on the same processes:
   by the global norm (across pp, ep and dp) active;
 - the Lightning contract: the loss Lightning gets is the same on every rank, ``train_loss`` (logged by the loss
   function on the last stage) reaches every rank's ``callback_metrics``, validation runs the forward-only pipeline
-  and logs ``val_loss`` everywhere, each rank holds only its own chunks (the others on meta).
+  and logs ``val_loss`` everywhere, each rank holds only its own chunks (the others on meta); a model built on
+  the meta device gets each rank's chunks initialised as ``seeded_init`` initialises the unsplit model.
 
 Shapes: B samples per dp rank and step, S tokens, M micro-batches.
 """
@@ -21,14 +22,16 @@ import pickle
 
 import pytest
 import torch
-from lightning.pytorch import Callback, Trainer
+from lightning.pytorch import Callback, Trainer, seed_everything
 
 from lightning_moe_overlap import MoEOverlapStrategy
 from lightning_moe_overlap.demo import MoEGPT, SyntheticTokens
 from lightning_moe_overlap.demo_hf import HFMoECausalLM
+from lightning_moe_overlap.pipeline.split import seeded_init
+from lightning_moe_overlap.pipeline.splitters import gpt_init_module
 from tests.helpers.distributed import run_distributed
 
-WORLD, PP, EP, DP, M, B, STEPS, LR, CLIP = 4, 2, 2, 2, 4, 4, 2, 0.5, 0.5
+WORLD, PP, EP, DP, M, B, STEPS, LR, CLIP, SEED = 4, 2, 2, 2, 4, 4, 2, 0.5, 0.5, 0
 MODEL = dict(vocab_size=32, hidden_size=16, num_layers=4, num_heads=2, num_experts=4, top_k=2, ffn_hidden_size=8,
              aux_loss_coeff=0.0)  # fmt: skip
 DATA = dict(vocab_size=32, seq_len=6, batch_size=B, num_samples=64)
@@ -36,7 +39,7 @@ RUNS = (  # (name, model, schedule, vpp, overlap)
     ("interleaved", "gpt", "interleaved_1f1b", 2, True),
     ("interleaved-off", "gpt", "interleaved_1f1b", 2, False),
     ("dualpipev", "gpt", "dualpipev", 2, True),  # its overlap vs torch alone: bitwise in test_pipeline_overlap.py
-    ("1f1b", "gpt", "1f1b", 1, False),
+    ("1f1b", "gpt-meta", "1f1b", 1, False),  # built on meta: each rank initialises only its own chunks
     ("hf-interleaved", "qwen3_moe", "interleaved_1f1b", 2, True),
 )
 
@@ -61,8 +64,17 @@ class SGDQwen3(HFMoECausalLM):
         return self.model(input_ids=tokens_BS, labels=tokens_BS).loss
 
 
+class MetaGPT(SGDGPT):
+    """Built on the meta device (as ``configure_model`` builds at pp > 1): the strategy allocates each rank's chunks
+    and initialises them with ``seeded_init`` under the run's seed."""
+
+    def __init__(self) -> None:
+        with torch.device("meta"):
+            super().__init__(**MODEL)
+
+
 def build(kind: str) -> MoEGPT | SGDQwen3:
-    return SGDGPT(**MODEL) if kind == "gpt" else SGDQwen3()
+    return {"gpt": lambda: SGDGPT(**MODEL), "gpt-meta": MetaGPT, "qwen3_moe": SGDQwen3}[kind]()
 
 
 class Record(Callback):
@@ -108,6 +120,7 @@ def fit(kind: str, schedule: str, vpp: int, overlap: bool, validate: bool) -> di
 
 def worker(rank: int, world_size: int) -> dict:
     torch.use_deterministic_algorithms(True)
+    seed_everything(SEED)
     return {name: fit(*run, validate=name == "interleaved") for name, *run in RUNS}
 
 
@@ -117,7 +130,9 @@ def reference(
     """The unsplit model in one process on the global batches (gradients: the mean over dp ranks and micro-batches;
     clipping, SGD). Losses per dp rank and step: the mean over that rank's micro-batches, as each rank reports it."""
     torch.use_deterministic_algorithms(True)
-    model = build(kind)
+    model = build("gpt" if kind == "gpt-meta" else kind)
+    if kind == "gpt-meta":  # the values each rank's chunks got: per module, seeded by the run's seed and its name
+        seeded_init(model, SEED, gpt_init_module)
     opt = model.configure_optimizers()
     losses: list[list[float]] = [[] for _ in range(DP)]
     for step in range(STEPS):

@@ -224,3 +224,15 @@ def test_validation_flex_rules_run_in_check_and_at_trainer_construction():
     strategy = MoEOverlapStrategy(ep=3, dispatcher="flex", num_microbatches=2)
     with pytest.raises(ValueError, match=r"`ep=3` \(devices per node=3\)"):
         Trainer(accelerator="cpu", devices=3, strategy=strategy, precision="bf16-mixed", logger=False)
+
+
+def test_configure_model_builds_on_meta_at_pp_above_one():
+    """At pp > 1 each rank allocates only its own chunks, so ``configure_model`` runs under the meta device."""
+    import torch
+
+    from lightning_moe_overlap import MoEOverlapStrategy
+
+    with MoEOverlapStrategy(pp=2, vpp=2, num_microbatches=4).model_sharded_context():
+        assert torch.empty(1).device.type == "meta"
+    with MoEOverlapStrategy(ep=2).model_sharded_context():
+        assert torch.empty(1).device.type == "cpu"
