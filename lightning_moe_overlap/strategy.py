@@ -538,7 +538,8 @@ class MoEOverlapStrategy(ParallelStrategy):
         Collective: every rank must call it. Loads into the model as built before the strategy sharded it.
         """
         checkpoint = {"state_dict": checkpointer.module_state(self.lightning_module)}
-        full = gather_full(checkpoint, self._checkpoint_target(), self.parallel_groups.ep, rng_state=b"")
+        groups = self.parallel_groups
+        full = gather_full(checkpoint, self._checkpoint_target(), groups.ep, rng_state=b"", groups=groups)
         return None if full is None else full["state_dict"]
 
     def _checkpoint_target(self) -> LoadTarget:

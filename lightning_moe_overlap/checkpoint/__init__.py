@@ -1,6 +1,7 @@
-"""Expert-parallel checkpoints: nothing lost, exact resume, any ep layout, atomic (docs/checkpoints.md).
+"""Expert-parallel checkpoints: nothing lost, exact resume, any ep / pp layout, atomic (docs/checkpoints.md).
 
 - :mod:`.keys`: layout-free names for expert tensors (``name[e]``) and the model state in that form.
+- :mod:`.held`: what a rank holds at pp > 1 (tensors not on meta); the other pp ranks' keys are absent here.
 - :mod:`.optimizer`: optimizer state keyed by parameter name, split per expert the same way.
 - :mod:`.sharded`: every rank writes its part into one ``torch.distributed.checkpoint`` directory.
 - :mod:`.consolidated`: one file with the full experts, as an unsharded run would write it.

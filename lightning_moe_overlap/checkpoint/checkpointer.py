@@ -5,6 +5,11 @@ Lightning builds the checkpoint dict on every rank from ``lightning_module_state
 ``save_checkpoint`` on every rank. Loading reverses it: ``load_checkpoint`` reads this rank's part of either format
 in canonical form (after setup, so the experts this rank now holds are known), then ``load_model_state_dict`` /
 ``load_optimizer_state_dict`` stack it back into the local layout.
+
+At pp > 1 the module is the unsplit model with the other pp ranks' chunks on meta (:mod:`.held`): every function
+here saves and loads the tensors this rank holds only, under the unsplit model's names, so a checkpoint loads at
+any pp. ``save`` and :func:`~.consolidated.gather_full` need the run's ``ParallelGroups`` to merge what the pp
+ranks hold.
 """
 
 from __future__ import annotations
@@ -15,21 +20,28 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
 from lightning.pytorch.core.optimizer import LightningOptimizer
 from torch import nn
 
 from lightning_moe_overlap.checkpoint import atomic
 from lightning_moe_overlap.checkpoint.consolidated import gather_full, read_consolidated, write_file
-from lightning_moe_overlap.checkpoint.keys import expert_shards, from_canonical, to_canonical
-from lightning_moe_overlap.checkpoint.optimizer import optimizer_from_canonical, optimizer_to_canonical, param_names
+from lightning_moe_overlap.checkpoint.held import absent, absent_params, held, is_absent
+from lightning_moe_overlap.checkpoint.keys import expert_shards, from_canonical, saved_expert_counts, to_canonical
+from lightning_moe_overlap.checkpoint.optimizer import (
+    merge_param_groups,
+    optimizer_from_canonical,
+    optimizer_to_canonical,
+    param_names,
+)
 from lightning_moe_overlap.checkpoint.rng import capture_rng, restore_rng
-from lightning_moe_overlap.checkpoint.sharded import read_sharded, write_sharded
+from lightning_moe_overlap.checkpoint.sharded import MODEL, read_sharded, write_sharded
 from lightning_moe_overlap.checkpoint.target import LoadTarget
 from lightning_moe_overlap.config import CHECKPOINT_FORMATS, CheckpointFormat
 from lightning_moe_overlap.parallel import ParallelGroups
 
 FORMATS = CHECKPOINT_FORMATS
-FORMAT_VERSION = 1
+FORMAT_VERSION = 1  # pp > 1 writes the same keys: a version-1 reader reads them
 _OWNER = "`MoEOverlapStrategy`"
 
 
@@ -48,14 +60,15 @@ def _unwrapped(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
 
 
 def module_state(module: nn.Module) -> dict[str, Any]:
-    """The module's state dict with this rank's experts under global per-expert keys."""
-    return to_canonical(module.state_dict(), expert_shards(module))
+    """The module's state dict with this rank's experts under global per-expert keys (held tensors only)."""
+    return to_canonical(held(module.state_dict()), expert_shards(module))
 
 
 def optimizer_state(optimizer: torch.optim.Optimizer, module: nn.Module) -> dict[str, Any]:
     """The optimizer's state dict keyed by parameter name, this rank's experts under global per-expert keys."""
     optimizer = _unwrapped(optimizer)
-    return optimizer_to_canonical(optimizer.state_dict(), param_names(optimizer, module), expert_shards(module))
+    names = param_names(optimizer, module)
+    return optimizer_to_canonical(optimizer.state_dict(), names, expert_shards(module), absent_params(module))
 
 
 def save(
@@ -65,16 +78,21 @@ def save(
     target: LoadTarget,
     groups: ParallelGroups | None,
 ) -> None:
-    """Write a canonical checkpoint (every rank calls it): sharded directory or consolidated file, committed last."""
+    """Write a canonical checkpoint (every rank calls it): sharded directory or consolidated file, committed last.
+
+    ``groups``: the run's process groups (``None`` for a single process); at pp > 1 they are required.
+    """
     fmt = check_format(checkpoint_format)
     final, token = _broadcast((atomic.local_path(path, f"{_OWNER}.save_checkpoint"), uuid.uuid4().hex[:8]))
     rng_state = capture_rng()
     if fmt == "consolidated":
-        full = gather_full(checkpoint, target, groups.ep if groups is not None else None, rng_state)
+        full = gather_full(checkpoint, target, groups.ep if groups is not None else None, rng_state, groups=groups)
         if full is not None:
             write_file(full, final, token)
         _barrier()
         return
+    if groups is not None and groups.dims.pp > 1:
+        checkpoint = _with_merged_groups(checkpoint, target)
     staging = atomic.staging_path(final, token)
     if target.rank == 0:
         staging.mkdir(parents=True)
@@ -82,7 +100,7 @@ def save(
     write_sharded(staging, checkpoint, rank=target.rank, rng_state=rng_state)
     _barrier()  # every rank's files are on disk before the commit
     if target.rank == 0:
-        atomic.write_marker(staging, _marker(target, groups))
+        atomic.write_marker(staging, _marker(staging, target, groups))
         atomic.publish(staging, final, token)
     _barrier()
 
@@ -108,19 +126,39 @@ def load(path: str | os.PathLike, target: LoadTarget, *, restore_rng_state: bool
 
 
 def load_module_state(module: nn.Module, checkpoint: dict[str, Any], *, strict: bool) -> None:
-    """Stack this rank's experts of a canonical ``checkpoint["state_dict"]`` and load it into ``module``."""
-    module.load_state_dict(from_canonical(checkpoint["state_dict"], expert_shards(module)), strict=strict)
+    """Stack this rank's experts of a canonical ``checkpoint["state_dict"]`` and load it into ``module``.
+
+    Tensors on meta (other pp ranks' chunks) are left as they are; ``strict`` concerns the held ones.
+
+    Raises:
+        RuntimeError: ``strict`` and a held tensor is not in the state, or the state has a key the module lacks.
+    """
+    missing_here = absent(module.state_dict())
+    state = {k: v for k, v in checkpoint["state_dict"].items() if not is_absent(k, missing_here)}
+    local = from_canonical(state, expert_shards(module))
+    if not missing_here:
+        module.load_state_dict(local, strict=strict)
+        return
+    result = module.load_state_dict(local, strict=False)
+    missing = [k for k in result.missing_keys if k not in missing_here]
+    if strict and (missing or result.unexpected_keys):
+        raise RuntimeError(
+            f"{_OWNER}: the checkpoint's state does not fit the tensors this rank holds: {len(missing)} are not in "
+            f"it {missing[:5]}, {len(result.unexpected_keys)} of its keys are not in the model "
+            f"{result.unexpected_keys[:5]} (tensors on meta, held by other pipeline ranks, are not compared). "
+            "Load a checkpoint of this model, or set `strict_loading = False` on the LightningModule."
+        )
 
 
 def load_optimizer_states(
     optimizers: list[torch.optim.Optimizer], module: nn.Module, checkpoint: dict[str, Any]
 ) -> None:
     """Load canonical ``checkpoint["optimizer_states"]`` into the live optimizers (this rank's experts)."""
-    shards = expert_shards(module)
+    shards, missing_here = expert_shards(module), absent_params(module)
     for optimizer, state in zip(optimizers, checkpoint["optimizer_states"]):
         optimizer = _unwrapped(optimizer)
         names = param_names(optimizer, module)
-        optimizer.load_state_dict(optimizer_from_canonical(state, names, shards, "the checkpoint"))
+        optimizer.load_state_dict(optimizer_from_canonical(state, names, shards, "the checkpoint", missing_here))
 
 
 def remove(path: str | os.PathLike, rank: int) -> None:
@@ -129,17 +167,41 @@ def remove(path: str | os.PathLike, rank: int) -> None:
         atomic.remove(atomic.local_path(path, f"{_OWNER}.remove_checkpoint"))
 
 
-def _marker(target: LoadTarget, groups: ParallelGroups | None) -> dict[str, Any]:
-    experts: dict[str, int] = {}
-    for name, shard in target.shards.items():
-        experts[name.rsplit(".", 1)[0]] = shard.num_experts
+def _with_merged_groups(checkpoint: dict[str, Any], target: LoadTarget) -> dict[str, Any]:
+    """``checkpoint`` with each optimizer's ``param_groups`` naming every parameter of the unsplit model.
+
+    Collective (gathers every rank's groups on rank 0, which writes them): at pp > 1 a rank's optimizer may list
+    only the parameters it holds.
+    """
+    if "optimizer_states" not in checkpoint or not _distributed():
+        return checkpoint
+    mine = [optim["param_groups"] for optim in checkpoint["optimizer_states"]]
+    every: list[Any] = [None] * dist.get_world_size()
+    dist.gather_object(mine, every if target.rank == 0 else None, dst=0)
+    if target.rank != 0:
+        return checkpoint
+    merged = [
+        {**optim, "param_groups": merge_param_groups([groups[i] for groups in every], target.param_order)}
+        for i, optim in enumerate(checkpoint["optimizer_states"])
+    ]
+    return {**checkpoint, "optimizer_states": merged}
+
+
+def _marker(staging: os.PathLike, target: LoadTarget, groups: ParallelGroups | None) -> dict[str, Any]:
+    """What the commit marker records; the expert counts come from the keys every rank wrote (any pp)."""
+    keys = dcp.FileSystemReader(staging).read_metadata().state_dict_metadata
+    model = [k[len(MODEL) :] for k in keys if k.startswith(MODEL)]
+    experts = {name.rsplit(".", 1)[0]: count for name, count in saved_expert_counts(model).items()}
+    dims = groups.dims if groups is not None else None
     return {
         "format": "sharded",
         "version": FORMAT_VERSION,
         "world_size": target.world_size,
-        "ep": groups.dims.ep if groups is not None else 1,
-        "dp": groups.dims.dp if groups is not None else 1,
+        "ep": dims.ep if dims is not None else 1,
+        "dp": dims.dp if dims is not None else 1,
+        "pp": dims.pp if dims is not None else 1,
         "experts": experts,
+        "keys": list(target.order),  # the unsplit model's state-dict keys, in its order (consolidation follows it)
     }
 
 

@@ -5,13 +5,16 @@ Directory layout (``<path>/``)::
     .metadata, __<rank>_0.distcp   DCP: model and optimizer tensors, each rank's RNG state
     meta.pt                        the rest of Lightning's checkpoint (loops, schedulers, callbacks, hparams,
                                    optimizer param_groups), written by the coordinator
-    COMMIT                         written last (atomic.py): format, world size, ep, experts per module
+    COMMIT                         written last (atomic.py): format, world size, ep, dp, pp, experts per module,
+                                   the unsplit model's state-dict keys in order
 
 DCP keys are flat strings: ``state_dict/<key>``, ``optimizer_<i>/state/<key>/<state name>`` and ``rng/rank_<r>``,
 where ``<key>`` is canonical (keys.py): ``name[e]`` for expert ``e``. DCP keeps one copy of a key written by
 several ranks and spreads those copies over the ranks, so each rank writes its own experts (shared with its
-expert-data-parallel replicas only) and a share of the dense tensors; nothing is gathered. A loading rank asks
-DCP for the keys it holds in the new layout, so resharding is key selection.
+expert-data-parallel replicas only) and a share of the dense tensors; nothing is gathered. At pp > 1 a rank writes
+only the tensors it holds (:mod:`.held`; never a meta one), so the dense keys of a chunk are shared out among the
+ranks of its pp stage, and the DCP metadata lists every key of the unsplit model. A loading rank asks DCP for the
+keys it holds in the new layout (any pp, ep, dp), so resharding is key selection.
 
 Every value that is not a tensor is stored pickled, so DCP never flattens it into more keys.
 """
@@ -33,6 +36,7 @@ from torch import Tensor
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from lightning_moe_overlap.checkpoint.atomic import read_marker
+from lightning_moe_overlap.checkpoint.held import is_absent
 from lightning_moe_overlap.checkpoint.keys import (
     check_expert_counts,
     check_keys,
@@ -165,13 +169,13 @@ def _request(
     """The DCP keys this rank needs, each with a buffer to read into (after checking they fit the model)."""
     saved = {k[len(MODEL) :]: _shape(m) for k, m in metadata.items() if k.startswith(MODEL)}
     check_expert_counts(saved_expert_counts(saved), target.shards, str(path))
-    relevant = {k: s for k, s in saved.items() if not _other_rank_expert(k, target)}
+    relevant = {k: s for k, s in saved.items() if not (_other_rank_expert(k, target) or is_absent(k, target.absent))}
     check_keys(relevant, target.model, str(path), strict=target.strict)
     request = {f"{MODEL}{k}": _template(metadata[f"{MODEL}{k}"]) for k in target.model if k in saved}
     saved_optims = meta.get("optimizer_states", [])
     for i, names in enumerate(target.optimizers[: len(saved_optims)]):
-        check_groups(saved_optims[i]["param_groups"], names, str(path))
-        wanted = set(names)
+        check_groups(saved_optims[i]["param_groups"], names, str(path), target.absent)
+        wanted = set(names) - set(target.absent)
         for name, shard in target.shards.items():
             if name in wanted:
                 wanted.update(expert_key(name, e) for e in shard.global_range)

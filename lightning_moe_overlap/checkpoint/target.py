@@ -1,12 +1,13 @@
-"""What one rank holds, so a loader reads exactly its part of a checkpoint, whatever layout wrote it."""
+"""What one rank holds, so a loader reads exactly its part of a checkpoint, whatever layout (pp, ep, dp) wrote it."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch import nn
 
+from lightning_moe_overlap.checkpoint.held import absent, held
 from lightning_moe_overlap.checkpoint.keys import expert_shards, shapes_of, to_canonical
 from lightning_moe_overlap.checkpoint.optimizer import param_names
 from lightning_moe_overlap.moe.ep import ExpertShard
@@ -18,12 +19,16 @@ class LoadTarget:
 
     Attributes:
         model: canonical state-dict keys of the module on this rank (dense keys, and ``name[e]`` for the experts
-            held here) with their shapes (``None``: not a tensor).
+            held here) with their shapes (``None``: not a tensor); at pp > 1 only the keys this rank holds.
         shards: which experts each per-expert tensor holds here.
         optimizers: for each optimizer, the parameter name of each state index.
         rank: global rank.
         world_size: number of ranks.
         strict: refuse keys the model and the checkpoint do not share (``LightningModule.strict_loading``).
+        absent: unsplit keys of the tensors on the meta device here (other pp ranks' chunks, :mod:`.held`) with
+            their shapes; empty at pp = 1.
+        order: every state-dict key of the unsplit module, in its order (what a consolidated file lists).
+        param_order: every parameter name of the unsplit module, in its order.
     """
 
     model: dict[str, torch.Size | None]
@@ -32,6 +37,9 @@ class LoadTarget:
     rank: int = 0
     world_size: int = 1
     strict: bool = True
+    absent: dict[str, torch.Size] = field(default_factory=dict)
+    order: tuple[str, ...] = ()
+    param_order: tuple[str, ...] = ()
 
     @classmethod
     def of(
@@ -44,11 +52,15 @@ class LoadTarget:
         strict: bool = True,
     ) -> LoadTarget:
         shards = expert_shards(module)
+        state = module.state_dict()
         return cls(
-            model=shapes_of(to_canonical(module.state_dict(), shards)),
+            model=shapes_of(to_canonical(held(state), shards)),
             shards=shards,
             optimizers=[param_names(opt, module) for opt in optimizers],
             rank=rank,
             world_size=world_size,
             strict=strict,
+            absent=absent(state),
+            order=tuple(state),
+            param_order=tuple(n for n, _ in module.named_parameters()),
         )

@@ -10,7 +10,9 @@ One spawn, several fits on the same processes:
 - the Lightning contract: the loss Lightning gets is the same on every rank, ``train_loss`` (logged by the loss
   function on the last stage) reaches every rank's ``callback_metrics``, validation runs the forward-only pipeline
   and logs ``val_loss`` everywhere, each rank holds only its own chunks (the others on meta); a model built on
-  the meta device gets each rank's chunks initialised as ``seeded_init`` initialises the unsplit model.
+  the meta device gets each rank's chunks initialised as ``seeded_init`` initialises the unsplit model;
+- checkpoints: saved at pp=2 (sharded, keyed by the unsplit names) and loaded at pp=1 through ``fit(ckpt_path=)``,
+  the consolidated export of both equal bitwise.
 
 Shapes: B samples per dp rank and step, S tokens, M micro-batches.
 """
@@ -93,7 +95,7 @@ class Record(Callback):
         self.val_batches.append(batch.detach().cpu().clone())
 
 
-def fit(kind: str, schedule: str, vpp: int, overlap: bool, validate: bool) -> dict:
+def fit(kind: str, schedule: str, vpp: int, overlap: bool, validate: bool, save_to: str | None = None) -> dict:
     model = build(kind)
     record = Record()
     strategy = MoEOverlapStrategy(
@@ -105,6 +107,10 @@ def fit(kind: str, schedule: str, vpp: int, overlap: bool, validate: bool) -> di
         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False, callbacks=[record],
     )  # fmt: skip
     trainer.fit(model, datamodule=SyntheticTokens(**DATA))
+    full = None
+    if save_to is not None:
+        trainer.save_checkpoint(save_to)  # sharded: each rank writes what it holds, keyed by the unsplit names
+        full = strategy.full_state_dict()  # every stage and expert gathered on rank 0
     coords = strategy.dims.coords(trainer.global_rank)
     params = {n: p.detach().clone() for n, p in model.named_parameters() if not p.is_meta}
     return {
@@ -115,13 +121,30 @@ def fit(kind: str, schedule: str, vpp: int, overlap: bool, validate: bool) -> di
         "batches": record.batches,
         "val_batches": record.val_batches,
         "metrics": {k: float(v) for k, v in trainer.callback_metrics.items()},
+        "full": full,
     }
 
 
-def worker(rank: int, world_size: int) -> dict:
+def resume_at_pp1(path: str) -> dict | None:
+    """Load the pp=2 checkpoint at pp=1, ep=2 (dp=4) through ``fit(ckpt_path=...)``: the full state on rank 0."""
+    model = SGDGPT(**MODEL)
+    strategy = MoEOverlapStrategy(ep=EP, num_microbatches=M, timeout=120)
+    trainer = Trainer(
+        accelerator="cpu", devices=WORLD, strategy=strategy, max_steps=STEPS, limit_val_batches=0, logger=False,
+        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+    )  # fmt: skip
+    trainer.fit(model, datamodule=SyntheticTokens(**DATA), ckpt_path=path)  # resumes at max_steps: loads, no step
+    return strategy.full_state_dict()
+
+
+def worker(rank: int, world_size: int, checkpoint: str) -> dict:
     torch.use_deterministic_algorithms(True)
     seed_everything(SEED)
-    return {name: fit(*run, validate=name == "interleaved") for name, *run in RUNS}
+    runs = {
+        name: fit(*run, validate=name == "interleaved", save_to=checkpoint if name == "interleaved" else None)
+        for name, *run in RUNS
+    }
+    return {**runs, "resumed": resume_at_pp1(checkpoint)}
 
 
 def reference(
@@ -152,12 +175,13 @@ def reference(
 
 
 @pytest.fixture(scope="module")
-def results() -> list[dict]:
+def results(tmp_path_factory: pytest.TempPathFactory) -> list[dict]:
     cache = os.environ.get("PIPELINE_STRATEGY_RESULTS")  # a pickle of the spawn's results, to iterate on the checks
     if cache and os.path.exists(cache):
         with open(cache, "rb") as f:
             return pickle.load(f)
-    out = run_distributed(worker, WORLD, timeout_s=240)
+    checkpoint = str(tmp_path_factory.mktemp("pipeline") / "step2.ckpt")
+    out = run_distributed(worker, WORLD, checkpoint, timeout_s=300)
     if cache:
         with open(cache, "wb") as f:
             pickle.dump(out, f)
@@ -205,3 +229,19 @@ def test_pipeline_runs_match_the_unsplit_model(results: list[dict]) -> None:
             assert set(run["meta"]).isdisjoint(run["params"])
             assert run["meta"], (name, rank)  # the other pp rank's chunks are not allocated here
         assert seen == set(ref_params), (name, set(ref_params) - seen)  # every parameter is trained somewhere
+
+
+def test_checkpoint_from_pp2_loads_at_pp1_and_exports_the_unsplit_model(results: list[dict]) -> None:
+    """Saved at pp=2 x ep=2 (sharded, keyed by the unsplit names), loaded at pp=1 x ep=2: the consolidated export
+    of both runs is the unsplit model's state dict, equal bitwise; it matches the unsplit reference too."""
+    saved, resumed = results[0]["interleaved"]["full"], results[0]["resumed"]
+    assert all(r["interleaved"]["full"] is None and r["resumed"] is None for r in results[1:])
+    reference_keys = set(SGDGPT(**MODEL).state_dict())
+    assert set(saved) == reference_keys == set(resumed)
+    for key, value in saved.items():
+        assert torch.equal(resumed[key], value), key
+    by_dp = {r["interleaved"]["coords"][1]: r for r in results if r["interleaved"]["coords"][0] == 0}
+    batches = [b for d in range(DP) for b in by_dp[d]["interleaved"]["batches"]]
+    _, ref_params, _ = reference("gpt", batches, [])
+    for name, want in ref_params.items():
+        torch.testing.assert_close(saved[name], want, rtol=1e-5, atol=1e-5, msg=lambda m: f"{name}: {m}")
