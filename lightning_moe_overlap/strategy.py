@@ -353,8 +353,6 @@ class MoEOverlapStrategy(ParallelStrategy):
         if fitting:
             self.setup_optimizers(trainer)
         self.setup_precision_plugin()
-        if self._pipeline is not None and not fitting:
-            self._pipeline.build_schedule(None, self.root_device)
         if fitting:
             pl_compat.optimizers_to_device(self.optimizers, self.root_device)
             nets = safety_nets(self._timeout.total_seconds(), self._backend())
