@@ -22,7 +22,7 @@ from torch import Tensor, nn
 from typing_extensions import override
 
 from lightning_moe_overlap.callbacks import _patch, _regions
-from lightning_moe_overlap.callbacks._attach import LayerCallback
+from lightning_moe_overlap.callbacks._attach import LayerCallback, Target, parameters_and_buffers
 from lightning_moe_overlap.callbacks.names import (
     OFFLOAD_MODULE_NAMES,
     OFFLOAD_TENSOR_NAMES,
@@ -114,22 +114,26 @@ class ActivationOffload(LayerCallback):
         self._warn_if_recomputed(trainer)
         super().on_fit_start(trainer, pl_module)
 
-    def apply(self, model: nn.Module) -> OffloadEngine:
+    def apply(self, model: Target) -> OffloadEngine:
         """Install the offload on ``model`` (after expert parallelism was applied, for the expert names).
+
+        Args:
+            model: the model, or a list of a pipeline rank's chunk modules (one engine for all of them).
 
         Returns:
             The engine (its ``stats`` count what moved).
 
         Raises:
+            TypeError: ``model`` is neither a module nor a non-empty list of modules.
             ValueError: no decoder layer recognised, or names absent from the model or of the wrong kind.
         """
-        layers = self._layers(model)
+        layers = [layer for layers in self._layers(model) for layer in layers]
         self._check_present(model, layers)
         engine = OffloadEngine(
             modules=self.modules,
             tensors=self.tensors,
             min_tensor_size=self.min_tensor_size,
-            exclude=[*model.parameters(), *model.buffers()],
+            exclude=parameters_and_buffers(model),
         )
         self.engine = engine
         for layer in layers:
@@ -138,7 +142,7 @@ class ActivationOffload(LayerCallback):
                 self._install_layer(layer.module, regions, engine)
         return engine
 
-    def _check_present(self, model: nn.Module, layers: list[Layer]) -> None:
+    def _check_present(self, model: Target, layers: list[Layer]) -> None:
         owner = "`ActivationOffload`"
         for arg, names, want_tensor in (("modules", self.modules, False), ("tensors", self.tensors, True)):
             wrong = [n for n in names if n in present_names(layers, [n]) and is_tensor_name(layers, n) != want_tensor]

@@ -19,7 +19,7 @@ from typing import Any, Literal
 from torch import nn
 
 from lightning_moe_overlap.callbacks import _patch
-from lightning_moe_overlap.callbacks._attach import Handle, LayerCallback
+from lightning_moe_overlap.callbacks._attach import Handle, LayerCallback, Target
 from lightning_moe_overlap.callbacks._checkpoint import checkpointed
 from lightning_moe_overlap.callbacks._regions import around_sdpa
 from lightning_moe_overlap.callbacks._units import LayerUnits
@@ -94,20 +94,27 @@ class SelectiveRecompute(LayerCallback):
         self.method: Literal["uniform", "block"] = method or "uniform"
         self.num_layers = num_layers
 
-    def apply(self, model: nn.Module) -> None:
+    def apply(self, model: Target) -> None:
         """Install the recompute on ``model`` (after expert parallelism was applied, for the expert names).
 
-        Raises:
-            ValueError: no decoder layer recognised, names absent from the model, or ``block`` with more layers
-                than the model has.
-        """
-        layers = self._layers(model)
-        if self.granularity == "full":
-            self._apply_full(layers)
-        else:
-            self._apply_selective(model, layers)
+        Args:
+            model: the model, or a list of a pipeline rank's chunk modules. With chunks, ``granularity="full"``
+                counts layers per chunk: ``uniform`` units never span two chunks, ``block`` recomputes the first
+                ``num_layers`` layers of each chunk (all of a chunk's layers when it has fewer), as Megatron counts
+                them per pipeline stage.
 
-    def _apply_selective(self, model: nn.Module, layers: list[Layer]) -> None:
+        Raises:
+            TypeError: ``model`` is neither a module nor a non-empty list of modules.
+            ValueError: no decoder layer recognised, names absent from the model, or ``block`` with more layers
+                than the model (every chunk) has.
+        """
+        per_part = self._layers(model)
+        if self.granularity == "full":
+            self._apply_full(per_part)
+        else:
+            self._apply_selective(model, [layer for layers in per_part for layer in layers])
+
+    def _apply_selective(self, model: Target, layers: list[Layer]) -> None:
         tensors = [n for n in self.modules if is_tensor_name(layers, n)]
         if tensors:
             raise ValueError(
@@ -142,23 +149,27 @@ class SelectiveRecompute(LayerCallback):
         done.add(key)
         self._handles.append(_checkpoint(region))
 
-    def _apply_full(self, layers: list[Layer]) -> None:
-        count = len(layers)
+    def _apply_full(self, per_part: list[list[Layer]]) -> None:
         n = self.num_layers
         if self.method == "block":
-            n = count if n is None else n
-            if n > count:
+            most = max(len(layers) for layers in per_part)
+            if n is not None and n > most:
+                where = "the model has" if len(per_part) == 1 else "the largest of its chunks has"
                 raise ValueError(
-                    f"`SelectiveRecompute`: method='block' with num_layers={n}, but the model has {count} decoder "
-                    f"layers; block recompute checkpoints the first num_layers layers. Use num_layers <= {count}."
+                    f"`SelectiveRecompute`: method='block' with num_layers={n}, but {where} {most} decoder layers; "
+                    "block recompute checkpoints the first num_layers layers (of each chunk). Use num_layers <= "
+                    f"{most}."
                 )
-            units = [[i] for i in range(n)]
-        else:
-            n = 1 if n is None else n
-            units = [list(range(i, min(i + n, count))) for i in range(0, count, n)]
-        modules = [layer.module for layer in layers]
-        for module, wrap in LayerUnits(modules, units).wrappers():
-            self._handles.append(_patch.wrap_forward(module, wrap, order=_patch.UNIT))
+        for layers in per_part:
+            count = len(layers)
+            if self.method == "block":
+                units = [[i] for i in range(count if n is None else min(n, count))]
+            else:
+                size = 1 if n is None else n
+                units = [list(range(i, min(i + size, count))) for i in range(0, count, size)]
+            modules = [layer.module for layer in layers]
+            for module, wrap in LayerUnits(modules, units).wrappers():
+                self._handles.append(_patch.wrap_forward(module, wrap, order=_patch.UNIT))
 
     def __repr__(self) -> str:
         if self.granularity == "full":

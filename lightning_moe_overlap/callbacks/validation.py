@@ -31,10 +31,17 @@ def check_names(owner: str, arg: str, names: object, valid: Sequence[str], *, re
     return tuple(dict.fromkeys(names))
 
 
-def no_layers_error(owner: str, model: nn.Module) -> ValueError:
-    """No layer of ``model`` is recognised by a spec."""
+def describe(model: nn.Module | Sequence[nn.Module]) -> str:
+    """``MoEGPT`` for a model, ``chunks [GPTChunk, GPTChunk]`` for a list of pipeline chunks."""
+    if isinstance(model, nn.Module):
+        return type(model).__name__
+    return f"chunks {[type(m).__name__ for m in model]}"
+
+
+def no_layers_error(owner: str, model: nn.Module | Sequence[nn.Module]) -> ValueError:
+    """No layer of ``model`` (or of any of its chunks) is recognised by a spec."""
     return ValueError(
-        f"{owner}: no decoder layer recognised in {type(model).__name__}; the built-in specs know this package's "
+        f"{owner}: no decoder layer recognised in {describe(model)}; the built-in specs know this package's "
         "layers (attn_norm, attn, mlp_norm, mlp) and HF v5 pre-norm layers (input_layernorm, self_attn, "
         "post_attention_layernorm, mlp). Register your layer with `register_layer_names` (docs/memory.md)."
     )
@@ -45,7 +52,7 @@ def missing_names_error(
     arg: str,
     missing: Sequence[str],
     valid_here: Iterable[str],
-    model: nn.Module,
+    model: nn.Module | Sequence[nn.Module],
     expert_names: Sequence[str],
 ) -> ValueError:
     """Names asked for that no layer of ``model`` has, with the names it does have."""
@@ -56,6 +63,6 @@ def missing_names_error(
             "`MoEOverlapStrategy` (or call `apply_expert_parallel` before `apply`)."
         )
     return ValueError(
-        f"{owner}: {arg} {list(missing)} are not in this model ({type(model).__name__}); the names present here are "
+        f"{owner}: {arg} {list(missing)} are not in this model ({describe(model)}); the names present here are "
         f"{list(valid_here)}.{hint} Drop the absent names, or map them onto your layer with `register_layer_names`."
     )
