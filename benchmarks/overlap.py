@@ -20,7 +20,9 @@ wait is timed with a :class:`CommTimer`; see ``docs/benchmarks.md`` for what eac
 Usage: ``python benchmarks/overlap.py [--ranks 2] [--hidden 1024] [--microbatches 12] [--steps 20] [--json]``
 (``--help`` lists every option). ``--simulate-ep MS`` runs one rank whose all-to-alls are loopbacks of ``MS``
 milliseconds (simulated expert parallelism on one GPU, ``simulated_ep.py``); ``--trace PATH`` then writes one
-overlapped step as a Chrome trace.
+overlapped step as a Chrome trace. ``--pp P [--vpp V] [--pipeline-schedule NAME]`` cuts the blocks into ``P * V``
+pipeline chunks and runs torch's schedule with overlap off and on, reporting the bubble per rank
+(``pipelined.py``).
 """
 
 from __future__ import annotations
@@ -45,6 +47,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch import Tensor, nn
 
+import pipelined
 from simulated_ep import attach_loopback, count_host_syncs, export_trace, make_deterministic
 
 from lightning_moe_overlap.grads import sync_gradients
@@ -54,7 +57,9 @@ from lightning_moe_overlap.moe.stats import RoutingStats, summarize
 from lightning_moe_overlap.overlap.engine import OverlapEngine
 from lightning_moe_overlap.overlap.runtime import CommRuntime, CommTimer, CommTraffic
 from lightning_moe_overlap.overlap.schedule import Task
-from lightning_moe_overlap.parallel import ParallelDims, ParallelGroups, build_groups
+from lightning_moe_overlap.config import default_schedule
+from lightning_moe_overlap.parallel import ParallelDims, ParallelDimsError, ParallelGroups, build_groups
+from lightning_moe_overlap.pipeline.schedules import validate_schedule
 
 MODES: dict[str, tuple[bool, bool]] = {  # name -> (overlap, delay_wgrad)
     "sequential": (False, False),
@@ -68,6 +73,8 @@ ALL_MODES = {**MODES, MONITOR_MODE: (True, False), **PLAIN_MODES}
 
 def modes_of(cfg: Config) -> list[str]:
     """The modes a run measures."""
+    if cfg.pp > 1:
+        return pipelined.pp_modes(cfg.schedule_name)
     return [*MODES, *([MONITOR_MODE] if cfg.monitor else []), *(PLAIN_MODES if cfg.compare_dedup else [])]
 
 
@@ -76,8 +83,11 @@ class Config:
     """One benchmark configuration (the command-line options).
 
     Attributes:
-        ranks: processes, one per GPU with ``device="cuda"``.
-        ep: expert-parallel size (default ``ranks``); the rest of the ranks is data parallel.
+        ranks: processes, one per GPU with ``device="cuda"``; ``pp x dp``.
+        ep: expert-parallel size (default ``ranks / pp``, all of dp); the rest of the dp ranks is data parallel.
+        pp: pipeline-parallel size; > 1 runs ``pipelined.py``'s modes (``layers`` divisible by ``pp * vpp``).
+        vpp: pipeline stages (chunks) per rank.
+        pipeline_schedule: ``"1f1b"``, ``"interleaved_1f1b"`` or ``"dualpipev"``; ``None``: the default at ``vpp``.
         layers: blocks of the model.
         hidden: hidden size ``D``.
         ffn: ffn size of each routed expert.
@@ -101,6 +111,9 @@ class Config:
 
     ranks: int = 2
     ep: int | None = None
+    pp: int = 1
+    vpp: int = 1
+    pipeline_schedule: str | None = None
     layers: int = 4
     hidden: int = 1024
     ffn: int = 32
@@ -124,8 +137,13 @@ class Config:
 
     @property
     def ep_size(self) -> int:
-        """The expert-parallel size (``ranks`` when ``ep`` is not set)."""
-        return self.ep or self.ranks
+        """The expert-parallel size (``ranks / pp`` when ``ep`` is not set)."""
+        return self.ep or self.ranks // self.pp
+
+    @property
+    def schedule_name(self) -> str:
+        """The pipeline schedule (``pipeline_schedule``, or the default at ``vpp``)."""
+        return self.pipeline_schedule or default_schedule(self.vpp)
 
     @property
     def backend_name(self) -> str:
@@ -340,7 +358,10 @@ def device_comm_probe(t: Trainer, cfg: Config, groups: ParallelGroups, batch: tu
 def rank_main(rank: int, cfg: Config) -> dict[str, Any]:
     """Run every mode, interleaved; return this rank's per-step records."""
     device = torch.device(f"cuda:{rank}") if cfg.device == "cuda" else torch.device("cpu")
-    groups = build_groups(ParallelDims.from_world_size(cfg.ranks, ep=cfg.ep_size), rank)
+    groups = build_groups(ParallelDims.from_world_size(cfg.ranks, pp=cfg.pp, ep=cfg.ep_size), rank)
+    if cfg.pp > 1:
+        batch = make_batch(cfg, groups.coords.dp, device)  # the ranks of one pp group share their data
+        return pipelined.rank_main(rank, cfg, groups, device, lambda: Net(cfg).to(device), batch, align)
     trainers = {mode: build_trainer(cfg, mode, groups, device) for mode in modes_of(cfg)}
     batch = make_batch(cfg, rank, device)
     records: dict[str, list[dict[str, float]]] = {mode: [] for mode in modes_of(cfg)}
@@ -468,6 +489,8 @@ def mode_summary(results: list[dict[str, Any]], mode: str) -> dict[str, Any]:
 
 def summarise(results: list[dict[str, Any]], cfg: Config) -> dict[str, Any]:
     """Every mode's figures, the sequential run's split into compute and communication, and the limit."""
+    if cfg.pp > 1:
+        return pipelined.summarise(results, cfg)
     modes = {mode: mode_summary(results, mode) for mode in modes_of(cfg)}
     seq = modes["sequential"]
     probe = results[0]["device_comm_s"]
@@ -513,6 +536,9 @@ def summarise(results: list[dict[str, Any]], cfg: Config) -> dict[str, Any]:
 def print_summary(summary: dict[str, Any]) -> None:
     """The human-readable table."""
     cfg = summary["config"]
+    if cfg["pp"] > 1:
+        pipelined.print_summary(summary)
+        return
     print(
         f"ranks={cfg['ranks']} ep={cfg['ep'] or cfg['ranks']} layers={cfg['layers']} hidden={cfg['hidden']} "
         f"ffn={cfg['ffn']} dense_ffn={cfg['dense_ffn']} experts={cfg['experts']} top_k={cfg['top_k']} "
@@ -572,7 +598,13 @@ def parse_args(argv: list[str] | None = None) -> tuple[Config, bool]:
     )
     for name, text in HELP.items():
         parser.add_argument(f"--{name.replace('_', '-')}", type=int, default=getattr(defaults, name), help=text)
-    parser.add_argument("--ep", type=int, default=None, help="expert-parallel size (None: --ranks)")
+    parser.add_argument("--ep", type=int, default=None, help="expert-parallel size (None: --ranks / --pp)")
+    parser.add_argument("--pp", type=int, default=defaults.pp, help="pipeline-parallel size (--ranks = pp x dp)")
+    parser.add_argument("--vpp", type=int, default=defaults.vpp, help="pipeline stages (chunks) per rank")
+    parser.add_argument(
+        "--pipeline-schedule", default=None, choices=pipelined.SCHEDULES,
+        help="with --pp > 1: torch's schedule (None: 1f1b at --vpp 1, interleaved_1f1b above)",
+    )
     parser.add_argument("--dispatcher", default=defaults.dispatcher, choices=("alltoall", "allgather", "flex"))
     parser.add_argument("--device", default=defaults.device, choices=("cpu", "cuda"))
     parser.add_argument("--backend", default=None, help="process-group backend (None: gloo on CPU, nccl on CUDA)")
@@ -597,7 +629,40 @@ def parse_args(argv: list[str] | None = None) -> tuple[Config, bool]:
         args.update(ranks=1, ep=1)
     if args["compare_dedup"]:
         args["dedup"] = True
-    return Config(**args), as_json
+    cfg = Config(**args)
+    if cfg.pp != 1 or cfg.vpp != 1 or cfg.pipeline_schedule is not None:
+        problem = pipeline_problem(cfg)
+        if problem:
+            parser.error(problem)
+    return cfg, as_json
+
+
+def pipeline_problem(cfg: Config) -> str | None:
+    """Why the pipeline options of ``cfg`` cannot run (the values, the rule, the fix); ``None`` if they can."""
+    if cfg.pp < 1 or cfg.vpp < 1:
+        return f"--pp {cfg.pp} / --vpp {cfg.vpp}: both must be >= 1."
+    if cfg.pp == 1:
+        return f"--vpp {cfg.vpp} / --pipeline-schedule {cfg.pipeline_schedule} need --pp >= 2, got --pp 1."
+    extras = [flag for flag, on in (("--simulate-ep", cfg.simulate_ep_ms > 0), ("--monitor", cfg.monitor),
+                                    ("--compare-dedup", cfg.compare_dedup)) if on]
+    if extras:
+        return f"--pp {cfg.pp} measures overlap off and on only; drop {', '.join(extras)} or use --pp 1."
+    if cfg.device != "cpu":
+        return f"--pp {cfg.pp} runs on CPU (gloo) only so far; use --device cpu or --pp 1."
+    if cfg.layers % (cfg.pp * cfg.vpp):
+        return (
+            f"--layers {cfg.layers} must split evenly into pp * vpp = {cfg.pp * cfg.vpp} chunks; use a multiple "
+            f"of {cfg.pp * cfg.vpp}."
+        )
+    try:
+        ParallelDims.from_world_size(cfg.ranks, pp=cfg.pp, ep=cfg.ep_size)
+        validate_schedule(
+            cfg.schedule_name, pp=cfg.pp, vpp=cfg.vpp, num_microbatches=cfg.microbatches,
+            overlap=cfg.schedule_name != "1f1b",
+        )
+    except (ParallelDimsError, ValueError, NotImplementedError) as err:
+        return str(err)
+    return None
 
 
 def _cpu_times() -> tuple[int, int] | None:
