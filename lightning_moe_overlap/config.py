@@ -25,6 +25,9 @@ EXPERT_BACKENDS: tuple[str, ...] = get_args(ExpertBackend)
 CHECKPOINT_FORMATS: tuple[str, ...] = get_args(CheckpointFormat)
 PIPELINE_SCHEDULES: tuple[str, ...] = get_args(PipelineSchedule)
 PAIRED_SCHEDULES: tuple[str, ...] = ("interleaved_1f1b", "dualpipev")  # those with a forward / backward pair
+# Overlapped by default at pp > 1: interleaved 1F1B's pairs hold back their sends until both halves end, which
+# makes the pp ranks take turns (docs/benchmarks.md, "Pipeline parallelism"), so it overlaps only when asked.
+OVERLAP_BY_DEFAULT: tuple[str, ...] = ("dualpipev",)
 
 
 def default_schedule(vpp: int | None) -> str:
@@ -36,11 +39,11 @@ def resolve_overlap(
     overlap: bool | None, num_microbatches: object, *, pp: object = 1, schedule: str | None = None
 ) -> bool:
     """``overlap=None`` (the strategy's default) means on whenever there is a second micro-batch to overlap with
-    and, at ``pp > 1``, a schedule that pairs a forward with a backward on one rank (``PAIRED_SCHEDULES``)."""
+    and, at ``pp > 1``, the schedule is one whose pairs keep the pipeline busy (``OVERLAP_BY_DEFAULT``)."""
     if overlap is not None:
         return overlap
     several = isinstance(num_microbatches, int) and not isinstance(num_microbatches, bool) and num_microbatches > 1
-    return several and (pp == 1 or schedule in PAIRED_SCHEDULES)
+    return several and (pp == 1 or schedule in OVERLAP_BY_DEFAULT)
 
 
 @dataclass(frozen=True)

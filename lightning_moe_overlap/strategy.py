@@ -92,8 +92,8 @@ class MoEOverlapStrategy(ParallelStrategy):
         overlap: Run the forward of micro-batch ``i+1`` and the backward of micro-batch ``i`` as two contexts that
             hand over at every all-to-all, so one's communication hides behind the other's compute (at ``pp > 1``:
             each forward / backward pair of the pipeline schedule). None (the default) turns it on whenever
-            ``num_microbatches > 1`` and, at ``pp > 1``, the schedule has such pairs (``interleaved_1f1b``,
-            ``dualpipev``).
+            ``num_microbatches > 1``, at ``pp > 1`` only for ``dualpipev``: ``interleaved_1f1b`` overlaps when
+            asked, but its pairs make the pp ranks take turns (docs/pipeline.md).
         delay_wgrad: Queue expert weight-gradient GEMMs during backward and run them while the next all-to-all
             is in flight.
         num_microbatches: Micro-batches per optimizer step; each batch from the dataloader is split evenly along
@@ -224,6 +224,12 @@ class MoEOverlapStrategy(ParallelStrategy):
                 "(from `configure_model` on); it was accessed before."
             )
         return self._groups
+
+    @property
+    def pipeline_chunks(self) -> list[Module] | None:
+        """At ``pp > 1``, the chunks of the model this rank holds (from ``setup`` on), in virtual-stage order; None at
+        ``pp = 1``. The memory callbacks attach to them."""
+        return None if self._pipeline is None else self._pipeline.held_chunks
 
     @property
     def is_distributed(self) -> bool:

@@ -42,7 +42,9 @@ class LayerCallback(Callback):
 
     @override
     def on_fit_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
-        self.apply(pl_module)
+        """Attach to the module, or at ``pp > 1`` to the chunks this rank holds (``strategy.pipeline_chunks``)."""
+        chunks = getattr(trainer.strategy, "pipeline_chunks", None)
+        self.apply(list(chunks) if chunks else pl_module)
 
     @override
     def teardown(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:

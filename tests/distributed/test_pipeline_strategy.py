@@ -26,7 +26,7 @@ import pytest
 import torch
 from lightning.pytorch import Callback, Trainer, seed_everything
 
-from lightning_moe_overlap import MoEOverlapStrategy
+from lightning_moe_overlap import MoEOverlapStrategy, SelectiveRecompute
 from lightning_moe_overlap.demo import MoEGPT, SyntheticTokens
 from lightning_moe_overlap.demo_hf import HFMoECausalLM
 from lightning_moe_overlap.pipeline.split import seeded_init
@@ -98,14 +98,29 @@ class Record(Callback):
 def fit(kind: str, schedule: str, vpp: int, overlap: bool, validate: bool, save_to: str | None = None) -> dict:
     model = build(kind)
     record = Record()
+    # recompute attached by the Trainer to this rank's chunks (its values are the oracle's: recompute is exact)
+    recompute = SelectiveRecompute(modules=["moe_act"]) if schedule == "dualpipev" else None
     strategy = MoEOverlapStrategy(
         ep=EP, pp=PP, vpp=vpp, pipeline_schedule=schedule, overlap=overlap, num_microbatches=M, timeout=120
     )
     trainer = Trainer(
         accelerator="cpu", devices=WORLD, strategy=strategy, max_steps=STEPS, limit_train_batches=STEPS,
         limit_val_batches=1 if validate else 0, num_sanity_val_steps=0, gradient_clip_val=CLIP, logger=False,
-        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False, callbacks=[record],
+        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+        callbacks=[record] + ([recompute] if recompute else []),
     )  # fmt: skip
+    attached: list[tuple[int, int]] = []  # (handles the Trainer's callback installed, those apply(chunks) installs)
+
+    def count_handles() -> None:  # runs after on_fit_start attached the callback
+        probe = SelectiveRecompute(modules=["moe_act"])
+        counts = []
+        probe.apply(list(strategy.pipeline_chunks))
+        counts.append(len(probe._handles))
+        probe.remove()
+        attached.append((len(recompute._handles), *counts))
+
+    if recompute is not None:
+        model.on_train_start = count_handles
     trainer.fit(model, datamodule=SyntheticTokens(**DATA))
     full = None
     if save_to is not None:
@@ -122,6 +137,8 @@ def fit(kind: str, schedule: str, vpp: int, overlap: bool, validate: bool, save_
         "val_batches": record.val_batches,
         "metrics": {k: float(v) for k, v in trainer.callback_metrics.items()},
         "full": full,
+        "recompute_handles": attached,
+        "chunks": None if strategy.pipeline_chunks is None else len(strategy.pipeline_chunks),
     }
 
 
@@ -226,6 +243,10 @@ def test_pipeline_runs_match_the_unsplit_model(results: list[dict]) -> None:
                 want = _expert_slice(pname, ref_params[pname], got, run["coords"][2])
                 torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5, msg=lambda m: f"{name} {pname}: {m}")
                 seen.add(pname)
+            assert run["chunks"] == (1 if name == "1f1b" else 2), (name, rank, run["chunks"])
+            if name == "dualpipev":
+                installed, on_chunks = run["recompute_handles"][0]
+                assert installed == on_chunks > 0, run["recompute_handles"]  # what apply(held chunks) installs
             assert set(run["meta"]).isdisjoint(run["params"])
             assert run["meta"], (name, rank)  # the other pp rank's chunks are not allocated here
         assert seen == set(ref_params), (name, set(ref_params) - seen)  # every parameter is trained somewhere

@@ -109,15 +109,17 @@ def test_validation_torch_version_rule():
 
 
 def test_overlap_default_follows_the_schedule():
-    """None: on with several micro-batches, at pp > 1 only with a schedule that pairs a forward with a backward."""
+    """None: on with several micro-batches; at pp > 1 only with DualPipeV (interleaved 1F1B's pairs make the pp
+    ranks take turns, so it overlaps only when asked)."""
     assert OverlapConfig(overlap=None, num_microbatches=2).overlap is True
     assert OverlapConfig(overlap=None, num_microbatches=1).overlap is False
     assert OverlapConfig(overlap=None, pp=2, num_microbatches=4).overlap is False  # 1f1b
-    assert OverlapConfig(overlap=None, pp=2, vpp=2, num_microbatches=4).overlap is True  # interleaved_1f1b
+    assert OverlapConfig(overlap=None, pp=2, vpp=2, num_microbatches=4).overlap is False  # interleaved_1f1b
+    assert OverlapConfig(overlap=None, pp=2, vpp=2, num_microbatches=4, pipeline_schedule="dualpipev").overlap
     zero_bubble = OverlapConfig(overlap=None, pp=2, vpp=2, num_microbatches=4, pipeline_schedule="zero_bubble")
     assert zero_bubble.overlap is False
     layout = OverlapConfig(overlap=None, pp=2, num_microbatches=4, pipeline_layout="Et|t|t|tL")
-    assert (layout.resolved_vpp, layout.resolved_schedule, layout.overlap) == (2, "interleaved_1f1b", True)
+    assert (layout.resolved_vpp, layout.resolved_schedule, layout.overlap) == (2, "interleaved_1f1b", False)
     assert OverlapConfig(overlap=None, pp=2, pipeline_layout="Et)").overlap is False  # reported by validation
 
 
