@@ -69,6 +69,12 @@ def default_store() -> dist.Store:
     return distributed_c10d._get_default_store()
 
 
+def flatten_mesh(mesh: Any, name: str) -> Any:
+    """``DeviceMesh._flatten``: a 1-D view of the dimensions of ``mesh`` (a slice of a root mesh), registered on the
+    root under ``name`` so that ``root[name]`` returns it; the ranks keep their row-major order."""
+    return mesh._flatten(name)
+
+
 class Float32Buffers(nn.Module):
     """A module whose buffers named in ``float32_buffers`` stay float32 through ``.to(dtype)``, ``.half()``,
     ``.bfloat16()``: it extends ``torch.nn.Module._apply``, the method every such conversion goes through."""

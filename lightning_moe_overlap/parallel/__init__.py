@@ -1,6 +1,17 @@
-"""Parallel sizes, rank layout and process groups."""
+"""Parallel sizes, rank layout, process groups and the device mesh."""
 
 from lightning_moe_overlap.parallel.dims import ParallelDims, ParallelDimsError, RankCoords
 from lightning_moe_overlap.parallel.groups import ParallelGroups, build_groups
+from lightning_moe_overlap.parallel.mesh import MeshLayout, ParallelMesh, build_mesh, mesh_layout
 
-__all__ = ["ParallelDims", "ParallelDimsError", "ParallelGroups", "RankCoords", "build_groups"]
+__all__ = [
+    "MeshLayout",
+    "ParallelDims",
+    "ParallelDimsError",
+    "ParallelGroups",
+    "ParallelMesh",
+    "RankCoords",
+    "build_groups",
+    "build_mesh",
+    "mesh_layout",
+]

@@ -1,4 +1,5 @@
-"""build_groups on real gloo ranks: every rank lands in the groups the pure layout says, and they communicate."""
+"""build_groups and build_mesh on real gloo ranks: every rank lands in the groups the pure layout says, they
+communicate, and each 1-D view of the mesh has exactly the members of the group of the same kind."""
 
 from __future__ import annotations
 
@@ -7,12 +8,13 @@ import torch.distributed as dist
 
 from lightning_moe_overlap.parallel import ParallelDims, build_groups
 from lightning_moe_overlap.parallel.dims import GROUP_KINDS
+from lightning_moe_overlap.parallel.mesh import build_mesh
 from tests.helpers.distributed import run_distributed
 
 SHAPES = {  # world -> list of (tp, pp, cp, ep)
     1: [(1, 1, 1, 1)],
-    4: [(1, 1, 1, 2), (2, 1, 1, 2), (1, 2, 1, 2), (1, 1, 2, 4)],
-    8: [(2, 1, 2, 2), (1, 2, 1, 4), (2, 2, 1, 2), (1, 1, 1, 8)],
+    4: [(1, 1, 1, 2), (2, 1, 1, 2), (1, 2, 1, 2), (1, 1, 2, 4), (1, 1, 2, 1)],
+    8: [(2, 1, 2, 2), (1, 2, 1, 4), (2, 2, 1, 2), (1, 1, 1, 8), (1, 1, 2, 4)],
 }
 
 
@@ -49,19 +51,39 @@ def _worker_groups(rank: int, world: int, shapes: list[tuple[int, int, int, int]
             assert total.item() == float(sum(expected)), (kind, rank)
             checked += 1
         assert groups.coords == dims.coords(rank)
+        checked += _check_mesh(dims, rank, groups)
     return checked
 
 
+def _check_mesh(dims: ParallelDims, rank: int, groups) -> int:
+    """The mesh's view of each kind has the members of that kind's group, and this rank's index in it is its
+    coordinate there; one all-reduce over the flattened views proves they connect those ranks."""
+    mesh = build_mesh(dims, "cpu")
+    coords = dims.coords(rank)
+    for kind in GROUP_KINDS:
+        view = mesh[kind]
+        members = dist.get_process_group_ranks(view.get_group())
+        assert members == dist.get_process_group_ranks(getattr(groups, kind)), (kind, rank, dims, members)
+        assert view.mesh.tolist() == members, (kind, rank, view)
+        expected = coords.dp * dims.cp + coords.cp if kind == "dp_cp" else getattr(coords, kind)
+        assert view.get_local_rank() == expected, (kind, rank, dims)
+    for kind in ("dp_cp", "ep", "edp"):  # the views the sharding uses
+        total = torch.tensor([float(rank)])
+        dist.all_reduce(total, group=mesh.group(kind))
+        assert total.item() == float(sum(dims.group_of(kind, rank))), (kind, rank, dims)
+    return 1
+
+
 def test_groups_single_process():
-    assert run_distributed(_worker_groups, 1, SHAPES[1]) == [len(GROUP_KINDS)]
+    assert run_distributed(_worker_groups, 1, SHAPES[1]) == [len(GROUP_KINDS) + 1]
 
 
 def test_groups_four_ranks():
-    assert run_distributed(_worker_groups, 4, SHAPES[4]) == [4 * len(GROUP_KINDS)] * 4
+    assert run_distributed(_worker_groups, 4, SHAPES[4]) == [5 * (len(GROUP_KINDS) + 1)] * 4
 
 
 def test_groups_eight_ranks():
-    assert run_distributed(_worker_groups, 8, SHAPES[8], timeout_s=120) == [4 * len(GROUP_KINDS)] * 8
+    assert run_distributed(_worker_groups, 8, SHAPES[8], timeout_s=120) == [5 * (len(GROUP_KINDS) + 1)] * 8
 
 
 def _worker_wrong_world(rank: int, world: int) -> None:

@@ -123,6 +123,24 @@ def test_default_store(tmp_path) -> None:
             dist.destroy_process_group()
 
 
+def test_flatten_mesh(tmp_path) -> None:
+    from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+    name, function = "torch.distributed.device_mesh.DeviceMesh._flatten", "flatten_mesh"
+    _require(DeviceMesh, "_flatten", name, function)
+    owned = not dist.is_initialized()
+    if owned:
+        dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1)
+    try:
+        mesh = init_device_mesh("cpu", (1, 1, 1), mesh_dim_names=("a", "b", "c"))
+        flat = torch_compat.flatten_mesh(mesh["b", "c"], "bc")
+        assert flat.mesh_dim_names == ("bc",) and flat.ndim == 1, _broken(name, function, f"returned {flat}")
+        assert dist.get_process_group_ranks(flat.get_group()) == [0], _broken(name, function, "has no group")
+    finally:
+        if owned:
+            dist.destroy_process_group()
+
+
 def test_module_apply_keeps_float32_buffers() -> None:
     name, function = "torch.nn.Module._apply", "Float32Buffers"
     assert "_apply" in vars(nn.Module), _broken(name, function)
