@@ -224,7 +224,10 @@ def _move(owner: nn.Module, name: str, tensor: Tensor, device: torch.device) -> 
         )
     with torch.no_grad():
         moved = tensor.to(device)
-    if isinstance(tensor, nn.Parameter):
+    if device.type != "meta":  # between devices: the same object, so references to it stay valid (as Module.to)
+        tensor.data = moved
+        return
+    if isinstance(tensor, nn.Parameter):  # to meta a tensor cannot keep its object: a meta one replaces it
         owner.register_parameter(name, nn.Parameter(moved, requires_grad=tensor.requires_grad))
     else:
         owner.register_buffer(name, moved, persistent=name not in _non_persistent(owner))
