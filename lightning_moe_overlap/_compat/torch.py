@@ -131,6 +131,12 @@ def lowered_pipeline_order(schedule: Any) -> dict[int, list[Any]]:
     return schedule.pipeline_order_with_comms
 
 
+def set_lowered_pipeline_actions(schedule: Any, rank: int, actions: list[Any]) -> None:
+    """Replace rank ``rank``'s runtime order, with send/recv actions
+    (``_PipelineScheduleRuntime.pipeline_order_with_comms[rank]``)."""
+    schedule.pipeline_order_with_comms[rank] = list(actions)
+
+
 def pipeline_stages(schedule: Any) -> list[Any]:
     """This rank's ``PipelineStage`` objects of a multi-stage schedule (``_stages``)."""
     return list(schedule._stages)

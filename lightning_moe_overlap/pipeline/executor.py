@@ -3,16 +3,24 @@
 torch's runtime walks this rank's lowered order (compute, send and receive actions). For an ``OVERLAP_F_B`` action
 it calls the handler registered here, which does for each sub-action what torch's own ``_perform_action`` does:
 
-1. in the calling thread, wait for the receives the two sub-actions need (the forward's activations unless its
-   stage is the first or the previous stage is on this rank, the backward's gradients unless its stage is the
-   last or the next one is on this rank) and count the backward (the step's last backward of a stage is marked);
+1. count the backward (the step's last backward of a stage is marked); the receives the two sub-actions need (the
+   forward's activations unless its stage is the first or the previous stage is on this rank, the backward's
+   gradients unless its stage is the last or the next one is on this rank) are waited inside each task, as a comm
+   point: the task hands the baton to the other one first, which computes while the data is in flight;
 2. run the forward sub-action (``forward_one_chunk``, the loss on the last stage, the output handed to a next
    stage on this rank) and the backward sub-action (``backward_one_chunk``, the input gradients handed to a
    previous stage on this rank) as :meth:`~lightning_moe_overlap.overlap.engine.EngineStep.run_pair`: two
    contexts that hand the baton over at every comm point of the chunks (each EP all-to-all), backward first.
 
-Sends stay separate actions of torch's order, after the pair. Every other action (a lone forward or backward,
-input / weight halves of a split backward, sends, receives, gradient reduction) is torch's own.
+3. the sends torch's lowering placed right after the pair (the forward's output to the next stage, the backward's
+   input gradients to the previous one) are taken out of its order and issued from inside the pair, as soon as
+   the sub-action that produces them has run, in their order (:class:`_PairSends`): a peer waiting for the
+   forward's output no longer waits for the pair's backward too. Without it, interleaved 1F1B's rewritten steady
+   state makes the pp ranks take turns (each pair needs what the other rank's previous pair sends). The sends'
+   works are waited at the end of the step, as torch waits its own.
+
+Every other action (a lone forward or backward, input / weight halves of a split backward, sends after them,
+receives, gradient reduction) is torch's own.
 
 With ``overlap=False`` nothing is registered: the schedule runs exactly as torch runs it, the oracle that the
 overlapped step must match bitwise.
@@ -23,8 +31,11 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+import torch.distributed as dist
+
 from lightning_moe_overlap._compat import torch as torch_compat
 from lightning_moe_overlap.overlap.engine import EngineStep, OverlapEngine
+from lightning_moe_overlap.overlap.runtime import CommRuntime
 from lightning_moe_overlap.overlap.schedule import Role, Task
 
 
@@ -44,6 +55,8 @@ class PipelineExecutor:
         self.schedule = schedule
         self.engine = engine
         self._step: EngineStep | None = None
+        self._pair_sends: dict[str, list[Any]] = {}  # str(pair action) -> the sends taken out of torch's order
+        self._works: list[Any] = []  # this step's sends issued from inside pairs
         if self.overlap:
             if not hasattr(schedule, "register_custom_function"):
                 raise TypeError(
@@ -51,6 +64,7 @@ class PipelineExecutor:
                     "Use a multi-stage schedule (`interleaved_1f1b`, `dualpipev`) or an engine with overlap=False."
                 )
             torch_compat.register_pipeline_action(schedule, "OVERLAP_F_B", self._overlap_f_b)
+            self._take_pair_sends()
 
     @property
     def overlap(self) -> bool:
@@ -70,13 +84,36 @@ class PipelineExecutor:
         with self.engine.step() as engine_step:
             self._step = engine_step
             try:
-                return self.schedule.step(*args, target=target, losses=losses)
+                output = self.schedule.step(*args, target=target, losses=losses)
+                while self._works:
+                    self._works.pop(0).wait()
+                return output
             except RuntimeError as err:
                 if "failed to run forward" not in str(err):
                     raise
                 raise _unwrapped(err, "in the forward of a pipeline stage") from None
             finally:
                 self._step = None
+                self._works = []
+
+    def _take_pair_sends(self) -> None:
+        """Move the sends that follow each pair in torch's lowered order into the pair (module docstring, 3)."""
+        stages = torch_compat.pipeline_stages(self.schedule)
+        rank = stages[0].group_rank
+        kept: list[Any] = []
+        pair: Any = None
+        for action in torch_compat.lowered_pipeline_order(self.schedule)[rank]:
+            kind = torch_compat.action_kind(action)
+            if kind == "OVERLAP_F_B":
+                pair = action
+                self._pair_sends[str(action)] = []
+            elif pair is not None and kind in ("SEND_F", "SEND_B") and _produced_by(pair, action):
+                self._pair_sends[str(pair)].append(action)
+                continue
+            elif kind not in ("SEND_F", "SEND_B", "RECV_F", "RECV_B"):
+                pair = None  # a compute action: the sends after it are its own
+            kept.append(action)
+        torch_compat.set_lowered_pipeline_actions(self.schedule, rank, kept)
 
     # -- the OVERLAP_F_B handler -------------------------------------------------------------------------------
     def _overlap_f_b(self, action: Any, ctx: Any) -> None:
@@ -95,8 +132,10 @@ class PipelineExecutor:
             )
         schedule = ctx.schedule_ref
         stages = {stage.stage_index: stage for stage in torch_compat.pipeline_stages(schedule)}
-        forward_fn = _forward_work(schedule, stages, forward_action, ctx)
-        backward_fn = _backward_work(schedule, stages, backward_action)
+        sends = _PairSends(stages, self._pair_sends.get(str(action), []), self._works)
+        runtime = self.engine.runtime  # the pair's baton is installed in it
+        forward_fn = _then(_forward_work(schedule, stages, forward_action, ctx, runtime), sends.ready, "SEND_F")
+        backward_fn = _then(_backward_work(schedule, stages, backward_action, runtime), sends.ready, "SEND_B")
         step.run_pair(
             Task(Role.FORWARD, forward_action.microbatch_index, forward_action.stage_index),
             forward_fn,
@@ -105,15 +144,53 @@ class PipelineExecutor:
         )
 
 
-def _forward_work(schedule: Any, stages: dict[int, Any], action: Any, ctx: Any) -> Callable[[], None]:
+def _produced_by(pair: Any, send: Any) -> bool:
+    """Whether ``send`` sends what a sub-action of ``pair`` produces (same stage and micro-batch, matching kind)."""
+    forward, backward = pair.sub_actions
+    source = forward if torch_compat.action_kind(send) == "SEND_F" else backward
+    return (send.stage_index, send.microbatch_index) == (source.stage_index, source.microbatch_index)
+
+
+class _PairSends:
+    """A pair's sends in torch's order, each issued once the sub-action producing it has run, none before an earlier
+    one: point-to-point messages between two ranks are matched in the order they are posted."""
+
+    def __init__(self, stages: dict[int, Any], sends: list[Any], works: list[Any]) -> None:
+        self.stages, self.pending, self.works = stages, list(sends), works
+        self.done: set[str] = set()
+
+    def ready(self, kind: str) -> None:
+        self.done.add(kind)
+        while self.pending and torch_compat.action_kind(self.pending[0]) in self.done:
+            send = self.pending.pop(0)
+            stage, mb = self.stages[send.stage_index], send.microbatch_index
+            forward = torch_compat.action_kind(send) == "SEND_F"
+            ops = stage.get_fwd_send_ops(mb) if forward else stage.get_bwd_send_ops(mb)
+            if ops:
+                self.works.extend(dist.batch_isend_irecv(ops))
+
+
+def _then(work: Callable[[], None], ready: Callable[[str], None], kind: str) -> Callable[[], None]:
+    def run() -> None:
+        work()
+        ready(kind)
+
+    return run
+
+
+def _forward_work(
+    schedule: Any, stages: dict[int, Any], action: Any, ctx: Any, runtime: CommRuntime
+) -> Callable[[], None]:
     index, mb = action.stage_index, action.microbatch_index
     stage = stages[index]
-    if not stage.is_first and index - 1 not in stages:
-        torch_compat.wait_pipeline_recv(schedule, "forward", index, mb)
+    receives = not stage.is_first and index - 1 not in stages
     args = ctx.arg_mbs[mb] if ctx.arg_mbs is not None else ()
     kwargs = ctx.kwarg_mbs[mb] if ctx.kwarg_mbs is not None else {}
 
     def run() -> None:
+        if receives:  # a comm point: the other task computes while the activations are in flight
+            runtime.handoff()
+            torch_compat.wait_pipeline_recv(schedule, "forward", index, mb)
         try:
             output = stage.forward_one_chunk(mb, args, kwargs)
         except RuntimeError as err:  # torch wraps the model's error as "[Stage i] failed to run forward"
@@ -125,15 +202,17 @@ def _forward_work(schedule: Any, stages: dict[int, Any], action: Any, ctx: Any) 
     return run
 
 
-def _backward_work(schedule: Any, stages: dict[int, Any], action: Any) -> Callable[[], None]:
+def _backward_work(schedule: Any, stages: dict[int, Any], action: Any, runtime: CommRuntime) -> Callable[[], None]:
     index, mb = action.stage_index, action.microbatch_index
     stage = stages[index]
-    if not stage.is_last and index + 1 not in stages:
-        torch_compat.wait_pipeline_recv(schedule, "backward", index, mb)
+    receives = not stage.is_last and index + 1 not in stages
     loss = torch_compat.pipeline_loss(schedule, stage, mb)
     last_backward = torch_compat.count_pipeline_backward(schedule, index)
 
     def run() -> None:
+        if receives:  # a comm point: the other task computes while the gradients are in flight
+            runtime.handoff()
+            torch_compat.wait_pipeline_recv(schedule, "backward", index, mb)
         stage.backward_one_chunk(mb, loss=loss, full_backward=True, last_backward=last_backward)
         if index - 1 in stages:  # the previous stage is on this rank: hand the input gradients over
             stages[index - 1].set_local_bwd_input(stage.get_local_bwd_output(mb), mb)

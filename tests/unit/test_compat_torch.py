@@ -229,6 +229,9 @@ def test_the_runtime_order_and_losses_an_overlap_handler_uses() -> None:
     before = [str(a) for a in torch_compat.lowered_pipeline_order(schedule)[1]]
     torch_compat.relower_pipeline_order(schedule, schedule.pipeline_order)
     assert [str(a) for a in torch_compat.lowered_pipeline_order(schedule)[1]] == before
+    kept = [a for a in torch_compat.lowered_pipeline_order(schedule)[1] if torch_compat.action_kind(a) != "SEND_F"]
+    torch_compat.set_lowered_pipeline_actions(schedule, 1, kept)
+    assert [str(a) for a in torch_compat.lowered_pipeline_order(schedule)[1]] == [str(a) for a in kept] != before
     targets = [torch.full((2,), float(i)) for i in range(4)]
     torch_compat.compute_pipeline_loss(schedule, stages[1], torch.ones(2), targets, 0)
     torch_compat.compute_pipeline_loss(schedule, stages[0], torch.ones(2), targets, 1)  # not the last stage: no loss
