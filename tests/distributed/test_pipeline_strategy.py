@@ -1,9 +1,9 @@
 """``Trainer(strategy=MoEOverlapStrategy(pp=2, vpp=2, ep=2))`` on 4 gloo ranks (dp=2), ``MoEGPT`` with 4 layers.
 
 One spawn, several fits on the same processes:
-- interleaved 1F1B, overlap on vs off: parameters after the steps ``torch.equal`` on every rank (the paired tasks
-  run on the engine's threads, the lone ones on the caller's; DualPipeV's pairs are checked bitwise at library level
-  in test_pipeline_overlap.py);
+- overlap on vs off under the same schedule, parameters after the steps ``torch.equal`` on every rank: interleaved
+  1F1B and DualPipeV (with ``SelectiveRecompute`` attached by the Trainer to each rank's chunks) on ``MoEGPT``, and
+  interleaved 1F1B on HF Qwen3-MoE;
 - those runs and plain 1F1B (vpp=1) against a single-process run of the unsplit model on the same global batches
   (the batches each rank saw, recorded): per-step losses within 1e-5, parameters allclose, with gradient clipping
   by the global norm (across pp, ep and dp) active;
@@ -40,10 +40,13 @@ DATA = dict(vocab_size=32, seq_len=6, batch_size=B, num_samples=64)
 RUNS = (  # (name, model, schedule, vpp, overlap)
     ("interleaved", "gpt", "interleaved_1f1b", 2, True),
     ("interleaved-off", "gpt", "interleaved_1f1b", 2, False),
-    ("dualpipev", "gpt", "dualpipev", 2, True),  # its overlap vs torch alone: bitwise in test_pipeline_overlap.py
+    ("dualpipev", "gpt", "dualpipev", 2, True),
+    ("dualpipev-off", "gpt", "dualpipev", 2, False),
     ("1f1b", "gpt-meta", "1f1b", 1, False),  # built on meta: each rank initialises only its own chunks
     ("hf-interleaved", "qwen3_moe", "interleaved_1f1b", 2, True),
+    ("hf-interleaved-off", "qwen3_moe", "interleaved_1f1b", 2, False),
 )
+PAIRS = (("interleaved", "interleaved-off"), ("dualpipev", "dualpipev-off"), ("hf-interleaved", "hf-interleaved-off"))
 
 
 class SGDGPT(MoEGPT):
@@ -99,7 +102,7 @@ def fit(kind: str, schedule: str, vpp: int, overlap: bool, validate: bool, save_
     model = build(kind)
     record = Record()
     # recompute attached by the Trainer to this rank's chunks (its values are the oracle's: recompute is exact)
-    recompute = SelectiveRecompute(modules=["moe_act"]) if schedule == "dualpipev" else None
+    recompute = SelectiveRecompute(modules=["moe_act"]) if schedule == "dualpipev" else None  # on and off alike
     strategy = MoEOverlapStrategy(
         ep=EP, pp=PP, vpp=vpp, pipeline_schedule=schedule, overlap=overlap, num_microbatches=M, timeout=120
     )
@@ -215,7 +218,7 @@ def _expert_slice(name: str, ref: torch.Tensor, got: torch.Tensor, ep_rank: int)
 
 def test_overlap_on_equals_off_bitwise_on_every_rank(results: list[dict]) -> None:
     for rank, runs in enumerate(results):
-        for on, off in (("interleaved", "interleaved-off"),):
+        for on, off in PAIRS:
             assert runs[on]["losses"] == runs[off]["losses"], (rank, on)
             assert runs[on]["params"].keys() == runs[off]["params"].keys()
             for name, p in runs[on]["params"].items():
@@ -244,7 +247,7 @@ def test_pipeline_runs_match_the_unsplit_model(results: list[dict]) -> None:
                 torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5, msg=lambda m: f"{name} {pname}: {m}")
                 seen.add(pname)
             assert run["chunks"] == (1 if name == "1f1b" else 2), (name, rank, run["chunks"])
-            if name == "dualpipev":
+            if name.startswith("dualpipev"):
                 installed, on_chunks = run["recompute_handles"][0]
                 assert installed == on_chunks > 0, run["recompute_handles"]  # what apply(held chunks) installs
             assert set(run["meta"]).isdisjoint(run["params"])
