@@ -24,9 +24,9 @@ START_METHODS: tuple[str, ...] = get_args(StartMethod)
 EXPERT_BACKENDS: tuple[str, ...] = get_args(ExpertBackend)
 CHECKPOINT_FORMATS: tuple[str, ...] = get_args(CheckpointFormat)
 PIPELINE_SCHEDULES: tuple[str, ...] = get_args(PipelineSchedule)
-PAIRED_SCHEDULES: tuple[str, ...] = ("interleaved_1f1b", "dualpipev")  # those with a forward / backward pair
-# Overlapped by default at pp > 1: interleaved 1F1B's pairs hold back their sends until both halves end, which
-# makes the pp ranks take turns (docs/benchmarks.md, "Pipeline parallelism"), so it overlaps only when asked.
+# Overlapped by default at pp > 1: interleaved 1F1B's pairs chain the pp ranks (each needs what the other rank's
+# previous pair sends) and still leave one rank idle for a quarter of the step with overlap (docs/benchmarks.md,
+# "Pipeline parallelism"), so it overlaps only when asked.
 OVERLAP_BY_DEFAULT: tuple[str, ...] = ("dualpipev",)
 
 

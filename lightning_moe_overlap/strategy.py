@@ -428,9 +428,10 @@ class MoEOverlapStrategy(ParallelStrategy):
         assert self._loop is not None and self._pipeline is not None
         hooks = self._loop.hooks
         hooks.zero_grad(batch_idx)
-        result = self._pipeline.train_step(batch, hooks.capture_logs(), self.precision_plugin.train_step_context)
+        logs = hooks.capture_logs()
+        result = self._pipeline.train_step(batch, logs, self.precision_plugin.train_step_context)
         hooks.sync_gradients()
-        MicroBatchLogs(self.lightning_module).replay(result.logs)
+        logs.replay(result.logs)
         return result.loss
 
     @override
@@ -459,9 +460,9 @@ class MoEOverlapStrategy(ParallelStrategy):
         """The forwards of a validation / test batch through the pipeline; the mean loss on every rank (the user's
         ``validation_step`` / ``test_step`` is not called; what the loss function logs is replayed everywhere)."""
         assert self._pipeline is not None
-        module = self.lightning_module
-        result = self._pipeline.eval_step(batch, MicroBatchLogs(module), context, self.root_device)
-        MicroBatchLogs(module).replay(result.logs)
+        logs = MicroBatchLogs(self.lightning_module)
+        result = self._pipeline.eval_step(batch, logs, context, self.root_device)
+        logs.replay(result.logs)
         return result.loss
 
     def sync_gradients(self) -> None:
