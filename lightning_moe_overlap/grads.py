@@ -4,14 +4,15 @@ Scaling. Each rank backpropagates ``loss / num_microbatches`` of its own batch. 
 over the ``D = dp * cp`` data-parallel ranks, so
 
 - a dense parameter is replicated on every rank of the ``dp_cp`` group: its gradient is summed over ``dp_cp`` and
-  divided by ``D``;
+  divided by ``D`` (by ``fully_shard``: ``parallel/sharding.py``);
 - an expert parameter is replicated only over the ``edp`` group, but its local gradient already holds the
   contributions of every rank of its ``ep`` group (their tokens came to it through the all-to-all). Summing over
   ``edp`` therefore covers all ``D`` ranks, and it is divided by ``D`` as well, not by ``edp``.
 
 Norm. After the sync, dense gradients are identical on every rank of a pp stage and expert gradients differ
 between ep ranks, so ``|g|^2 = sum over the pp group of (dense^2 + sum over the ep group of expert^2)``: each pp
-rank holds different chunks of the model (at ``pp = 1`` the outer sum has one term).
+rank holds different chunks of the model (at ``pp = 1`` the outer sum has one term). Gradients that are
+``DTensor``s are read through their local shards.
 """
 
 from __future__ import annotations
@@ -24,17 +25,19 @@ from torch import Tensor
 from torch.distributed import ProcessGroup
 
 from lightning_moe_overlap._compat import torch as torch_compat
+from lightning_moe_overlap.parallel.dtensors import local
 
 _BUCKET_BYTES = 64 << 20
 
 
 def _materialised_grads(params: Iterable[torch.nn.Parameter]) -> list[Tensor]:
-    """Gradients of ``params``; a missing one becomes zeros so every rank reduces the same buffers."""
+    """The local shards of the gradients of ``params``; a missing one becomes zeros so every rank reduces the same
+    buffers."""
     grads = []
     for p in params:
         if p.grad is None:
             p.grad = torch.zeros_like(p)
-        grads.append(p.grad)
+        grads.append(local(p.grad))
     return grads
 
 
@@ -75,8 +78,15 @@ def sync_gradients(
     edp_group: ProcessGroup,
     dp_cp_size: int,
 ) -> None:
-    """Average dense gradients over ``dp_cp`` and expert gradients over ``edp``, both scaled by ``1/dp_cp_size``."""
+    """Average dense gradients over ``dp_cp`` and expert gradients over ``edp``, both scaled by ``1/dp_cp_size``
+    (for the layers used without the strategy, whose dense gradients go through ``fully_shard`` instead)."""
     allreduce_mean(_materialised_grads(dense), dp_cp_group, dp_cp_size)
+    sync_expert_gradients(expert, edp_group=edp_group, dp_cp_size=dp_cp_size)
+
+
+def sync_expert_gradients(expert: Sequence[torch.nn.Parameter], *, edp_group: ProcessGroup, dp_cp_size: int) -> None:
+    """Average expert gradients over ``edp``, scaled by ``1/dp_cp_size`` (the dense ones go through FSDP:
+    ``parallel/sharding.py``)."""
     allreduce_mean(_materialised_grads(expert), edp_group, dp_cp_size)
 
 
@@ -88,7 +98,8 @@ def _by_device_and_dtype(grads: Iterable[Tensor]) -> dict[tuple[torch.device, to
 
 
 def _present_grads(params: Iterable[torch.nn.Parameter]) -> list[Tensor]:
-    return [p.grad.detach() for p in params if p.grad is not None]
+    """The local shards of the gradients that exist."""
+    return [local(p.grad.detach()) for p in params if p.grad is not None]
 
 
 def _sum_of_squares(params: Iterable[torch.nn.Parameter], device: torch.device) -> Tensor:

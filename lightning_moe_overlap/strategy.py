@@ -46,6 +46,8 @@ from lightning_moe_overlap.overlap.engine import OverlapEngine
 from lightning_moe_overlap.overlap.failures import default_nccl_error_handling, safety_nets
 from lightning_moe_overlap.overlap.runtime import CommRuntime
 from lightning_moe_overlap.parallel import ParallelDims, ParallelGroups, build_groups
+from lightning_moe_overlap.parallel.mesh import ParallelMesh, build_mesh
+from lightning_moe_overlap.parallel.sharding import ShardedModel, replicate_mesh
 from lightning_moe_overlap.parallel.shutdown import destroy_process_groups_at_exit
 from lightning_moe_overlap.pipeline.pipelined import PipelinedModel
 from lightning_moe_overlap.precision import ExpertParallelPrecision, with_global_norm_clip
@@ -189,6 +191,9 @@ class MoEOverlapStrategy(ParallelStrategy):
         self._num_nodes = 1
         self._dims: ParallelDims | None = None
         self._groups: ParallelGroups | None = None
+        self._mesh: ParallelMesh | None = None
+        self._sharded: ShardedModel | None = None  # what `fully_shard` was applied to (parallel/sharding.py)
+        self._failed = False  # set by `on_exception`: the teardown then does no more work than it must
         self.runtime = CommRuntime(delay_wgrad=delay_wgrad)
         self._ep_model: MoEModelHandle | None = None
         self._loop: MicroBatchLoop | None = None
@@ -224,6 +229,16 @@ class MoEOverlapStrategy(ParallelStrategy):
                 "(from `configure_model` on); it was accessed before."
             )
         return self._groups
+
+    @property
+    def parallel_mesh(self) -> ParallelMesh:
+        """The ``DeviceMesh`` over the same rank layout (``parallel/mesh.py``), with a 1-D view per group kind."""
+        if self._mesh is None:
+            raise RuntimeError(
+                "`MoEOverlapStrategy.parallel_mesh` is only available from the strategy's `setup` on (after "
+                "`configure_model`); it was accessed before."
+            )
+        return self._mesh
 
     @property
     def pipeline_chunks(self) -> list[Module] | None:
@@ -341,6 +356,8 @@ class MoEOverlapStrategy(ParallelStrategy):
                     automatic_optimization=self.lightning_module.automatic_optimization,
                 )
             )
+        if self._mesh is None:
+            self._mesh = build_mesh(self.dims, self.root_device.type)
         if self._ep_model is None:
             self._ep_model = MoEModelHandle(self.model)
             dp_cp = self.dims.dp * self.dims.cp
@@ -350,12 +367,18 @@ class MoEOverlapStrategy(ParallelStrategy):
                 self._pipeline = PipelinedModel.cut(self.lightning_module, self.config, self.parallel_groups)
                 self._pipeline.place(self.root_device, seed=torch.initial_seed())
                 held = self._pipeline.held_chunks
-            self._ep_model.apply(self.config, self.parallel_groups, self.runtime, modules=held)
+            self._ep_model.apply(
+                self.config, self.parallel_groups, self.runtime, modules=held, ep_mesh=self.parallel_mesh["ep"]
+            )
             # torch's pipeline schedules divide every gradient by the micro-batch count themselves
             self._ep_model.set_aux_loss_scale(1.0 if held is not None else 1.0 / self.config.num_microbatches)
         self.precision_plugin.convert_module(self.model)
         self.model_to_device()
         self._ep_model.broadcast_replicas(self.parallel_groups)
+        if self._sharded is None:
+            roots = [self.model] if self._pipeline is None else self._pipeline.held_chunks
+            mesh = replicate_mesh(self.dims, self.root_device.type)
+            self._sharded = ShardedModel.replicate(roots, self._ep_model.expert_parameters(), mesh)
         if fitting:
             self.setup_optimizers(trainer)
         self.setup_precision_plugin()
@@ -377,6 +400,8 @@ class MoEOverlapStrategy(ParallelStrategy):
 
         def zero_grad(batch_idx: int) -> None:
             pl_compat.zero_grad(trainer, batch_idx, trainer.optimizers[0])
+            assert self._sharded is not None
+            self._sharded.begin_step()
 
         def forward(micro_batch: Any, batch_idx: int, *rest: Any) -> Any:
             with self.precision_plugin.train_step_context():
@@ -434,15 +459,23 @@ class MoEOverlapStrategy(ParallelStrategy):
         logs.replay(result.logs)
         return result.loss
 
+    def _gathered(self) -> None:
+        """At ``pp = 1`` the user's steps call the model's submodules, whose parameters ``fully_shard`` keeps
+        sharded at rest: gather them first (nothing when they already are; collective over the shard groups)."""
+        if self._sharded is not None:
+            self._sharded.gather()
+
     @override
     def validation_step(self, *args: Any, **kwargs: Any) -> Any:
         if self._pipeline is None:
+            self._gathered()
             return super().validation_step(*args, **kwargs)
         return self._pipeline_eval_step(self.precision_plugin.val_step_context, *args)
 
     @override
     def test_step(self, *args: Any, **kwargs: Any) -> Any:
         if self._pipeline is None:
+            self._gathered()
             return super().test_step(*args, **kwargs)
         return self._pipeline_eval_step(self.precision_plugin.test_step_context, *args)
 
@@ -454,6 +487,7 @@ class MoEOverlapStrategy(ParallelStrategy):
                 "supported: the outputs live on the last stage's ranks only. Predict at pp=1 (load the checkpoint "
                 "there: checkpoints are keyed by the unsplit model's names and load at any pp)."
             )
+        self._gathered()
         return super().predict_step(*args, **kwargs)
 
     def _pipeline_eval_step(self, context: Callable[[], Any], batch: Any, batch_idx: int = 0, *rest: Any) -> Tensor:
@@ -467,8 +501,9 @@ class MoEOverlapStrategy(ParallelStrategy):
 
     def sync_gradients(self) -> None:
         """Average gradients over the data-parallel groups (called once per step, after the last micro-batch)."""
-        assert self._ep_model is not None
-        self._ep_model.sync_gradients(self.parallel_groups)
+        assert self._ep_model is not None and self._sharded is not None
+        self._sharded.end_step()
+        self._ep_model.sync_expert_gradients(self.parallel_groups)
 
     def global_grad_norm(self) -> Tensor:
         """The L2 norm of all gradients of the model across every rank (float64 on the root device, same on every rank)."""
@@ -514,6 +549,8 @@ class MoEOverlapStrategy(ParallelStrategy):
             )
         target = self._checkpoint_target()
         checkpointer.save(checkpoint, filepath, self.checkpoint_format, target, self._groups)
+        if self._sharded is not None:  # `state_dict()` leaves `fully_shard`'s modules sharded
+            self._sharded.release()
 
     @override
     def load_checkpoint(self, checkpoint_path: str | os.PathLike, weights_only: bool | None = None) -> dict[str, Any]:
@@ -586,6 +623,8 @@ class MoEOverlapStrategy(ParallelStrategy):
             pl_compat.set_skip_backward(self._loop_trainer, False)
             self._loop_trainer = None
         self._loop = None
+        if self._sharded is not None and not self._failed:
+            self._sharded.release()
         if self._pipeline is None:
             super().teardown()
             return
@@ -597,6 +636,11 @@ class MoEOverlapStrategy(ParallelStrategy):
         self.accelerator.teardown()
         self.checkpoint_io.teardown()
         self.cluster_environment.teardown()
+
+    @override
+    def on_exception(self, exception: BaseException) -> None:
+        self._failed = True
+        super().on_exception(exception)
 
     @classmethod
     @override

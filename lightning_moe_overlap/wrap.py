@@ -12,15 +12,17 @@ from collections.abc import Mapping, Sequence
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
 
 from lightning_moe_overlap.config import OverlapConfig
-from lightning_moe_overlap.grads import sync_gradients
+from lightning_moe_overlap.grads import sync_expert_gradients
 from lightning_moe_overlap.moe.adapters import apply_expert_parallel, find_moe_blocks
 from lightning_moe_overlap.moe.bias import CorrectionBiasBalancer, correction_bias_balancers
 from lightning_moe_overlap.moe.ep import ExpertParallelExperts
 from lightning_moe_overlap.moe.router import TopKRouter
 from lightning_moe_overlap.overlap.runtime import CommRuntime
 from lightning_moe_overlap.parallel import ParallelGroups
+from lightning_moe_overlap.parallel.dtensors import local
 
 
 class MoEModelHandle:
@@ -42,11 +44,13 @@ class MoEModelHandle:
         groups: ParallelGroups,
         runtime: CommRuntime,
         modules: Sequence[nn.Module] | None = None,
+        ep_mesh: DeviceMesh | None = None,
     ) -> None:
         """Replace every experts module by its expert-parallel version holding only this rank's experts.
 
         ``modules``: the parts of the model to apply it to (at ``pp > 1`` the chunks this rank holds); the whole
-        model by default.
+        model by default. ``ep_mesh``: the 1-D mesh of ``groups.ep``; the expert parameters become ``DTensor``s
+        ``Shard(0)`` over it.
         """
         backend_knobs = {"deepep_num_sms": config.deepep_num_sms, "dedup": config.alltoall_dedup}  # each its own
         self._ep_modules, self._bias_balancers = [], []
@@ -55,7 +59,7 @@ class MoEModelHandle:
                 module, groups.ep, dispatcher=config.dispatcher, runtime=runtime,
                 capacity_factor=config.capacity_factor, token_drop_policy=config.token_drop_policy,
                 expert_backend=config.expert_backend, shared_expert_overlap=config.shared_expert_overlap,
-                **backend_knobs,
+                ep_mesh=ep_mesh, **backend_knobs,
             )  # fmt: skip
             self._bias_balancers += correction_bias_balancers(module)
 
@@ -75,6 +79,13 @@ class MoEModelHandle:
                 router.update_expert_bias(group)
         for balancer in self._bias_balancers:  # HF routers' `e_score_correction_bias` (moe/bias.py)
             balancer.update(group)
+
+    def expert_modules(self) -> list[ExpertParallelExperts]:
+        """The expert-parallel modules this rank holds, in model order."""
+        return list(self._ep_modules)
+
+    def expert_parameters(self) -> list[nn.Parameter]:
+        return [p for m in self._ep_modules for p in m.parameters()]
 
     def _expert_ids(self) -> set[int]:
         return {id(p) for m in self._ep_modules for p in m.parameters()}
@@ -96,13 +107,14 @@ class MoEModelHandle:
         expert = [t for m in self._ep_modules for t in _state_tensors(m)]
         expert_ids = {id(t) for t in expert}
         dense = [t for t in _state_tensors(self.model) if id(t) not in expert_ids and not t.is_meta]
+        expert = [local(t) for t in expert]
         _broadcast_from_first(dense, groups.dp_cp)
         _broadcast_from_first(expert, groups.edp)
 
-    def sync_gradients(self, groups: ParallelGroups) -> None:
-        dense, expert = self.partition_parameters()
-        dims = groups.dims
-        sync_gradients(dense, expert, dp_cp_group=groups.dp_cp, edp_group=groups.edp, dp_cp_size=dims.dp * dims.cp)
+    def sync_expert_gradients(self, groups: ParallelGroups) -> None:
+        """Average the expert gradients over ``edp`` (the dense ones go through ``fully_shard``)."""
+        _, expert = self.partition_parameters()
+        sync_expert_gradients(expert, edp_group=groups.edp, dp_cp_size=groups.dims.dp * groups.dims.cp)
 
 
 def _is_meta(module: nn.Module) -> bool:

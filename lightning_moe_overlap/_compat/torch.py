@@ -75,6 +75,29 @@ def flatten_mesh(mesh: Any, name: str) -> Any:
     return mesh._flatten(name)
 
 
+def fsdp_lazy_init(module: nn.Module) -> None:
+    """``FSDPState._lazy_init`` of the module ``fully_shard`` was applied to: what its first forward would do (mark
+    it the root, set up its communication context); for a root whose own forward may never run (a LightningModule
+    whose ``training_step`` calls submodules)."""
+    from torch.distributed.fsdp import fully_shard  # noqa: PLC0415 - FSDP2 only where a model is sharded
+
+    fully_shard.state(module)._lazy_init()
+
+
+def fsdp_reduce_gradients(module: nn.Module) -> None:
+    """Run the gradient reduction that ``fully_shard`` defers with ``set_requires_gradient_sync(False)``: each FSDP
+    param group's ``post_backward()`` under ``module`` and the root's ``_root_post_backward_final_callback()``, as
+    torch's pipelining does after the last backward (``_PipelineStageBase.perform_reduce_grad``). The caller sets
+    gradient sync and resharding back on first."""
+    from torch.distributed.fsdp import fully_shard  # noqa: PLC0415 - FSDP2 only where a model is sharded
+
+    state = fully_shard.state(module)
+    for each in state._state_ctx.all_states:
+        for group in each._fsdp_param_groups:
+            group.post_backward()
+    state._root_post_backward_final_callback()
+
+
 class Float32Buffers(nn.Module):
     """A module whose buffers named in ``float32_buffers`` stay float32 through ``.to(dtype)``, ``.half()``,
     ``.bfloat16()``: it extends ``torch.nn.Module._apply``, the method every such conversion goes through."""

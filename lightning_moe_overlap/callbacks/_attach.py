@@ -23,6 +23,7 @@ from typing_extensions import override
 
 from lightning_moe_overlap.callbacks.names import Layer, find_layers
 from lightning_moe_overlap.callbacks.validation import no_layers_error
+from lightning_moe_overlap.parallel.dtensors import local
 
 Target = nn.Module | Sequence[nn.Module]  # a model, or a pipeline rank's chunks
 
@@ -87,5 +88,6 @@ def parts(owner: str, model: Target) -> list[nn.Module]:
 
 
 def parameters_and_buffers(model: Target) -> list:
-    """Every parameter and buffer of every part (never offloaded)."""
-    return [t for part in parts("", model) for t in (*part.parameters(), *part.buffers())]
+    """Every parameter and buffer of every part (never offloaded), ``DTensor``s as their local shards (the memory
+    that the experts' kernels save for backward)."""
+    return [local(t) for part in parts("", model) for t in (*part.parameters(), *part.buffers())]

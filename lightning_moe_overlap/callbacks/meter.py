@@ -19,6 +19,8 @@ import torch
 from torch import Tensor, nn
 from typing_extensions import Self
 
+from lightning_moe_overlap.parallel.dtensors import local
+
 _local = threading.local()
 
 
@@ -48,7 +50,7 @@ class SavedActivationMeter:
     def __init__(self, model: nn.Module | None = None) -> None:
         self._excluded = set()
         if model is not None:
-            self._excluded = {_ptr(t) for t in (*model.parameters(), *model.buffers())}
+            self._excluded = {_ptr(local(t)) for t in (*model.parameters(), *model.buffers())}
         self._held: list[weakref.ref[Tensor]] = []
         self._host: list[weakref.ref[Tensor]] = []
         self._hooks: Any = None

@@ -39,6 +39,7 @@ from lightning_moe_overlap.checkpoint.sharded import MODEL, read_sharded, write_
 from lightning_moe_overlap.checkpoint.target import LoadTarget
 from lightning_moe_overlap.config import CHECKPOINT_FORMATS, CheckpointFormat
 from lightning_moe_overlap.parallel import ParallelGroups
+from lightning_moe_overlap.parallel.dtensors import like, local
 
 FORMATS = CHECKPOINT_FORMATS
 FORMAT_VERSION = 1  # pp > 1 writes the same keys: a version-1 reader reads them
@@ -59,16 +60,43 @@ def _unwrapped(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
     return optimizer.optimizer if isinstance(optimizer, LightningOptimizer) else optimizer
 
 
+def local_state_dict(module: nn.Module) -> dict[str, Any]:
+    """``module.state_dict()`` with every ``DTensor`` as the shard this rank holds."""
+    return {k: local(v) if isinstance(v, torch.Tensor) else v for k, v in module.state_dict().items()}
+
+
 def module_state(module: nn.Module) -> dict[str, Any]:
     """The module's state dict with this rank's experts under global per-expert keys (held tensors only)."""
-    return to_canonical(held(module.state_dict()), expert_shards(module))
+    return to_canonical(held(local_state_dict(module)), expert_shards(module))
+
+
+def _optimizer_params(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
+    return [p for group in optimizer.param_groups for p in group["params"]]
+
+
+def _map_optimizer_state(
+    state_dict: dict[str, Any], params: list[torch.Tensor], fn: Any
+) -> dict[str, Any]:
+    """``state_dict`` with ``fn(param, value)`` applied to every per-parameter state tensor (index ``i`` is
+    ``params[i]``, torch's numbering)."""
+    state = {
+        i: {k: fn(params[i], v) if isinstance(v, torch.Tensor) and i < len(params) else v for k, v in entry.items()}
+        for i, entry in state_dict["state"].items()
+    }
+    return {**state_dict, "state": state}
 
 
 def optimizer_state(optimizer: torch.optim.Optimizer, module: nn.Module) -> dict[str, Any]:
     """The optimizer's state dict keyed by parameter name, this rank's experts under global per-expert keys."""
     optimizer = _unwrapped(optimizer)
     names = param_names(optimizer, module)
-    return optimizer_to_canonical(optimizer.state_dict(), names, expert_shards(module), absent_params(module))
+    plain = _map_optimizer_state(optimizer.state_dict(), _optimizer_params(optimizer), lambda p, v: local(v))
+    return optimizer_to_canonical(plain, names, expert_shards(module), absent_params(module))
+
+
+def _like_params(param: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
+    """A loaded state tensor in the form of its parameter (a ``DTensor`` like it when it has the local shape)."""
+    return like(param, value) if value.shape == local(param).shape and value.dim() > 0 else value
 
 
 def save(
@@ -133,13 +161,15 @@ def load_module_state(module: nn.Module, checkpoint: dict[str, Any], *, strict: 
     Raises:
         RuntimeError: ``strict`` and a held tensor is not in the state, or the state has a key the module lacks.
     """
-    missing_here = absent(module.state_dict())
+    current = module.state_dict()
+    missing_here = absent(current)
     state = {k: v for k, v in checkpoint["state_dict"].items() if not is_absent(k, missing_here)}
-    local = from_canonical(state, expert_shards(module))
+    shards = from_canonical(state, expert_shards(module))
+    shards = {k: like(current[k], v) if k in current and isinstance(v, torch.Tensor) else v for k, v in shards.items()}
     if not missing_here:
-        module.load_state_dict(local, strict=strict)
+        module.load_state_dict(shards, strict=strict)
         return
-    result = module.load_state_dict(local, strict=False)
+    result = module.load_state_dict(shards, strict=False)
     missing = [k for k in result.missing_keys if k not in missing_here]
     if strict and (missing or result.unexpected_keys):
         raise RuntimeError(
@@ -158,7 +188,8 @@ def load_optimizer_states(
     for optimizer, state in zip(optimizers, checkpoint["optimizer_states"]):
         optimizer = _unwrapped(optimizer)
         names = param_names(optimizer, module)
-        optimizer.load_state_dict(optimizer_from_canonical(state, names, shards, "the checkpoint", missing_here))
+        plain = optimizer_from_canonical(state, names, shards, "the checkpoint", missing_here)
+        optimizer.load_state_dict(_map_optimizer_state(plain, _optimizer_params(optimizer), _like_params))
 
 
 def remove(path: str | os.PathLike, rank: int) -> None:

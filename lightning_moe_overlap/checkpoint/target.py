@@ -52,7 +52,9 @@ class LoadTarget:
         strict: bool = True,
     ) -> LoadTarget:
         shards = expert_shards(module)
-        state = module.state_dict()
+        from lightning_moe_overlap.checkpoint.checkpointer import local_state_dict  # noqa: PLC0415 - cycle
+
+        state = local_state_dict(module)
         return cls(
             model=shapes_of(to_canonical(held(state), shards)),
             shards=shards,

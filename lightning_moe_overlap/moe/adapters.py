@@ -26,6 +26,7 @@ from typing import Any
 
 from torch import nn
 from torch.distributed import ProcessGroup
+from torch.distributed.device_mesh import DeviceMesh
 
 from lightning_moe_overlap.moe.capacity import DropPolicy, validate_capacity
 from lightning_moe_overlap.moe.dispatch.base import check_expert_split
@@ -253,6 +254,7 @@ def apply_expert_parallel(
     impl: GemmImpl = "auto",
     expert_backend: ExpertBackend = "torch",
     shared_expert_overlap: bool = False,
+    ep_mesh: DeviceMesh | None = None,
     **knobs: Any,
 ) -> list[ExpertParallelExperts]:
     """Replace every recognised experts module of ``model`` by its expert-parallel version, in place.
@@ -273,6 +275,8 @@ def apply_expert_parallel(
         expert_backend: ``"torch"`` (pure PyTorch GEMMs) or ``"te"`` (Transformer Engine ``GroupedLinear``).
         shared_expert_overlap: run each block's shared experts between issuing the dispatch and waiting on it
             (needs ``runtime``); blocks without shared experts are left as they are.
+        ep_mesh: the 1-D ``DeviceMesh`` of the ep group; the expert parameters become ``DTensor``s ``Shard(0)``
+            over it (``None``: plain tensors holding the local experts).
         **knobs: dispatcher knobs (see :func:`~lightning_moe_overlap.moe.dispatch.build_dispatcher`). With
             ``dispatcher="flex"`` and no ``deepep_buffers`` / ``deepep_buffer``, one
             :class:`~lightning_moe_overlap.moe.dispatch.DeepEPBuffers` is made here and shared by every layer.
@@ -308,6 +312,7 @@ def apply_expert_parallel(
             token_drop_policy=token_drop_policy,
             impl=impl,
             expert_backend=expert_backend,
+            ep_mesh=ep_mesh,
         )
         setattr(item.parent, item.attr, ep_module)
         if isinstance(item.parent, MoELayer):

@@ -4,7 +4,10 @@
 or a Hugging Face v5 one) and keeps its forward signature ``(hidden_states_TD, top_k_index_TK,
 top_k_weights_TK) -> out_TD``, so the router, shared experts and the rest of the model stay untouched. It holds
 only experts ``[ep_rank * E / ep, (ep_rank + 1) * E / ep)``, as new parameters under the original names, and an
-:class:`ExpertShard` saying which global experts those are.
+:class:`ExpertShard` saying which global experts those are. Given the ep ``DeviceMesh``, each parameter is a
+``DTensor`` sharded ``Shard(0)`` over it: global shape ``[E, ...]``, local shard ``[E / ep, ...]`` (torchtitan's
+layout), so the state-dict API and ``torch.distributed.checkpoint`` see whole experts and reshard them across ep;
+the experts compute on the local shard.
 
 Forward: capacity drop (optional, on local tokens) -> ``dispatcher.dispatch`` -> grouped MLP of the local
 experts -> ``dispatcher.combine``. On each rank the result equals the unsharded module's on that rank's tokens.
@@ -20,6 +23,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from torch import Tensor, nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Shard
 
 from lightning_moe_overlap.moe.capacity import DropPolicy, drop_over_capacity, validate_capacity
 from lightning_moe_overlap.moe.dispatch.base import DispatcherBase
@@ -36,6 +41,7 @@ from lightning_moe_overlap.moe.grouped import (
 from lightning_moe_overlap.moe.layout import ExpertsLayout
 from lightning_moe_overlap.moe.stages import STAGE_NAMES, ExpertsStage
 from lightning_moe_overlap.moe.te_backend import EXPERT_BACKENDS, ExpertBackend, TEExperts, check_te_layout
+from lightning_moe_overlap.parallel.dtensors import local
 
 
 @dataclass(frozen=True)
@@ -72,6 +78,8 @@ class ExpertParallelExperts(nn.Module):
         impl: grouped GEMM implementation (``"auto"``, ``"grouped_mm"``, ``"loop"``).
         expert_backend: ``"torch"`` (:func:`~lightning_moe_overlap.moe.grouped_mlp`) or ``"te"`` (Transformer
             Engine's ``GroupedLinear``, imported on the first forward; see ``moe/te_backend.py``).
+        ep_mesh: the 1-D mesh of the dispatcher's ep group (same ranks, same order); the parameters are then
+            ``DTensor``s ``Shard(0)`` over it. ``None`` keeps plain tensors holding the local experts.
     """
 
     def __init__(
@@ -84,6 +92,7 @@ class ExpertParallelExperts(nn.Module):
         token_drop_policy: DropPolicy = "probs",
         impl: GemmImpl = "auto",
         expert_backend: ExpertBackend = "torch",
+        ep_mesh: DeviceMesh | None = None,
     ) -> None:
         super().__init__()
         validate_capacity(capacity_factor, token_drop_policy, owner="`ExpertParallelExperts`")
@@ -116,6 +125,7 @@ class ExpertParallelExperts(nn.Module):
                 f"for num_experts={dispatcher.num_experts}; they must match. Build the dispatcher from this module."
             )
         first, count = dispatcher.first_expert, dispatcher.num_local_experts
+        _check_mesh(ep_mesh, dispatcher)
         # Keep the source's parameter order, so optimizers and checkpoints see the same sequence of names.
         for name in [n for n in source._parameters if n in layout.parameter_names]:
             full = getattr(source, name)
@@ -125,8 +135,10 @@ class ExpertParallelExperts(nn.Module):
                     f"{num_experts}; every per-expert tensor must lead with the expert dimension. Register an "
                     "adapter whose layout names only per-expert tensors (docs/adapters.md)."
                 )
-            local = full.detach()[first : first + count].clone()
-            self.register_parameter(name, nn.Parameter(local, requires_grad=full.requires_grad))
+            shard = full.detach()[first : first + count].clone()
+            if ep_mesh is not None:
+                shard = DTensor.from_local(shard, ep_mesh, [Shard(0)], run_check=False)
+            self.register_parameter(name, nn.Parameter(shard, requires_grad=full.requires_grad))
         self.layout = layout
         self.act_fn = layout.act_fn
         self.dispatcher = dispatcher
@@ -209,9 +221,9 @@ class ExpertParallelExperts(nn.Module):
     def _project(self, x_RI: Tensor, splits: RowSplits, weight_name: str, bias_name: str | None) -> Tensor:
         return grouped_projection(
             x_RI,
-            getattr(self, weight_name),
+            local(getattr(self, weight_name)),
             splits,
-            bias=getattr(self, bias_name) if bias_name else None,
+            bias=local(getattr(self, bias_name)) if bias_name else None,
             transposed=self.layout.transposed,
             runtime=self.runtime,
             impl=self.impl,
@@ -227,4 +239,19 @@ class ExpertParallelExperts(nn.Module):
 
     def local_parameter_bytes(self) -> int:
         """Bytes of the expert parameters held on this rank."""
-        return sum(p.numel() * p.element_size() for p in self.parameters(recurse=False))
+        return sum(local(p).numel() * p.element_size() for p in self.parameters(recurse=False))
+
+
+def _check_mesh(ep_mesh: DeviceMesh | None, dispatcher: DispatcherBase) -> None:
+    """The mesh must be the dispatcher's ep group: the same size, this rank at the same position."""
+    if ep_mesh is None:
+        return
+    ep = dispatcher.num_experts // dispatcher.num_local_experts
+    ep_rank = dispatcher.first_expert // dispatcher.num_local_experts
+    rank = ep_mesh.get_local_rank() if ep_mesh.ndim == 1 else None
+    if ep_mesh.ndim != 1 or ep_mesh.size() != ep or rank != ep_rank:
+        raise ValueError(
+            f"`ExpertParallelExperts`: ep_mesh has shape {tuple(ep_mesh.shape)} with this rank at {rank}, but the "
+            f"dispatcher's ep group has {ep} ranks with this rank at {ep_rank}; the "
+            "experts' DTensors must be sharded over the ep group itself. Pass `ParallelMesh['ep']` of the same dims."
+        )

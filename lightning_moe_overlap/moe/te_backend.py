@@ -38,6 +38,7 @@ from lightning_moe_overlap._install import install_hint
 from lightning_moe_overlap.config import EXPERT_BACKENDS, ExpertBackend
 from lightning_moe_overlap.moe.layout import ExpertsLayout
 from lightning_moe_overlap.overlap.runtime import CommRuntime
+from lightning_moe_overlap.parallel.dtensors import like, local
 
 __all__ = ["EXPERT_BACKENDS", "ExpertBackend", "TEExperts", "TEProjection", "check_te_layout", "import_te"]
 
@@ -80,7 +81,8 @@ class TEProjection:
     """One projection of the experts (``[e, O, I]`` parameter) run by a TE ``GroupedLinear`` bound to its memory.
 
     Args:
-        weight: the experts' 3-D parameter; it stays the one the optimizer and checkpoints see.
+        weight: the experts' 3-D parameter; it stays the one the optimizer and checkpoints see (a ``DTensor``
+            over the ep mesh: TE runs on its local shard and the gradient is given back in the same form).
         te_module: ``transformer_engine.pytorch`` (or a stand-in with the same ``GroupedLinear``); None imports TE.
     """
 
@@ -92,7 +94,7 @@ class TEProjection:
 
     def linear(self) -> Any:
         """The TE module, (re)bound to the parameter's current memory."""
-        w = self.weight
+        w = local(self.weight).detach()
         key = (w.data_ptr(), w.dtype, w.device)
         if self._linear is None or self._bound != key:
             te = self._te if self._te is not None else import_te()
@@ -133,16 +135,16 @@ class TEProjection:
             linear.weight.grad = None
         else:
             pieces = []
-            for i in range(self.weight.shape[0]):
+            for i in range(local(self.weight).shape[0]):
                 w_i = getattr(linear, f"weight{i}")
                 pieces.append(torch.zeros_like(w_i) if w_i.grad is None else w_i.grad)  # (set, not added, by TE)
                 w_i.grad = None
             dw = torch.stack(pieces)
         dw = dw.to(self.weight.dtype)
         if self.weight.grad is None:
-            self.weight.grad = dw
+            self.weight.grad = like(self.weight, dw)
         else:
-            self.weight.grad.add_(dw)
+            local(self.weight.grad).add_(dw)
 
 
 class TEExperts:

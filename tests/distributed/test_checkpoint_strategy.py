@@ -27,6 +27,7 @@ from lightning_moe_overlap.checkpoint import consolidate_checkpoint, load_consol
 from lightning_moe_overlap.demo import MoEGPT
 from lightning_moe_overlap.demo_hf import HFMoECausalLM, build_hf_model
 from lightning_moe_overlap.moe.ep import ExpertParallelExperts
+from lightning_moe_overlap.parallel.dtensors import local
 from tests.helpers.distributed import run_distributed
 
 WORLD, BATCH, MICRO, STEPS_PER_EPOCH, VOCAB = 4, 4, 2, 2, 32
@@ -89,8 +90,8 @@ def held_experts(module, optimizer) -> dict:
         if isinstance(child, ExpertParallelExperts):
             for name, p in child.named_parameters(recurse=False):
                 state = optimizer.state.get(p, {}) if optimizer is not None else {}
-                moment = state["exp_avg"].clone() if "exp_avg" in state else None
-                out[f"{prefix}.{name}"] = (child.expert_shard.first_expert, p.detach().clone(), moment)
+                moment = local(state["exp_avg"]).clone() if "exp_avg" in state else None
+                out[f"{prefix}.{name}"] = (child.expert_shard.first_expert, local(p).detach().clone(), moment)
     return out
 
 
@@ -111,7 +112,7 @@ def _fit(root: Path, ep: int, *, ckpt: Path | None = None, seed: int = 0, epochs
 
 
 def _params(model) -> list[torch.Tensor]:
-    return [p.detach().clone() for p in model.parameters()]
+    return [local(p).detach().clone() for p in model.parameters()]
 
 
 def _logits(model, tokens: torch.Tensor) -> torch.Tensor:

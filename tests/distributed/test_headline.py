@@ -23,12 +23,15 @@ def _worker(rank: int, world: int) -> dict:
         enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0,
     )
     trainer.fit(model, datamodule=SyntheticTokens(vocab_size=64, seq_len=8, batch_size=2))
-    local_experts = {p.shape[0] for n, p in model.named_parameters() if ".experts." in n}
+    experts = [p for n, p in model.named_parameters() if ".experts." in n]
+    local_experts = {p.to_local().shape[0] for p in experts}
+    global_experts = {p.shape[0] for p in experts}
     return {
         "step": trainer.global_step,
         "warnings": [str(w.message) for w in caught],
         "ep": strategy.dims.ep,
         "local_experts": local_experts,
+        "global_experts": global_experts,
     }
 
 
@@ -37,4 +40,5 @@ def test_headline_ep8_vpp2_runs_on_eight_processes():
     for r in results:
         assert r["step"] == 2 and r["ep"] == 8
         assert r["local_experts"] == {1}  # 8 experts over ep=8: one per rank
+        assert r["global_experts"] == {8}  # DTensors of the global shape
         assert any("`vpp=2` with `pp=1`: there is no pipeline" in w for w in r["warnings"])

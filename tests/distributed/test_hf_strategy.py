@@ -13,6 +13,7 @@ from torch.utils.data import DataLoader, Dataset
 
 from lightning_moe_overlap import MoEOverlapStrategy
 from lightning_moe_overlap.demo_hf import HFMoECausalLM
+from lightning_moe_overlap.parallel.dtensors import local
 from tests.helpers.distributed import run_distributed
 
 WORLD, STEPS, BATCH, MICRO, CLIP = 2, 3, 4, 2, 0.5
@@ -58,10 +59,10 @@ def _fit(model_type: str, **strategy_kwargs) -> dict:
     )
     model.on_train_batch_end = lambda outputs, *_: losses.append(float(outputs["loss"]))
     trainer.fit(model)
-    experts = sum(p.numel() for n, p in model.named_parameters() if ".experts." in n)
+    experts = sum(local(p).numel() for n, p in model.named_parameters() if ".experts." in n)
     return {
         "losses": losses, "seen": model.seen, "norms": model.norms, "expert_numel": experts,
-        "params": [p.detach().clone() for p in model.parameters()],
+        "params": [local(p).detach().clone() for p in model.parameters()],
     }
 
 

@@ -31,6 +31,7 @@ from lightning_moe_overlap.demo import MoEGPT, SyntheticTokens
 from lightning_moe_overlap.demo_hf import HFMoECausalLM
 from lightning_moe_overlap.pipeline.split import seeded_init
 from lightning_moe_overlap.pipeline.splitters import gpt_init_module
+from lightning_moe_overlap.parallel.dtensors import local
 from tests.helpers.distributed import run_distributed
 
 WORLD, PP, EP, DP, M, B, STEPS, LR, CLIP, SEED = 4, 2, 2, 2, 4, 4, 2, 0.5, 0.5, 0
@@ -130,7 +131,7 @@ def fit(kind: str, schedule: str, vpp: int, overlap: bool, validate: bool, save_
         trainer.save_checkpoint(save_to)  # sharded: each rank writes what it holds, keyed by the unsplit names
         full = strategy.full_state_dict()  # every stage and expert gathered on rank 0
     coords = strategy.dims.coords(trainer.global_rank)
-    params = {n: p.detach().clone() for n, p in model.named_parameters() if not p.is_meta}
+    params = {n: local(p).detach().clone() for n, p in model.named_parameters() if not p.is_meta}
     return {
         "coords": (coords.pp, coords.dp, coords.ep),
         "params": params,

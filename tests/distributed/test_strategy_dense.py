@@ -9,6 +9,7 @@ from torch import nn
 from torch.utils.data import DistributedSampler
 
 from lightning_moe_overlap import MoEOverlapStrategy
+from lightning_moe_overlap.parallel.dtensors import local
 from tests.helpers.distributed import run_distributed
 from tests.helpers.models import DenseRegressor, IndexedRegression
 
@@ -42,7 +43,7 @@ def _fit(rank: int, world: int, strategy_spec) -> dict:
     s.barrier()
     return {
         "seen": model.seen,
-        "params": [p.detach().clone() for p in model.parameters()],
+        "params": [local(p).detach().clone() for p in model.parameters()],
         "sum": reduced_sum,
         "mean": reduced_mean,
         "bcast": s.broadcast({"from": rank, "payload": [rank] * 3}, src=2),

@@ -238,3 +238,43 @@ def test_the_runtime_order_and_losses_an_overlap_handler_uses() -> None:
     assert torch.equal(torch_compat.pipeline_loss(schedule, stages[1], 0), torch.tensor(2.0))
     assert torch_compat.pipeline_loss(schedule, stages[0], 0) is None
 
+
+
+def test_fsdp_lazy_init_and_reduce_gradients(tmp_path) -> None:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    state_name = "torch.distributed.fsdp.fully_shard.state(...)"
+    owned = not dist.is_initialized()
+    if owned:
+        dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1)
+    try:
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(3, 2))
+        reference = nn.Sequential(nn.Linear(3, 2))
+        reference.load_state_dict(model.state_dict())
+        fully_shard(model, mesh=init_device_mesh("cpu", (1, 1), mesh_dim_names=("rep", "shard")))
+        state = fully_shard.state(model)
+        for attribute in ("_lazy_init", "_state_ctx", "_root_post_backward_final_callback"):
+            _require(state, attribute, f"{state_name}.{attribute}", "fsdp_lazy_init / fsdp_reduce_gradients")
+        torch_compat.fsdp_lazy_init(model)
+        assert state._is_root, _broken(f"{state_name}._lazy_init", "fsdp_lazy_init", "did not make it the root")
+        model.set_requires_gradient_sync(False)
+        model.set_reshard_after_backward(False)
+        model.unshard()
+        inputs = [torch.randn(4, 3), torch.randn(4, 3)]
+        for x in inputs:  # two micro-batches, gradients accumulated unreduced
+            model(x).square().sum().backward()
+            reference(x).square().sum().backward()
+        model.set_requires_gradient_sync(True)
+        model.set_reshard_after_backward(True)
+        torch_compat.fsdp_reduce_gradients(model)
+        grad = model[0].weight.grad
+        what = "left no reduced gradient on the sharded parameter"
+        assert grad is not None, _broken(f"{state_name}._fsdp_param_groups.post_backward", "fsdp_reduce_gradients", what)
+        assert torch.allclose(grad.to_local(), reference[0].weight.grad), _broken(
+            "FSDPParamGroup.post_backward", "fsdp_reduce_gradients", "reduced other values"
+        )
+    finally:
+        if owned:
+            dist.destroy_process_group()
