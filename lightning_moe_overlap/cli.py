@@ -338,6 +338,10 @@ def main(argv: Sequence[str] | None = None) -> None:
     command = list(sys.argv[1:] if argv is None else argv)
     if command and command[0] in ("check", "validate-config"):
         raise SystemExit(check_main(command[1:]))
+    if command and command[0] == "convert-checkpoint":
+        from lightning_moe_overlap.checkpoint.legacy import main as convert_main
+
+        raise SystemExit(convert_main(command[1:]))
     rest, trainer_defaults = pop_trace_args(command)
     if argv is None and trainer_defaults is None:
         run_cli(None)  # LightningCLI reads sys.argv itself (no double-args warning)

@@ -27,8 +27,6 @@ from typing_extensions import override
 from lightning_moe_overlap._compat import lightning as pl_compat
 from lightning_moe_overlap._noise import quiet_third_party_noise
 from lightning_moe_overlap.checkpoint import checkpointer
-from lightning_moe_overlap.checkpoint.consolidated import gather_full
-from lightning_moe_overlap.checkpoint.target import LoadTarget
 from lightning_moe_overlap.config import (
     CheckpointFormat,
     Dispatcher,
@@ -528,12 +526,13 @@ class MoEOverlapStrategy(ParallelStrategy):
 
     @override
     def lightning_module_state_dict(self) -> dict[str, Any]:
-        """This rank's module state, its experts under global per-expert keys (``name[e]``)."""
+        """This rank's module state through ``get_model_state_dict``: the held tensors, keyed by the unsplit
+        model's names, experts as ``DTensor`` s of global shape ``[E, ...]``."""
         return checkpointer.module_state(self.lightning_module)
 
     @override
     def optimizer_state(self, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
-        """This rank's optimizer state keyed by parameter name, its experts' state per expert."""
+        """This rank's optimizer state through ``get_optimizer_state_dict`` (flat, keyed by parameter name)."""
         return checkpointer.optimizer_state(optimizer, self.lightning_module)
 
     @override
@@ -547,20 +546,25 @@ class MoEOverlapStrategy(ParallelStrategy):
                 "strategy writes its checkpoints itself (no `CheckpointIO`). Pass no storage options and choose the "
                 "format with `checkpoint_format`."
             )
-        target = self._checkpoint_target()
-        checkpointer.save(checkpoint, filepath, self.checkpoint_format, target, self._groups)
+        checkpointer.save(
+            checkpoint, filepath, self.checkpoint_format, self.lightning_module, self.optimizers, self._groups
+        )
         if self._sharded is not None:  # `state_dict()` leaves `fully_shard`'s modules sharded
             self._sharded.release()
 
     @override
     def load_checkpoint(self, checkpoint_path: str | os.PathLike, weights_only: bool | None = None) -> dict[str, Any]:
-        """This rank's part of a sharded directory or consolidated file, for the experts it holds now (any layout).
+        """This rank's part of a sharded directory or consolidated file, in the layout it holds now (any layout).
 
         ``weights_only`` is not used: checkpoints are trusted input (their metadata is unpickled).
         """
-        trainer = pl_compat.attached_trainer(self.lightning_module)
+        module = self.lightning_module
+        assert module is not None
+        trainer = pl_compat.attached_trainer(module)
         fitting = trainer is not None and trainer.state.fn == TrainerFn.FITTING
-        return checkpointer.load(checkpoint_path, self._checkpoint_target(), restore_rng_state=fitting)
+        return checkpointer.load(
+            checkpoint_path, module, self.optimizers, strict=module.strict_loading, restore_rng_state=fitting
+        )
 
     @override
     def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
@@ -579,17 +583,7 @@ class MoEOverlapStrategy(ParallelStrategy):
 
         Collective: every rank must call it. Loads into the model as built before the strategy sharded it.
         """
-        checkpoint = {"state_dict": checkpointer.module_state(self.lightning_module)}
-        groups = self.parallel_groups
-        full = gather_full(checkpoint, self._checkpoint_target(), groups.ep, rng_state=b"", groups=groups)
-        return None if full is None else full["state_dict"]
-
-    def _checkpoint_target(self) -> LoadTarget:
-        module = self.lightning_module
-        assert module is not None
-        return LoadTarget.of(
-            module, self.optimizers, rank=self.global_rank, world_size=self.world_size, strict=module.strict_loading
-        )
+        return checkpointer.full_model_state(self.lightning_module, self.parallel_groups)
 
     # -- collectives -----------------------------------------------------------------------------------------
     @override

@@ -1,10 +1,13 @@
-"""Expert-parallel checkpoints: nothing lost, exact resume, any ep / pp layout, atomic (docs/checkpoints.md).
+"""Checkpoints through torch's state-dict API and DCP: exact resume, any ep / dp / pp layout, atomic
+(docs/checkpoints.md).
 
-- :mod:`.keys`: layout-free names for expert tensors (``name[e]``) and the model state in that form.
-- :mod:`.held`: what a rank holds at pp > 1 (tensors not on meta); the other pp ranks' keys are absent here.
-- :mod:`.optimizer`: optimizer state keyed by parameter name, split per expert the same way.
-- :mod:`.sharded`: every rank writes its part into one ``torch.distributed.checkpoint`` directory.
-- :mod:`.consolidated`: one file with the full experts, as an unsharded run would write it.
+- :mod:`.state`: model and optimizer state keyed by the unsplit model's names (``get_model_state_dict``,
+  ``get_optimizer_state_dict``, ``set_*``), the tensors this rank holds only.
+- :mod:`.sharded`: every rank writes its part into one DCP directory; DCP reshards on load.
+- :mod:`.consolidated`: one file with every tensor unsharded, as an unsharded run would write it.
+- :mod:`.checks`: does a checkpoint fit the model, decided before any tensor is read.
+- :mod:`.optimizer`: optimizer state between torch's index-keyed and the name-keyed forms.
+- :mod:`.legacy`: reading and converting directories of format version 1 (per-expert keys).
 - :mod:`.atomic`: staging names, the commit marker, the rename.
 - :mod:`.rng`: each rank's random generators.
 - :mod:`.checkpointer`: what the strategy's checkpoint hooks do.
@@ -12,5 +15,9 @@
 
 from lightning_moe_overlap.checkpoint.checkpointer import FORMATS, CheckpointFormat
 from lightning_moe_overlap.checkpoint.consolidated import consolidate_checkpoint, load_consolidated_state_dict
+from lightning_moe_overlap.checkpoint.legacy import convert_legacy_checkpoint
 
-__all__ = ["FORMATS", "CheckpointFormat", "consolidate_checkpoint", "load_consolidated_state_dict"]
+__all__ = [
+    "FORMATS", "CheckpointFormat", "consolidate_checkpoint", "convert_legacy_checkpoint",
+    "load_consolidated_state_dict",
+]

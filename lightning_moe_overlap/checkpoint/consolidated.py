@@ -1,18 +1,15 @@
 """The consolidated format: one ``torch.save`` file, exactly what an unsharded single-process run would write.
 
-``state_dict`` holds every expert in the full layout (``gate_up_proj [E, 2F, D]``) under the unsharded model's
-names, and ``optimizer_states`` are plain ``optimizer.state_dict()`` dicts with ``[E, ...]`` expert state. So the
-file loads into the unsharded LightningModule (``load_from_checkpoint``, ``load_state_dict``), resumes a run at any
-layout (including a plain single-device Trainer), and, with the LightningModule's attribute prefix removed
-(:func:`load_consolidated_state_dict`), into a Hugging Face model. ``moe_checkpoint`` records the layout that wrote
-it and each rank's RNG state.
+``state_dict`` holds every tensor unsharded (experts ``gate_up_proj [E, 2F, D]``) under the unsplit model's names
+and ``optimizer_states`` are plain ``optimizer.state_dict()`` dicts. So the file loads into the unsharded
+LightningModule (``load_from_checkpoint``), resumes a run at any layout, and, with the LightningModule's attribute
+prefix removed (:func:`load_consolidated_state_dict`), into a Hugging Face model. ``moe_checkpoint`` records the
+layout that wrote it, the optimizers' parameter names and each rank's RNG state.
 
-Writing gathers every key once on rank 0 (from each pp stage and ep rank, :func:`gather_full`) and rank 0 writes;
-:func:`consolidate_checkpoint` converts a sharded directory offline in one process, with the same stacking. At
-pp > 1 every rank reads the tensors it holds (:mod:`.held`) and checks the keys of the whole model, so a file that
-lacks a key fails on every rank alike.
-
-Shape legend: n local experts, E experts of the module.
+Writing takes ``StateDictOptions(full_state_dict=True, cpu_offload=True)``: every ``DTensor`` is gathered and rank 0
+keeps a CPU copy. At pp > 1 each pipeline stage gathers its chunks and one rank per stage sends them to rank 0.
+:func:`consolidate_checkpoint` converts a sharded directory offline in one process. Loading gives each rank its
+part of every unsharded tensor (``distribute_tensor`` of the file's value in the live tensor's layout).
 """
 
 from __future__ import annotations
@@ -23,17 +20,31 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch import Tensor
+from torch import Tensor, nn
 
-from lightning_moe_overlap.checkpoint.atomic import check_not_staging, local_path, publish, staging_path
-from lightning_moe_overlap.checkpoint.keys import canonical_to_full, check_keys, full_to_canonical, shapes_of, split_key
+from lightning_moe_overlap.checkpoint import checks
+from lightning_moe_overlap.checkpoint.atomic import check_not_staging, local_path, publish, read_marker, staging_path
 from lightning_moe_overlap.checkpoint.optimizer import (
-    canonical_optimizer_to_full,
-    full_optimizer_to_canonical,
+    flat_to_named,
+    indexed_to_flat,
     merge_param_groups,
+    named_groups,
+    param_names,
+    to_indexed,
 )
-from lightning_moe_overlap.checkpoint.sharded import read_all
-from lightning_moe_overlap.checkpoint.target import LoadTarget
+from lightning_moe_overlap.checkpoint.state import (
+    GROUPS,
+    STATE,
+    absent_keys,
+    expert_counts,
+    full_model_state,
+    full_optimizer_state,
+    global_shape,
+    like,
+    model_state,
+    optimizer_state,
+    param_of,
+)
 from lightning_moe_overlap.parallel import ParallelGroups
 
 INFO_KEY = "moe_checkpoint"
@@ -42,113 +53,90 @@ INFO_KEY = "moe_checkpoint"
 # -- gather (collective) ---------------------------------------------------------------------------------------
 def gather_full(
     checkpoint: dict[str, Any],
-    target: LoadTarget,
-    ep_group: dist.ProcessGroup | None,
+    module: nn.Module,
+    optimizers: list[torch.optim.Optimizer],
+    groups: ParallelGroups | None,
     rng_state: bytes,
     *,
-    groups: ParallelGroups | None = None,
+    world_size: int,
 ) -> dict[str, Any] | None:
-    """The unsharded checkpoint on global rank 0 (``None`` elsewhere) from every rank's canonical checkpoint.
+    """The unsharded checkpoint on global rank 0 (``None`` elsewhere). Collective over every rank.
 
-    Collective over the whole world. One rank per (pp stage, ep rank) sends its experts and one rank per pp stage
-    its dense tensors, each key once, to rank 0 (CPU copies, ``gather_object``); the replicas send nothing. Rank 0
-    stacks them exactly as the offline :func:`consolidate_checkpoint` does, in the unsplit module's key order.
-
-    Args:
-        checkpoint: this rank's canonical checkpoint (``state_dict``, optionally ``optimizer_states``).
-        target: this rank's :class:`LoadTarget`.
-        ep_group: the ep group (used when ``groups`` is ``None``: then only the ep group of rank 0 sends).
-        rng_state: this rank's RNG state, recorded per rank.
-        groups: the run's process groups; required at pp > 1 (every pp stage sends its chunks).
+    Lightning's ``checkpoint`` with ``state_dict`` replaced by the full model (in the unsplit module's key order),
+    ``optimizer_states`` by plain ``optimizer.state_dict()`` dicts, and the :data:`INFO_KEY` record.
 
     Raises:
-        ValueError: this rank holds part of the model (tensors on meta) and no ``groups`` were given.
+        ValueError: the module has tensors on meta (pp > 1) and no pipeline ``groups`` were given.
     """
-    if groups is None and target.absent:
+    pp = groups.dims.pp if groups is not None else 1
+    absent = absent_keys(module)
+    if pp == 1 and absent:
         raise ValueError(
-            f"`gather_full`: {len(target.absent)} tensors of the model are on the meta device here (e.g. "
-            f"{sorted(target.absent)[:3]}), so other pipeline ranks hold them, but no `groups` were given to gather "
-            "them from. Rule: at pp > 1 every pipeline stage sends its chunks to rank 0. Fix: pass "
+            f"`gather_full`: {len(absent)} tensors of the model are on the meta device here (e.g. "
+            f"{sorted(absent)[:3]}), so other pipeline ranks hold them, but no pipeline `groups` were given to "
+            "gather them from. Rule: at pp > 1 every pipeline stage sends its chunks to rank 0. Fix: pass "
             "`groups=` the run's `ParallelGroups`."
         )
-    sends_experts, sends_dense = _role(target, ep_group, groups)
+    offload = pp == 1  # rank 0 then receives every tensor from the state-dict API itself
     mine = {
+        "model": full_model_state(module, cpu_offload=offload),
+        "optimizers": [full_optimizer_state(module, opt, cpu_offload=offload) for opt in optimizers],
+        "groups": [named_groups(opt, module) for opt in optimizers],
         "rng": rng_state,
-        "part": _part(checkpoint, target, experts=sends_experts, dense=sends_dense),
     }
     every = [mine]
     if _distributed():
+        rank = dist.get_rank()
+        if offload:
+            sends = rank == 0
+        else:
+            c = groups.coords
+            sends = c.dp == 0 and c.cp == 0 and c.tp == 0  # one rank per pipeline stage
+        keep = sends and rank == 0  # rank 0's own part stays here, unpickled
+        sent = mine if sends and not keep else {**mine, "model": None, "optimizers": [None] * len(optimizers)}
+        if sends and not keep:
+            sent = {**sent, "model": _cpu(sent["model"]), "optimizers": _cpu(sent["optimizers"])}
         every = [None] * dist.get_world_size()
-        dist.gather_object(mine, every if target.rank == 0 else None, dst=0)
-    if target.rank != 0:
-        return None
-    parts = [p["part"] for p in every if p["part"] is not None]
-    full = {k: v for k, v in checkpoint.items() if k != "optimizer_states"}
-    state: dict[str, Any] = {}
-    for part in parts:
-        state.update(part["state_dict"])
-    full["state_dict"] = _in_order(canonical_to_full(state), target.order)
-    info: dict[str, Any] = {"format": "consolidated", "world_size": target.world_size}
+        dist.gather_object(sent, every if rank == 0 else None, dst=0)
+        if rank != 0:
+            return None
+        every[0] = {**every[0], "model": _cpu(mine["model"]), "optimizers": _cpu(mine["optimizers"])}
+    parts = [p for p in every if p["model"] is not None]
+    order = list(module.state_dict())
+    model: dict[str, Any] = {}
+    for p in parts:
+        model.update(p["model"])
+    full = {k: v for k, v in checkpoint.items() if k not in ("state_dict", "optimizer_states")}
+    full["state_dict"] = in_order(model, order)
+    info: dict[str, Any] = {"format": "consolidated", "world_size": world_size, "rng_states": [p["rng"] for p in every]}
     if "optimizer_states" in checkpoint:
         full["optimizer_states"], info["param_names"] = [], []
-        for i in range(len(checkpoint["optimizer_states"])):
-            merged = _merge_optimizer([part["optimizer_states"][i] for part in parts], target.param_order)
-            full["optimizer_states"].append(canonical_optimizer_to_full(merged))
-            info["param_names"].append([n for g in merged["param_groups"] for n in g["params"]])
-    info["rng_states"] = [p["rng"] for p in every]
+        param_order = [n for n, _ in module.named_parameters()]
+        for i in range(len(optimizers)):
+            merged = merge_param_groups([p["groups"][i] for p in every], param_order)
+            flat: dict[str, Any] = {}
+            for p in parts:
+                flat.update(p["optimizers"][i])
+            full["optimizer_states"].append(to_indexed(flat_to_named(flat, merged), merged))
+            info["param_names"].append([n for g in merged for n in g["params"]])
     full[INFO_KEY] = info
     return full
 
 
-def _role(
-    target: LoadTarget, ep_group: dist.ProcessGroup | None, groups: ParallelGroups | None
-) -> tuple[bool, bool]:
-    """(sends its experts, sends its dense tensors): each key reaches rank 0 from one rank."""
-    if not _distributed():
-        return True, True
-    if groups is not None:
-        c = groups.coords
-        first_replica = c.edp == 0 and c.tp == 0
-        return first_replica, first_replica and c.ep == 0
-    ranks = dist.get_process_group_ranks(ep_group) if ep_group is not None else [0]
-    return 0 in ranks, target.rank == 0
-
-
-def _part(checkpoint: dict[str, Any], target: LoadTarget, *, experts: bool, dense: bool) -> dict[str, Any] | None:
-    """The canonical entries this rank sends (expert ones: those of its expert-parallel tensors), on the CPU."""
-    if not (experts or dense):
-        return None
-
-    def keep(key: str) -> bool:
-        return experts if split_key(key)[0] in target.shards else dense
-
-    out = {"state_dict": {k: _cpu(v) for k, v in checkpoint["state_dict"].items() if keep(k)}}
-    if "optimizer_states" in checkpoint:
-        out["optimizer_states"] = [
-            {
-                "state": {k: {n: _cpu(v) for n, v in e.items()} for k, e in optim["state"].items() if keep(k)},
-                "param_groups": optim["param_groups"],
-            }
-            for optim in checkpoint["optimizer_states"]
-        ]
-    return out
-
-
-def _merge_optimizer(parts: list[dict[str, Any]], order: tuple[str, ...]) -> dict[str, Any]:
-    state: dict[str, Any] = {}
-    for part in parts:
-        state.update(part["state"])
-    return {"state": state, "param_groups": merge_param_groups([p["param_groups"] for p in parts], order)}
-
-
-def _in_order(state: dict[str, Any], order: tuple[str, ...]) -> dict[str, Any]:
+def in_order(state: dict[str, Any], order: list[str]) -> dict[str, Any]:
     """``state`` with the keys of ``order`` first, in that order (the unsplit module's ``state_dict()`` order)."""
     position = {k: i for i, k in enumerate(order)}
     return dict(sorted(state.items(), key=lambda item: position.get(item[0], len(position))))
 
 
 def _cpu(value: Any) -> Any:
-    return value.detach().cpu() if isinstance(value, Tensor) else value
+    if isinstance(value, Tensor):
+        return value.detach().cpu()
+    if isinstance(value, dict):
+        return {k: _cpu(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(_cpu(v) for v in value)
+    return value
 
 
 def _distributed() -> bool:
@@ -166,7 +154,7 @@ def write_file(checkpoint: dict[str, Any], path: Path, token: str) -> None:
 
 
 def read_file(path: Path) -> dict[str, Any]:
-    """A consolidated checkpoint file, memory-mapped (only the experts a rank takes are paged in)."""
+    """A consolidated checkpoint file, memory-mapped (only the parts a rank takes are paged in)."""
     check_not_staging(path)
     try:
         return torch.load(path, map_location="cpu", mmap=True, weights_only=False)
@@ -177,34 +165,65 @@ def read_file(path: Path) -> dict[str, Any]:
         ) from err
 
 
-def read_consolidated(path: Path, target: LoadTarget) -> tuple[dict[str, Any], bytes | None]:
-    """This rank's part of a consolidated file in canonical form, and its RNG state when the world size matches.
+def read_consolidated(
+    path: Path, module: nn.Module, optimizers: list[torch.optim.Optimizer], *, rank: int, world_size: int,
+    strict: bool,
+) -> tuple[dict[str, Any], bytes | None]:
+    """This rank's part of a consolidated file, in the live tensors' layouts, and its RNG state (same world size).
+
+    Collective (every rank calls it): the checks agree across ranks.
 
     Raises:
         ValueError: the checkpoint does not fit the model (expert count, keys, shapes, optimizer parameters).
     """
-    full = read_file(path)
-    info = full.get(INFO_KEY) or {}
-    out = {k: v for k, v in full.items() if k not in ("state_dict", "optimizer_states")}
-    state = full_to_canonical(full["state_dict"], target.shards)
-    check_keys(shapes_of(state), {**target.model, **target.absent}, str(path), strict=target.strict)
-    out["state_dict"] = {k: v for k, v in state.items() if k in target.model}
-    if "optimizer_states" in full:
-        saved_names = info.get("param_names") or [None] * len(full["optimizer_states"])
-        out["optimizer_states"] = [
-            full_optimizer_to_canonical(osd, names, target.shards, str(path), target.absent, saved)
-            for osd, names, saved in zip(full["optimizer_states"], target.optimizers, saved_names)
-        ]
+    error: Exception | None = None
+    out: dict[str, Any] = {}
+    info: dict[str, Any] = {}
+    try:
+        full = read_file(path)
+        saved = {k: global_shape(v) for k, v in full["state_dict"].items()}
+        checks.check_expert_counts(saved, expert_counts(module), str(path))
+        template = model_state(module)
+        wanted = {k: global_shape(v) for k, v in template.items()}
+        checks.check_keys(saved, {**wanted, **absent_keys(module)}, str(path), strict=strict)
+        out = {k: v for k, v in full.items() if k not in ("state_dict", "optimizer_states")}
+        out["state_dict"] = {k: like(v, full["state_dict"][k]) for k, v in template.items() if k in saved}
+        info = full.get(INFO_KEY) or {}
+        if optimizers and "optimizer_states" in full:
+            saved_names = info.get("param_names") or [None] * len(full["optimizer_states"])
+            out["optimizer_states"] = [
+                _optimizer_part(osd, names, module, opt, str(path))
+                for osd, names, opt in zip(full["optimizer_states"], saved_names, optimizers)
+            ]
+    except (ValueError, NotImplementedError) as err:
+        error = err
+    checks.agree(error)
     rng_states = info.get("rng_states") or []
-    same_world = info.get("world_size") == target.world_size and target.rank < len(rng_states)
-    return out, (rng_states[target.rank] if same_world else None)
+    same_world = info.get("world_size") == world_size and rank < len(rng_states)
+    return out, (rng_states[rank] if same_world else None)
+
+
+def _optimizer_part(
+    osd: dict[str, Any], saved_names: list[str] | None, module: nn.Module, optimizer: torch.optim.Optimizer, where: str
+) -> dict[str, Any]:
+    """The flat state of ``optimizer`` (its held parameters, in their layout) from a plain ``state_dict()``."""
+    saved = indexed_to_flat(osd, saved_names or param_names(optimizer, module), where)
+    template = optimizer_state(module, optimizer)
+    held = {n for n, p in module.named_parameters() if not p.is_meta}
+    listed = {param_of(k) for k in template if k.startswith(GROUPS)}
+    checks.check_optimizer({param_of(k) for k in saved if k.startswith(GROUPS)}, listed, held, where)
+    with_state = {param_of(k) for k in saved if k.startswith(STATE)}
+    wanted = {k: v for k, v in template.items() if k.startswith(GROUPS) or param_of(k) in with_state}
+    checks.check_state_names(saved, wanted, where)
+    return {k: like(v, saved[k]) for k, v in wanted.items()}
 
 
 # -- offline ---------------------------------------------------------------------------------------------------
 def consolidate_checkpoint(source: str | os.PathLike, destination: str | os.PathLike) -> Path:
     """Convert a sharded checkpoint directory into one consolidated file, in this process (no process group).
 
-    Reads every tensor, so it needs the memory of the whole checkpoint (model and optimizer state).
+    Reads every tensor, so it needs the memory of the whole checkpoint (model and optimizer state). A directory
+    of format version 1 (per-expert keys) is read too.
 
     Returns:
         The path of the written file.
@@ -214,17 +233,33 @@ def consolidate_checkpoint(source: str | os.PathLike, destination: str | os.Path
     """
     src = local_path(source, "`consolidate_checkpoint`")
     dst = local_path(destination, "`consolidate_checkpoint`")
-    checkpoint, rng_states, marker = read_all(src)
-    checkpoint["state_dict"] = _in_order(canonical_to_full(checkpoint["state_dict"]), tuple(marker.get("keys", ())))
-    if "optimizer_states" in checkpoint:
-        checkpoint["optimizer_states"] = [canonical_optimizer_to_full(o) for o in checkpoint["optimizer_states"]]
-    checkpoint[INFO_KEY] = {
-        "format": "consolidated",
-        "world_size": marker.get("world_size"),
-        "rng_states": rng_states,
-    }
-    write_file(checkpoint, dst, token=f"{os.getpid()}")
+    write_file(read_unsharded(src), dst, token=f"{os.getpid()}")
     return dst
+
+
+def read_unsharded(src: Path) -> dict[str, Any]:
+    """The consolidated checkpoint dict of a sharded directory (any version), read in this process."""
+    from lightning_moe_overlap.checkpoint import legacy
+    from lightning_moe_overlap.checkpoint.sharded import MODEL, RNG, optimizer_key, read_all
+
+    marker = read_marker(src)
+    if legacy.is_legacy(marker):
+        return legacy.read_unsharded(src)
+    state, meta = read_all(src)
+    checkpoint = {k: v for k, v in meta.items() if k != "optimizer_states"}
+    checkpoint["state_dict"] = in_order(state[MODEL], list(marker.get("keys", ())))
+    info: dict[str, Any] = {"format": "consolidated", "world_size": marker.get("world_size")}
+    if "optimizer_states" in meta:
+        checkpoint["optimizer_states"], info["param_names"] = [], []
+        for i, saved in enumerate(meta["optimizer_states"]):
+            groups = saved["param_groups"]
+            named = flat_to_named(state.get(optimizer_key(i), {}), groups)
+            checkpoint["optimizer_states"].append(to_indexed(named, groups))
+            info["param_names"].append([n for g in groups for n in g["params"]])
+    rng = state.get(RNG, {})
+    info["rng_states"] = [rng.get(f"rank_{r}") for r in range(int(marker.get("world_size") or 0))]
+    checkpoint[INFO_KEY] = info
+    return checkpoint
 
 
 def load_consolidated_state_dict(path: str | os.PathLike, prefix: str = "") -> dict[str, Tensor]:
@@ -236,9 +271,5 @@ def load_consolidated_state_dict(path: str | os.PathLike, prefix: str = "") -> d
             :class:`~lightning_moe_overlap.demo_hf.HFMoECausalLM` into those of the Hugging Face model it wraps.
     """
     src = local_path(path, "`load_consolidated_state_dict`")
-    if src.is_dir():
-        checkpoint, _, marker = read_all(src)
-        state = _in_order(canonical_to_full(checkpoint["state_dict"]), tuple(marker.get("keys", ())))
-    else:
-        state = read_file(src)["state_dict"]
+    state = read_unsharded(src)["state_dict"] if src.is_dir() else read_file(src)["state_dict"]
     return {k[len(prefix) :]: v for k, v in state.items() if k.startswith(prefix)}

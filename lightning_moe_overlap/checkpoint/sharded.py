@@ -3,26 +3,28 @@
 Directory layout (``<path>/``)::
 
     .metadata, __<rank>_0.distcp   DCP: model and optimizer tensors, each rank's RNG state
-    meta.pt                        the rest of Lightning's checkpoint (loops, schedulers, callbacks, hparams,
-                                   optimizer param_groups), written by the coordinator
-    COMMIT                         written last (atomic.py): format, world size, ep, dp, pp, experts per module,
-                                   the unsplit model's state-dict keys in order
+    meta.pt                        the rest of Lightning's checkpoint (loops, schedulers, callbacks, hparams) and
+                                   each optimizer's parameter groups by name, written by rank 0
+    COMMIT                         written last (atomic.py): format, version, world size, ep, dp, pp, the unsplit
+                                   model's state-dict keys in order
 
-DCP keys are flat strings: ``state_dict/<key>``, ``optimizer_<i>/state/<key>/<state name>`` and ``rng/rank_<r>``,
-where ``<key>`` is canonical (keys.py): ``name[e]`` for expert ``e``. DCP keeps one copy of a key written by
-several ranks and spreads those copies over the ranks, so each rank writes its own experts (shared with its
-expert-data-parallel replicas only) and a share of the dense tensors; nothing is gathered. At pp > 1 a rank writes
-only the tensors it holds (:mod:`.held`; never a meta one), so the dense keys of a chunk are shared out among the
-ranks of its pp stage, and the DCP metadata lists every key of the unsplit model. A loading rank asks DCP for the
-keys it holds in the new layout (any pp, ep, dp), so resharding is key selection.
+The DCP state is ``{"model": ..., "optimizer": ..., "rng": {"rank_<r>": ...}}`` (further optimizers under
+``optimizer_<i>``), keyed by the unsplit model's names (:mod:`.state`)::
 
-Every value that is not a tensor is stored pickled, so DCP never flattens it into more keys.
+    model.layers.0.mlp.experts.gate_up_proj                      [E, 2F, D]  (global shape)
+    optimizer.state.layers.0.mlp.experts.gate_up_proj.exp_avg    [E, 2F, D]
+    optimizer.param_groups.layers.0.mlp.experts.gate_up_proj.lr
+
+DCP stores every tensor by its global shape and each rank's part by its offset: a ``DTensor`` expert stack is
+written by its ep ranks (each its own experts; expert-data-parallel replicas write one copy), a replicated plain
+tensor once. A loading rank asks for the entries it holds in its own layout and DCP reads the slices it needs, so
+resharding across ep, dp, FSDP2 sharding and pp comes from DCP. At pp > 1 a rank writes and reads only the tensors
+it holds (never a meta one).
 """
 
 from __future__ import annotations
 
 import os
-import pickle
 import warnings
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -32,39 +34,34 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch import Tensor
+from torch import nn
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
+from lightning_moe_overlap.checkpoint import checks
 from lightning_moe_overlap.checkpoint.atomic import read_marker
-from lightning_moe_overlap.checkpoint.held import is_absent
-from lightning_moe_overlap.checkpoint.keys import (
-    check_expert_counts,
-    check_keys,
-    expert_key,
-    saved_expert_counts,
-    split_key,
+from lightning_moe_overlap.checkpoint.state import (
+    GROUPS,
+    STATE,
+    absent_keys,
+    absent_params,
+    expert_counts,
+    global_shape,
+    model_state,
+    optimizer_state,
+    param_of,
 )
-from lightning_moe_overlap.checkpoint.optimizer import check_groups
-from lightning_moe_overlap.checkpoint.target import LoadTarget
 
 META_FILE = "meta.pt"
-MODEL = "state_dict/"
+MODEL, RNG = "model", "rng"
+VERSION = 2  # 1: per-expert keys `name[e]` (legacy.py converts it)
 
 
-def _optim(i: int) -> str:
-    return f"optimizer_{i}/state/"
+def optimizer_key(i: int) -> str:
+    return "optimizer" if i == 0 else f"optimizer_{i}"
 
 
-def _rng(rank: int) -> str:
-    return f"rng/rank_{rank}"
-
-
-def _pack(value: Any) -> Any:
-    return value.detach() if isinstance(value, Tensor) else pickle.dumps(value)
-
-
-def _unpack(value: Any) -> Any:
-    return pickle.loads(value) if isinstance(value, bytes) else value
+def _rank_key(rank: int) -> str:
+    return f"rank_{rank}"
 
 
 def _no_dist() -> bool:
@@ -72,29 +69,27 @@ def _no_dist() -> bool:
 
 
 @contextmanager
-def _single_process_quiet() -> Iterator[None]:
+def single_process_quiet() -> Iterator[None]:
     """DCP warns on every single-process call that it assumes one process: here that is the intent."""
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="torch.distributed is (disabled|unavailable)")
         yield
 
 
-def write_sharded(staging: Path, checkpoint: dict[str, Any], *, rank: int, rng_state: bytes) -> None:
-    """Write this rank's part of a canonical Lightning checkpoint into ``staging`` (collective over all ranks).
+def write_sharded(staging: Path, checkpoint: dict[str, Any], groups: list[Any], *, rank: int, rng: bytes) -> None:
+    """Write this rank's part of a Lightning checkpoint into ``staging`` (collective over all ranks).
 
-    ``checkpoint["state_dict"]`` and each ``checkpoint["optimizer_states"][i]`` must be in the canonical form.
+    ``checkpoint["state_dict"]`` and each ``checkpoint["optimizer_states"][i]`` are what :mod:`.state` gives (the
+    held entries); ``groups``: each optimizer's parameter groups by name (rank 0's are written).
     """
-    flat: dict[str, Any] = {f"{MODEL}{k}": _pack(v) for k, v in checkpoint["state_dict"].items()}
+    state: dict[str, Any] = {MODEL: dict(checkpoint["state_dict"]), RNG: {_rank_key(rank): rng}}
+    for i, flat in enumerate(checkpoint.get("optimizer_states", [])):
+        state[optimizer_key(i)] = dict(flat)
     meta = {k: v for k, v in checkpoint.items() if k not in ("state_dict", "optimizer_states")}
     if "optimizer_states" in checkpoint:
-        meta["optimizer_states"] = []
-        for i, optim in enumerate(checkpoint["optimizer_states"]):
-            for key, entry in optim["state"].items():
-                flat.update({f"{_optim(i)}{key}/{name}": _pack(v) for name, v in entry.items()})
-            meta["optimizer_states"].append({"param_groups": optim["param_groups"]})
-    flat[_rng(rank)] = rng_state
-    with _single_process_quiet():
-        dcp.save(flat, checkpoint_id=staging, no_dist=_no_dist())
+        meta["optimizer_states"] = [{"param_groups": g} for g in groups]
+    with single_process_quiet():
+        dcp.save(state, checkpoint_id=staging, no_dist=_no_dist())
     if rank == 0:
         with open(staging / META_FILE, "wb") as f:
             torch.save(meta, f)
@@ -102,118 +97,93 @@ def write_sharded(staging: Path, checkpoint: dict[str, Any], *, rank: int, rng_s
             os.fsync(f.fileno())
 
 
-def read_sharded(path: Path, target: LoadTarget) -> tuple[dict[str, Any], bytes | None]:
-    """This rank's part of a committed sharded checkpoint, in canonical form, and its RNG state (same world size).
+def saved_entries(path: Path) -> dict[str, Any]:
+    """``{flat DCP key: global shape or None}`` of a sharded checkpoint directory."""
+    metadata = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
+    return {k: (m.size if isinstance(m, TensorStorageMetadata) else None) for k, m in metadata.items()}
 
-    Collective: every rank calls it. The checks run before any tensor is read and every rank raises the first
-    rank's error, so a mismatch never leaves ranks waiting for each other.
+
+def read_sharded(
+    path: Path, module: nn.Module, optimizers: list[torch.optim.Optimizer], *, rank: int, same_world: bool,
+    strict: bool,
+) -> tuple[dict[str, Any], bytes | None]:
+    """Read this rank's part of a committed sharded checkpoint straight into the live tensors.
+
+    Collective: every rank calls it. The checks run before any tensor is read, and every rank raises the first
+    rank's error. Returns Lightning's checkpoint (``state_dict``: the loaded model entries, ``optimizer_states``:
+    flat optimizer states) and this rank's RNG state when ``same_world``.
 
     Raises:
-        RuntimeError: the directory has no commit marker (an interrupted save).
         ValueError: the checkpoint does not fit the model (expert count, keys, shapes, optimizer parameters).
     """
-    marker = read_marker(path)
-    reader = dcp.FileSystemReader(path)
-    metadata = reader.read_metadata().state_dict_metadata
     error: Exception | None = None
     request: dict[str, Any] = {}
     meta: dict[str, Any] = {}
     try:
         meta = torch.load(path / META_FILE, map_location="cpu", weights_only=False)
-        request = _request(path, metadata, meta, target, same_world=marker.get("world_size") == target.world_size)
+        request = _request(path, module, optimizers, meta, strict=strict)
     except (ValueError, NotImplementedError) as err:
         error = err
-    _agree(error)
-    with _single_process_quiet():
-        dcp.load(request, storage_reader=reader, no_dist=_no_dist())
-    checkpoint = _assemble(meta, request)
-    return checkpoint, request.get(_rng(target.rank))
-
-
-def read_all(path: Path) -> tuple[dict[str, Any], list[bytes | None], dict[str, Any]]:
-    """Every key of a committed sharded checkpoint in one process (offline consolidation; no process group).
-
-    Returns the canonical Lightning checkpoint (all experts), each saved rank's RNG state, and the commit marker.
-    """
-    marker = read_marker(path)
-    reader = dcp.FileSystemReader(path)
-    metadata = reader.read_metadata().state_dict_metadata
-    request = {k: _template(m) for k, m in metadata.items()}
-    with _single_process_quiet():
-        dcp.load(request, storage_reader=reader, no_dist=True)
-    meta = torch.load(path / META_FILE, map_location="cpu", weights_only=False)
-    checkpoint = _assemble(meta, request)
-    rng = [request.get(_rng(r)) for r in range(int(marker.get("world_size", 0)))]
-    return checkpoint, rng, marker
-
-
-def _assemble(meta: dict[str, Any], loaded: dict[str, Any]) -> dict[str, Any]:
-    """The canonical Lightning checkpoint from ``meta.pt`` and the flat DCP keys that were read."""
+    checks.agree(error)
+    if same_world:
+        request[RNG] = {_rank_key(rank): None}
+    with single_process_quiet():
+        dcp.load(request, checkpoint_id=path, no_dist=_no_dist())
     checkpoint = {k: v for k, v in meta.items() if k != "optimizer_states"}
-    checkpoint["state_dict"] = {k[len(MODEL) :]: _unpack(v) for k, v in loaded.items() if k.startswith(MODEL)}
-    if "optimizer_states" in meta:
-        checkpoint["optimizer_states"] = []
-        for i, saved in enumerate(meta["optimizer_states"]):
-            prefix, state = _optim(i), {}
-            for k, v in loaded.items():
-                if k.startswith(prefix):
-                    key, _, name = k[len(prefix) :].rpartition("/")
-                    state.setdefault(key, {})[name] = _unpack(v)
-            checkpoint["optimizer_states"].append({"state": state, "param_groups": saved["param_groups"]})
-    return checkpoint
+    checkpoint["state_dict"] = request[MODEL]
+    if optimizers:
+        checkpoint["optimizer_states"] = [request[optimizer_key(i)] for i in range(len(optimizers))]
+    return checkpoint, request.get(RNG, {}).get(_rank_key(rank))
 
 
 def _request(
-    path: Path, metadata: dict[str, Any], meta: dict[str, Any], target: LoadTarget, *, same_world: bool
+    path: Path, module: nn.Module, optimizers: list[torch.optim.Optimizer], meta: dict[str, Any], *, strict: bool
 ) -> dict[str, Any]:
-    """The DCP keys this rank needs, each with a buffer to read into (after checking they fit the model)."""
-    saved = {k[len(MODEL) :]: _shape(m) for k, m in metadata.items() if k.startswith(MODEL)}
-    check_expert_counts(saved_expert_counts(saved), target.shards, str(path))
-    relevant = {k: s for k, s in saved.items() if not (_other_rank_expert(k, target) or is_absent(k, target.absent))}
-    check_keys(relevant, target.model, str(path), strict=target.strict)
-    request = {f"{MODEL}{k}": _template(metadata[f"{MODEL}{k}"]) for k in target.model if k in saved}
-    saved_optims = meta.get("optimizer_states", [])
-    for i, names in enumerate(target.optimizers[: len(saved_optims)]):
-        check_groups(saved_optims[i]["param_groups"], names, str(path), target.absent)
-        wanted = set(names) - set(target.absent)
-        for name, shard in target.shards.items():
-            if name in wanted:
-                wanted.update(expert_key(name, e) for e in shard.global_range)
-        prefix = _optim(i)
-        for k, m in metadata.items():
-            if k.startswith(prefix) and k[len(prefix) :].rpartition("/")[0] in wanted:
-                request[k] = _template(m)
-    if same_world and _rng(target.rank) in metadata:
-        request[_rng(target.rank)] = None
+    """The entries this rank reads, each the live tensor to read into (after checking they fit the model)."""
+    entries = saved_entries(path)
+    saved = _under(entries, MODEL)
+    checks.check_expert_counts(saved, expert_counts(module), str(path))
+    template = model_state(module)
+    absent = absent_keys(module)
+    relevant = {k: s for k, s in saved.items() if k not in absent}
+    checks.check_keys(relevant, {k: global_shape(v) for k, v in template.items()}, str(path), strict=strict)
+    request: dict[str, Any] = {MODEL: {k: v for k, v in template.items() if k in saved}}
+    held = {n for n, p in module.named_parameters() if not p.is_meta}
+    for i, optimizer in enumerate(optimizers[: len(meta.get("optimizer_states", []))]):
+        key = optimizer_key(i)
+        flat_saved = _under(entries, key)
+        flat = optimizer_state(module, optimizer)
+        listed = {param_of(k) for k in flat if k.startswith(GROUPS)}
+        checks.check_optimizer({param_of(k) for k in flat_saved if k.startswith(GROUPS)}, listed, held, str(path))
+        with_state = {param_of(k) for k in flat_saved if k.startswith(STATE)}
+        wanted = {k: v for k, v in flat.items() if k.startswith(GROUPS) or param_of(k) in with_state}
+        checks.check_state_names(flat_saved, wanted, str(path))
+        request[key] = wanted
     return request
 
 
-def _other_rank_expert(key: str, target: LoadTarget) -> bool:
-    name, expert = split_key(key)
-    return expert is not None and name in target.shards and key not in target.model
+def _under(entries: dict[str, Any], prefix: str) -> dict[str, Any]:
+    dot = f"{prefix}."
+    return {k[len(dot) :]: v for k, v in entries.items() if k.startswith(dot)}
 
 
-def _shape(m: Any) -> torch.Size | None:
-    return m.size if isinstance(m, TensorStorageMetadata) else None
+def read_all(path: Path) -> tuple[dict[str, Any], dict[str, Any]]:
+    """Every entry of a committed sharded checkpoint in one process, no process group (offline consolidation).
+
+    Returns ``({"model": ..., "optimizer": ..., "rng": ...}`` with full tensors, ``meta.pt``'s content).
+    """
+    read_marker(path)
+    metadata = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
+    flat = {k: (torch.empty(m.size, dtype=m.properties.dtype) if isinstance(m, TensorStorageMetadata) else None)
+            for k, m in metadata.items()}
+    with single_process_quiet():
+        dcp.load(flat, checkpoint_id=path, no_dist=True)
+    state: dict[str, Any] = {}
+    for key, value in flat.items():
+        top, _, rest = key.partition(".")
+        state.setdefault(top, {})[rest] = value
+    return state, torch.load(path / META_FILE, map_location="cpu", weights_only=False)
 
 
-def _template(m: Any) -> Any:
-    if isinstance(m, TensorStorageMetadata):
-        return torch.empty(m.size, dtype=m.properties.dtype)
-    return None
-
-
-def _agree(error: Exception | None) -> None:
-    """Raise the first rank's error on every rank (or nothing when no rank has one)."""
-    if _no_dist():
-        if error is not None:
-            raise error
-        return
-    errors: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(errors, None if error is None else (type(error), str(error)))
-    for rank, found in enumerate(errors):
-        if found is not None:
-            kind, message = found
-            if error is not None:
-                raise error
-            raise kind(f"{message} (raised on rank {rank})")
+__all__ = ["META_FILE", "MODEL", "RNG", "VERSION", "optimizer_key", "read_all", "read_sharded", "saved_entries",
+           "write_sharded"]

@@ -5,7 +5,7 @@ as the strategy does at pp > 1 (docs/pipeline.md): the unsplit model with the ot
 expert parallelism applied to the held chunks, its tensors and AdamW state cut from the source by hand (the oracle).
 
 - pp=2 x ep=2 (vpp=2, interleaved chunks; its optimizer lists only held parameters) saves sharded and consolidated:
-  the DCP metadata has every key of the unsplit model exactly once, and the consolidated file is the source's own
+  the DCP metadata has every key of the unsplit model with its global shape, each chunk written once, and the consolidated file is the source's own
   ``state_dict()`` / ``optimizer.state_dict()``, loadable into the plain model, and equal to the offline
   consolidation of the sharded directory;
 - both load at pp=1 x ep=2 and pp=1 x ep=1, strictly: every held tensor and AdamW state is ``torch.equal`` to the
@@ -21,7 +21,6 @@ from pathlib import Path
 import torch
 
 from lightning_moe_overlap.checkpoint import checkpointer, consolidate_checkpoint
-from lightning_moe_overlap.checkpoint.target import LoadTarget
 from lightning_moe_overlap.demo import MoEGPT
 from lightning_moe_overlap.moe.adapters import apply_expert_parallel
 from lightning_moe_overlap.moe.ep import ExpertParallelExperts
@@ -124,8 +123,7 @@ def differences(model, opt, ref, where: str) -> list[str]:
 
 def load_into(path: Path, groups, rank: int, ref, where: str, **layout) -> list[str]:
     model, opt = build(groups, **layout)
-    target = LoadTarget.of(model, [opt], rank=rank, world_size=WORLD, strict=True)
-    loaded = checkpointer.load(path, target, restore_rng_state=False)
+    loaded = checkpointer.load(path, model, [opt], strict=True)
     checkpointer.load_module_state(model, loaded, strict=True)
     checkpointer.load_optimizer_states([opt], model, loaded)
     return differences(model, opt, ref, f"rank {rank} {where}")
@@ -141,9 +139,8 @@ def save_both(root: Path, name: str, groups, rank: int, ref, **layout) -> None:
         "optimizer_states": [checkpointer.optimizer_state(opt, model)],
     }
     assert not any(v.is_meta for v in checkpoint["state_dict"].values())
-    target = LoadTarget.of(model, [opt], rank=rank, world_size=WORLD)
-    checkpointer.save(checkpoint, root / name, "sharded", target, groups)
-    checkpointer.save(checkpoint, root / f"{name}.ckpt", "consolidated", target, groups)
+    checkpointer.save(checkpoint, root / name, "sharded", model, [opt], groups)
+    checkpointer.save(checkpoint, root / f"{name}.ckpt", "consolidated", model, [opt], groups)
 
 
 def check_files(root: Path, name: str, ref) -> list[str]:
@@ -152,16 +149,14 @@ def check_files(root: Path, name: str, ref) -> list[str]:
 
     state, _, optim = ref
     problems = []
-    expected = set()
-    for key in state:
-        expected |= {f"{key}[{e}]" for e in range(E)} if ".experts." in key else {key}
+    expected = set(state)  # the unsplit model's own names, experts with their global shape
     metadata = dcp.FileSystemReader(root / name).read_metadata()
-    saved = {k[len("state_dict/") :] for k in metadata.state_dict_metadata if k.startswith("state_dict/")}
-    if saved != expected:
-        problems.append(f"{name}: keys {sorted(saved ^ expected)[:4]} differ from the unsplit model's")
-    written = [i.fqn for i in metadata.storage_data if i.fqn.startswith("state_dict/")]
+    saved = {k[len("model.") :]: m.size for k, m in metadata.state_dict_metadata.items() if k.startswith("model.")}
+    if set(saved) != expected or any(tuple(saved[k]) != tuple(v.shape) for k, v in state.items()):
+        problems.append(f"{name}: keys {sorted(set(saved) ^ expected)[:4]} or shapes differ from the unsplit model's")
+    written = [(i.fqn, tuple(i.offset)) for i in metadata.storage_data if i.fqn.startswith("model.")]
     if sorted(written) != sorted(set(written)):
-        problems.append(f"{name}: some keys were written more than once")
+        problems.append(f"{name}: some chunks were written more than once")
     offline = torch.load(consolidate_checkpoint(root / name, root / f"{name}.offline"), weights_only=False)
     for label, full in (("consolidated", torch.load(root / f"{name}.ckpt", weights_only=False)), ("offline", offline)):
         got_state = full["state_dict"]

@@ -16,27 +16,15 @@ from torch import nn
 from lightning_moe_overlap import MoEOverlapStrategy
 from lightning_moe_overlap.checkpoint import atomic, checkpointer, consolidate_checkpoint, load_consolidated_state_dict
 from lightning_moe_overlap.checkpoint.consolidated import read_file
-from lightning_moe_overlap.checkpoint.keys import (
-    canonical_to_full,
-    check_expert_counts,
-    check_keys,
-    expert_key,
-    from_canonical,
-    full_to_canonical,
-    split_key,
-    to_canonical,
-)
+from lightning_moe_overlap.checkpoint.checks import check_expert_counts, check_keys, check_optimizer, check_state_names
 from lightning_moe_overlap.checkpoint.optimizer import (
-    canonical_optimizer_to_full,
-    check_groups,
-    full_optimizer_to_canonical,
-    optimizer_from_canonical,
-    optimizer_to_canonical,
+    flat_to_named,
+    indexed_to_flat,
+    named_groups,
     param_names,
+    to_indexed,
 )
-from lightning_moe_overlap.checkpoint.target import LoadTarget
 from lightning_moe_overlap.moe.adapters import apply_expert_parallel
-from lightning_moe_overlap.moe.ep import ExpertShard
 from lightning_moe_overlap.moe.layer import MoELayer
 
 E = 4  # experts
@@ -74,51 +62,12 @@ def _lightning_checkpoint(model, opt) -> dict:
     }
 
 
-def _shards(num_local: int, first: int, names=("moe.experts.gate_up_proj", "moe.experts.down_proj")) -> dict:
-    return {n: ExpertShard(num_experts=E, first_expert=first, num_local=num_local) for n in names}
-
-
-# -- keys ------------------------------------------------------------------------------------------------------
-def test_expert_keys_round_trip_and_plain_names_stay():
-    assert expert_key("a.b.w", 3) == "a.b.w[3]"
-    assert split_key("a.b.w[3]") == ("a.b.w", 3)
-    assert split_key("layers.0.weight") == ("layers.0.weight", None)
-
-
-def test_model_state_split_by_two_ranks_recombines_to_the_full_state():
-    full = Tiny().state_dict()
-    merged = {}
-    for rank in range(2):  # ep=2: rank r holds experts [2r, 2r+2)
-        shards = _shards(2, 2 * rank)
-        local = {k: (v[2 * rank : 2 * rank + 2] if k in shards else v) for k, v in full.items()}
-        canonical = to_canonical(local, shards)
-        assert canonical.keys() == full_to_canonical(full, shards).keys()
-        assert all(torch.equal(from_canonical(canonical, shards)[k], v) for k, v in local.items())
-        merged.update(canonical)
-    recombined = canonical_to_full(merged)
-    assert list(recombined) == list(full)  # the unsharded model's names, in its order
-    assert all(torch.equal(recombined[k], v) for k, v in full.items())
-
-
+# -- checks and conversions -----------------------------------------------------------------------------------
 @pytest.mark.parametrize(
     "call,match",
     [
-        (lambda: from_canonical({"x.w[0]": torch.ones(1)}, {}), r"per-expert entries `x.w\[i\]` but the model has no"),
         (
-            lambda: from_canonical({"m.down_proj[0]": torch.ones(1)}, _shards(2, 0, ["m.down_proj"])),
-            r"lacks experts \[1\] of `m.down_proj`, which this rank holds",
-        ),
-        (lambda: canonical_to_full({"w[0]": torch.ones(1), "w[2]": torch.ones(1)}), r"lacks \[1\]; a consolidated"),
-        (
-            lambda: to_canonical({"w": torch.ones(3, 2)}, {"w": ExpertShard(4, 0, 2)}),
-            r"`w` is \(3, 2\), but it is a per-expert tensor of a rank holding 2 local experts",
-        ),
-        (
-            lambda: full_to_canonical({"w": torch.ones(8, 2)}, {"w": ExpertShard(4, 0, 2)}),
-            r"`w` is \(8, 2\) but the model has 4 experts there",
-        ),
-        (
-            lambda: check_expert_counts({"w": 8}, {"w": ExpertShard(4, 0, 2)}, "ck"),
+            lambda: check_expert_counts({"w": (8, 2)}, {"w": 4}, "ck"),
             r"the checkpoint at ck holds 8 experts for `w` but the model has 4\. A checkpoint loads at any ep",
         ),
         (
@@ -129,67 +78,56 @@ def test_model_state_split_by_two_ranks_recombines_to_the_full_state():
             lambda: check_keys({"a": (2,), "z": (1,)}, {"a": (2,), "b": (1,)}, "ck", strict=True),
             r"different model: 1 keys of the model are not in it \['b'\], 1 saved keys are not in the model \['z'\]",
         ),
+        (
+            lambda: check_optimizer({"a"}, {"a", "b"}, {"a", "b"}, "ck"),
+            r"saved for other parameters: 1 of the optimizer's are not in it \['b'\]",
+        ),
+        (
+            lambda: check_optimizer({"a", "c"}, {"a"}, {"a", "c"}, "ck"),
+            r"1 saved ones are not in the optimizer \['c'\]",
+        ),
+        (
+            lambda: check_state_names({"state.a.momentum_buffer"}, {"state.a.exp_avg"}, "ck"),
+            r"lacks 1 entries the optimizer keeps \['state.a.exp_avg'\]: it was saved by another optimizer",
+        ),
+        (
+            lambda: indexed_to_flat({"state": {}, "param_groups": [{"params": [0]}]}, ["a", "b"], "ck"),
+            r"has 1 parameters but the optimizer has 2; a file that does not name its parameters",
+        ),
     ],
 )
-def test_key_errors_name_the_values_the_rule_and_the_fix(call, match):
+def test_check_errors_name_the_values_the_rule_and_the_fix(call, match):
     with pytest.raises(ValueError, match=match):
         call()
 
 
-def test_check_keys_without_strict_accepts_a_partial_match():
+def test_partial_matches_pass_the_checks():
     check_keys({"a": (2,), "z": (1,)}, {"a": (2,), "b": (1,)}, "ck", strict=False)
+    check_optimizer({"a", "c"}, {"a"}, {"a"}, "ck")  # `c` is held by another pipeline rank
 
 
-# -- optimizer -------------------------------------------------------------------------------------------------
-def test_optimizer_state_split_by_two_ranks_recombines_to_the_unsharded_state():
+def test_optimizer_state_round_trips_between_the_indexed_and_the_flat_form():
     model, opt = _trained(ep_wrap=False)
-    full = opt.state_dict()
+    osd = opt.state_dict()
     names = param_names(opt, model)
-    merged: dict = {"state": {}, "param_groups": None}
-    for rank in range(2):
-        shards = _shards(2, 2 * rank)
-        local = {
-            "state": {
-                i: {k: (v[2 * rank : 2 * rank + 2] if names[i] in shards and v.dim() else v) for k, v in s.items()}
-                for i, s in full["state"].items()
-            },
-            "param_groups": full["param_groups"],
-        }
-        canonical = optimizer_to_canonical(local, names, shards)
-        sliced = full_optimizer_to_canonical(full, names, shards, "ck")
-        assert canonical["state"].keys() == sliced["state"].keys()
-        back = optimizer_from_canonical(canonical, names, shards, "ck")
-        for i, entry in local["state"].items():
-            assert all(torch.equal(back["state"][i][k], v) for k, v in entry.items())
-        merged["state"].update(canonical["state"])
-        merged["param_groups"] = canonical["param_groups"]
-    assert "step" in merged["state"]["moe.experts.down_proj"]  # shared by the experts: stored once
-    assert "exp_avg" in merged["state"]["moe.experts.down_proj[3]"]
-    recombined = canonical_optimizer_to_full(merged)
-    assert recombined["param_groups"] == full["param_groups"]
-    for i, entry in full["state"].items():
-        assert all(torch.equal(recombined["state"][i][k], v) for k, v in entry.items())
-
-
-def test_optimizer_errors_name_the_values_the_rule_and_the_fix():
-    model, opt = _trained(ep_wrap=False)
-    names = param_names(opt, model)
+    flat = indexed_to_flat(osd, names, "ck")
+    api = checkpointer.optimizer_state(opt, model)  # the state-dict API's own flat form
+    assert flat.keys() == api.keys()
+    assert all(torch.equal(v, api[k]) if isinstance(v, torch.Tensor) else v == api[k] for k, v in flat.items())
+    groups = named_groups(opt, model)
+    back = to_indexed(flat_to_named(flat, groups), groups)
+    assert back["param_groups"] == osd["param_groups"] and back["state"].keys() == osd["state"].keys()
+    for i, entry in osd["state"].items():
+        assert all(torch.equal(back["state"][i][k], v) for k, v in entry.items())
     with pytest.raises(ValueError, match=r"holds a parameter of shape \(3,\) that is not a parameter of the"):
         param_names(torch.optim.SGD([nn.Parameter(torch.ones(3))], lr=1.0), model)
-    with pytest.raises(ValueError, match=r"saved for other parameters: 1 of the optimizer's are not in it"):
-        check_groups([{"params": names[:-1]}], names, "ck")
-    with pytest.raises(ValueError, match=r"has 1 parameters but the optimizer has \d+; state is matched"):
-        full_optimizer_to_canonical({"state": {}, "param_groups": [{"params": [0]}]}, names, {}, "ck")
-    state = {"state": {0: {"step": torch.tensor(1.0), "exp_avg": torch.ones(3, 2)}}, "param_groups": [{"params": [0]}]}
-    with pytest.raises(NotImplementedError, match=r"`exp_avg` of expert parameter `w` is \(3, 2\), which does not"):
-        optimizer_to_canonical(state, ["w"], {"w": ExpertShard(4, 0, 2)})
-    canonical = {"state": {"w[0]": {"exp_avg": torch.ones(2)}}, "param_groups": [{"params": ["w"]}]}
-    with pytest.raises(ValueError, match=r"lacks some experts of `w` \(this rank holds experts 0\.\.1\)"):
-        optimizer_from_canonical(canonical, ["w"], {"w": ExpertShard(4, 0, 2)}, "ck")
-    with pytest.raises(ValueError, match=r"`w` has experts \[0, 2\], not every expert 0\.\.E-1"):
-        canonical_optimizer_to_full(
-            {"state": {"w[0]": {"m": torch.ones(1)}, "w[2]": {"m": torch.ones(1)}}, "param_groups": [{"params": ["w"]}]}
-        )
+
+
+def test_model_state_is_keyed_by_the_unsplit_names_with_every_expert():
+    model, _ = _trained()
+    state = checkpointer.module_state(model)
+    assert list(state) == list(Tiny().state_dict())
+    assert state["moe.experts.gate_up_proj"].shape[0] == E
 
 
 # -- both formats end to end, one process ----------------------------------------------------------------------
@@ -197,10 +135,10 @@ def test_optimizer_errors_name_the_values_the_rule_and_the_fix():
 def test_save_then_load_restores_model_and_optimizer_bitwise(tmp_path, fmt):
     model, opt = _trained(seed=0)
     path = tmp_path / "ck"
-    checkpointer.save(_lightning_checkpoint(model, opt), path, fmt, LoadTarget.of(model, [opt]), None)
+    checkpointer.save(_lightning_checkpoint(model, opt), path, fmt, model, [opt], None)
     assert path.is_dir() == (fmt == "sharded") and not list(tmp_path.glob("*.partial-*"))
     fresh, fresh_opt = _trained(seed=1)
-    loaded = checkpointer.load(path, LoadTarget.of(fresh, [fresh_opt]), restore_rng_state=True)
+    loaded = checkpointer.load(path, fresh, [fresh_opt], restore_rng_state=True)
     assert (loaded["epoch"], loaded["global_step"]) == (1, 2)
     checkpointer.load_module_state(fresh, loaded, strict=True)
     checkpointer.load_optimizer_states([fresh_opt], fresh, loaded)
@@ -217,10 +155,8 @@ def test_optimizer_state_unwraps_lightnings_optimizer_wrapper():
     model, opt = _trained(seed=0)
     state = checkpointer.optimizer_state(opt, model)
     wrapped = checkpointer.optimizer_state(LightningOptimizer(opt), model)
-    assert wrapped["param_groups"] == state["param_groups"] and wrapped["state"].keys() == state["state"].keys()
-    for key, entry in state["state"].items():
-        assert entry.keys() == wrapped["state"][key].keys()
-        assert all(torch.equal(wrapped["state"][key][name], value) for name, value in entry.items())
+    assert wrapped.keys() == state.keys()
+    assert all(torch.equal(v, wrapped[k]) if isinstance(v, torch.Tensor) else v == wrapped[k] for k, v in state.items())
     fresh, fresh_opt = _trained(seed=1)
     checkpointer.load_optimizer_states([LightningOptimizer(fresh_opt)], fresh, {"optimizer_states": [state]})
     for p, q in zip(model.parameters(), fresh.parameters()):
@@ -229,7 +165,7 @@ def test_optimizer_state_unwraps_lightnings_optimizer_wrapper():
 
 def test_sharded_checkpoint_consolidates_offline_into_the_unsharded_model(tmp_path):
     model, opt = _trained(seed=0)
-    checkpointer.save(_lightning_checkpoint(model, opt), tmp_path / "ck", "sharded", LoadTarget.of(model, [opt]), None)
+    checkpointer.save(_lightning_checkpoint(model, opt), tmp_path / "ck", "sharded", model, [opt], None)
     out = torch.load(consolidate_checkpoint(tmp_path / "ck", tmp_path / "full.ckpt"), weights_only=False)
     plain = Tiny(seed=1)  # no expert parallelism at all
     plain.load_state_dict(out["state_dict"], strict=True)
@@ -241,23 +177,23 @@ def test_sharded_checkpoint_consolidates_offline_into_the_unsharded_model(tmp_pa
 
 def test_loading_a_checkpoint_with_another_expert_count_is_refused(tmp_path):
     model, opt = _trained()
-    checkpointer.save(_lightning_checkpoint(model, opt), tmp_path / "ck", "sharded", LoadTarget.of(model, [opt]), None)
+    checkpointer.save(_lightning_checkpoint(model, opt), tmp_path / "ck", "sharded", model, [opt], None)
     other = Tiny(num_experts=2)
     apply_expert_parallel(other, None)
     with pytest.raises(ValueError, match=r"holds 4 experts for `moe.experts.gate_up_proj` but the model has 2"):
-        checkpointer.load(tmp_path / "ck", LoadTarget.of(other), restore_rng_state=False)
+        checkpointer.load(tmp_path / "ck", other, [])
 
 
 # -- atomicity -------------------------------------------------------------------------------------------------
 @pytest.mark.skipif(not hasattr(os, "fork"), reason="Requires: os.fork to kill a save midway")
 def test_save_killed_before_commit_leaves_a_checkpoint_that_is_refused(tmp_path):
     model, opt = _trained()
-    checkpoint, target = _lightning_checkpoint(model, opt), LoadTarget.of(model, [opt])
+    checkpoint = _lightning_checkpoint(model, opt)
     pid = os.fork()
     if pid == 0:  # the child is killed (no cleanup runs) after writing every tensor, before the commit
         try:
             atomic.write_marker = lambda *args: os._exit(17)
-            checkpointer.save(checkpoint, tmp_path / "ck", "sharded", target, None)
+            checkpointer.save(checkpoint, tmp_path / "ck", "sharded", model, [opt], None)
         finally:
             os._exit(1)
     _, status = os.waitpid(pid, 0)
@@ -266,17 +202,16 @@ def test_save_killed_before_commit_leaves_a_checkpoint_that_is_refused(tmp_path)
     (partial,) = tmp_path.glob("ck.partial-*")
     assert (partial / ".metadata").is_file()  # the data is all there, but not committed
     with pytest.raises(RuntimeError, match=r"is incomplete: it has no `COMMIT` marker, so the save that wrote it did"):
-        checkpointer.load(partial, target, restore_rng_state=False)
+        checkpointer.load(partial, model, [opt])
     partial.rename(tmp_path / "renamed")  # a copied or renamed directory is refused the same way
     with pytest.raises(RuntimeError, match=r"no `COMMIT` marker.*Resume from an earlier checkpoint"):
-        checkpointer.load(tmp_path / "renamed", target, restore_rng_state=False)
+        checkpointer.load(tmp_path / "renamed", model, [opt])
 
 
 def test_replacing_a_checkpoint_keeps_a_complete_one_and_cleans_up(tmp_path):
     model, opt = _trained()
-    target = LoadTarget.of(model, [opt])
     for _ in range(2):  # `last.ckpt` style: the same name saved twice
-        checkpointer.save(_lightning_checkpoint(model, opt), tmp_path / "last.ckpt", "sharded", target, None)
+        checkpointer.save(_lightning_checkpoint(model, opt), tmp_path / "last.ckpt", "sharded", model, [opt], None)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["last.ckpt"]
     checkpointer.remove(tmp_path / "last.ckpt", rank=0)
     assert not list(tmp_path.iterdir())
@@ -284,12 +219,11 @@ def test_replacing_a_checkpoint_keeps_a_complete_one_and_cleans_up(tmp_path):
 
 def test_consolidated_staging_or_truncated_files_are_refused(tmp_path):
     model, opt = _trained()
-    target = LoadTarget.of(model, [opt])
-    checkpointer.save(_lightning_checkpoint(model, opt), tmp_path / "full.ckpt", "consolidated", target, None)
+    checkpointer.save(_lightning_checkpoint(model, opt), tmp_path / "full.ckpt", "consolidated", model, [opt], None)
     data = (tmp_path / "full.ckpt").read_bytes()
     (tmp_path / "full.ckpt.partial-ab").write_bytes(data)
     with pytest.raises(RuntimeError, match=r"is the staging file of a save that was not committed"):
-        checkpointer.load(tmp_path / "full.ckpt.partial-ab", target, restore_rng_state=False)
+        checkpointer.load(tmp_path / "full.ckpt.partial-ab", model, [opt])
     (tmp_path / "cut.ckpt").write_bytes(data[: len(data) // 2])
     with pytest.raises(RuntimeError, match=r"cannot be read .*; it is truncated or not a torch checkpoint"):
         read_file(tmp_path / "cut.ckpt")
@@ -297,13 +231,12 @@ def test_consolidated_staging_or_truncated_files_are_refused(tmp_path):
 
 def test_path_and_format_errors(tmp_path):
     model, opt = _trained()
-    target = LoadTarget.of(model, [opt])
     with pytest.raises(FileNotFoundError, match=r"no checkpoint at .*missing\. Check the path"):
-        checkpointer.load(tmp_path / "missing", target, restore_rng_state=False)
+        checkpointer.load(tmp_path / "missing", model, [opt])
     with pytest.raises(FileNotFoundError, match=r"no checkpoint at .*gone\. Check the path"):
         atomic.read_marker(tmp_path / "gone")
     with pytest.raises(NotImplementedError, match=r"'s3://b/ck' is a URL; expert-parallel checkpoints are written"):
-        checkpointer.load("s3://b/ck", target, restore_rng_state=False)
+        checkpointer.load("s3://b/ck", model, [opt])
     with pytest.raises(ValueError, match=r"`checkpoint_format='zip'` is not one of \['sharded', 'consolidated'\]"):
         MoEOverlapStrategy(checkpoint_format="zip", num_microbatches=2)
     with pytest.raises(TypeError, match=r"`storage_options=\{'a': 1\}` is not supported"):
@@ -318,8 +251,51 @@ def test_strategy_restores_after_setup_and_takes_the_format_argument():
 
 def test_rng_state_is_restored_with_the_checkpoint(tmp_path):
     model, opt = _trained()
-    target = LoadTarget.of(model, [opt])
-    checkpointer.save(_lightning_checkpoint(model, opt), tmp_path / "ck", "sharded", target, None)
+    checkpointer.save(_lightning_checkpoint(model, opt), tmp_path / "ck", "sharded", model, [opt], None)
     expected = torch.rand(3)
-    checkpointer.load(tmp_path / "ck", target, restore_rng_state=True)
+    checkpointer.load(tmp_path / "ck", model, [opt], restore_rng_state=True)
     assert torch.equal(torch.rand(3), expected)
+
+
+# -- format version 1 (per-expert keys) ------------------------------------------------------------------------
+FIXTURE = os.path.join(os.path.dirname(__file__), "..", "fixtures", "legacy_v1")
+
+
+def _fixture_model(seed: int):
+    from lightning_moe_overlap.demo import MoEGPT
+
+    expected = torch.load(os.path.join(FIXTURE, "expected.pt"), weights_only=False)
+    model = MoEGPT(**expected["config"], seed=seed)
+    apply_expert_parallel(model, None)
+    return model, torch.optim.AdamW(model.parameters(), lr=1e-2), expected
+
+
+def test_a_version_1_directory_is_refused_with_the_converter_named(tmp_path):
+    model, opt, _ = _fixture_model(1)
+    with pytest.raises(ValueError, match=r"has format version 1 \(per-expert keys.*convert-checkpoint .* NEW_PATH"):
+        checkpointer.load(os.path.join(FIXTURE, "checkpoint"), model, [opt])
+
+
+def test_a_version_1_directory_converts_and_loads_bitwise(tmp_path):
+    """The fixture was written at ep=2 by 2 ranks in format version 1; converted, it loads at ep=1."""
+    from lightning_moe_overlap.checkpoint import convert_legacy_checkpoint
+    from lightning_moe_overlap.cli import main
+
+    with pytest.raises(SystemExit) as exit_info:
+        main(["convert-checkpoint", os.path.join(FIXTURE, "checkpoint"), str(tmp_path / "v2")])
+    assert exit_info.value.code == 0
+    model, opt, expected = _fixture_model(1)
+    loaded = checkpointer.load(tmp_path / "v2", model, [opt])
+    assert (loaded["epoch"], loaded["global_step"]) == (1, 2)
+    checkpointer.load_module_state(model, loaded, strict=True)
+    checkpointer.load_optimizer_states([opt], model, loaded)
+    assert list(model.state_dict()) == list(expected["state_dict"])
+    assert all(torch.equal(v, expected["state_dict"][k]) for k, v in model.state_dict().items())
+    got, want = opt.state_dict(), expected["optimizer"]
+    assert got["param_groups"] == want["param_groups"] and got["state"].keys() == want["state"].keys()
+    for i, entry in want["state"].items():
+        assert all(torch.equal(got["state"][i][k], v) for k, v in entry.items())
+    offline = torch.load(consolidate_checkpoint(os.path.join(FIXTURE, "checkpoint"), tmp_path / "f.ckpt"), weights_only=False)
+    assert all(torch.equal(offline["state_dict"][k], v) for k, v in expected["state_dict"].items())
+    with pytest.raises(ValueError, match=r"is not a version-1 sharded checkpoint .*version 2"):
+        convert_legacy_checkpoint(tmp_path / "v2", tmp_path / "v3")

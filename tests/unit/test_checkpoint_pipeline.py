@@ -12,8 +12,8 @@ import torch
 
 from lightning_moe_overlap.checkpoint import checkpointer
 from lightning_moe_overlap.checkpoint.consolidated import gather_full
-from lightning_moe_overlap.checkpoint.optimizer import check_groups, merge_param_groups
-from lightning_moe_overlap.checkpoint.target import LoadTarget
+from lightning_moe_overlap.checkpoint.optimizer import merge_param_groups
+from lightning_moe_overlap.checkpoint.state import absent_keys
 from lightning_moe_overlap.demo import MoEGPT
 from lightning_moe_overlap.moe.adapters import apply_expert_parallel
 from lightning_moe_overlap.pipeline.layout import build_layout
@@ -63,23 +63,23 @@ def test_a_view_saves_its_held_tensors_only_and_names_the_rest_absent():
     state = checkpointer.module_state(model)
     assert state and not any(v.is_meta for v in state.values())
     assert "head.weight" in state and "embed.weight" not in state
-    assert "layers.3.mlp.experts.down_proj[3]" in state and "layers.0.mlp.experts.down_proj[0]" not in state
-    target = LoadTarget.of(model, [opt])
+    assert "layers.3.mlp.experts.down_proj" in state and "layers.0.mlp.experts.down_proj" not in state
     unsplit = list(MoEGPT(**CONFIG).state_dict())
-    assert set(target.absent) == {k for k in unsplit if k.startswith(("embed.", "layers.0.", "layers.1."))}
-    assert list(target.order) == unsplit
+    assert set(absent_keys(model)) == {k for k in unsplit if k.startswith(("embed.", "layers.0.", "layers.1."))}
+    assert list(model.state_dict()) == unsplit
+    flat = checkpointer.optimizer_state(opt, model)  # no state of a meta parameter, not even its `step`
+    assert not any(k.startswith("state.embed.") for k in flat) and "state.head.weight.exp_avg" in flat
 
 
 @pytest.mark.parametrize("fmt", ["sharded", "consolidated"])
 @pytest.mark.parametrize("held_only", [False, True])
 def test_a_view_loads_a_whole_model_checkpoint_strictly(tmp_path, fmt, held_only):
     model, opt = full_model()
-    target = LoadTarget.of(model, [opt])
-    checkpointer.save(lightning_checkpoint(model, opt), tmp_path / "ck", fmt, target, None)
+    checkpointer.save(lightning_checkpoint(model, opt), tmp_path / "ck", fmt, model, [opt], None)
     source = {n: p for n, p in model.named_parameters()}
     for pp_rank in range(2):
         mine, mine_opt = view(pp_rank, held_only=held_only)
-        loaded = checkpointer.load(tmp_path / "ck", LoadTarget.of(mine, [mine_opt]), restore_rng_state=False)
+        loaded = checkpointer.load(tmp_path / "ck", mine, [mine_opt], strict=True)
         checkpointer.load_module_state(mine, loaded, strict=True)
         checkpointer.load_optimizer_states([mine_opt], mine, loaded)
         held = 0
@@ -99,16 +99,20 @@ def test_a_strict_load_still_refuses_keys_missing_from_the_checkpoint(tmp_path, 
     model, opt = full_model()
     checkpoint = lightning_checkpoint(model, opt)
     del checkpoint["state_dict"]["head.weight"]  # held by pp rank 1
-    checkpointer.save(checkpoint, tmp_path / "ck", fmt, LoadTarget.of(model, [opt]), None)
+    checkpointer.save(checkpoint, tmp_path / "ck", fmt, model, [opt], None)
+    if fmt == "consolidated":  # written from the module itself: take the key out of the file
+        full = torch.load(tmp_path / "ck", weights_only=False)
+        del full["state_dict"]["head.weight"]
+        torch.save(full, tmp_path / "ck")
     holder, _ = view(1)
     with pytest.raises(ValueError, match=r"1 keys of the model are not in it \['head.weight'\]"):
-        checkpointer.load(tmp_path / "ck", LoadTarget.of(holder), restore_rng_state=False)
+        checkpointer.load(tmp_path / "ck", holder, [])
     other, _ = view(0)
     if fmt == "consolidated":  # every rank reads the whole file, so every rank refuses it alike
         with pytest.raises(ValueError, match=r"1 keys of the model are not in it \['head.weight'\]"):
-            checkpointer.load(tmp_path / "ck", LoadTarget.of(other), restore_rng_state=False)
-    else:  # the holder's error reaches every rank (sharded.py `_agree`)
-        checkpointer.load(tmp_path / "ck", LoadTarget.of(other), restore_rng_state=False)
+            checkpointer.load(tmp_path / "ck", other, [])
+    else:  # the holder's error reaches every rank (checks.agree)
+        checkpointer.load(tmp_path / "ck", other, [])
 
 
 def test_load_module_state_compares_held_tensors_only():
@@ -131,14 +135,7 @@ def test_param_groups_merge_into_the_unsplit_optimizers():
         merge_param_groups([[{"params": ["a"]}], [{"params": ["b"]}, {"params": []}]], order)
 
 
-def test_check_groups_skips_absent_parameters_only():
-    saved = [{"params": ["a", "b", "c"]}]
-    check_groups(saved, ["b", "c"], "ck", absent={"a"})
-    with pytest.raises(ValueError, match=r"1 saved ones are not in the optimizer \['a'\]"):
-        check_groups(saved, ["b", "c"], "ck")
-
-
 def test_gather_full_of_a_view_needs_the_groups():
     model, opt = view(0)
     with pytest.raises(ValueError, match=r"tensors of the model are on the meta device here .* Fix: pass `groups=`"):
-        gather_full(lightning_checkpoint(model, opt), LoadTarget.of(model, [opt]), None, b"")
+        gather_full(lightning_checkpoint(model, opt), model, [opt], None, b"", world_size=1)
