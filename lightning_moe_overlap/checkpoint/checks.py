@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-Shapes = Mapping[str, "torch.Size | None"]
+Shapes = Mapping[str, torch.Size | None]
 
 
 def check_expert_counts(saved: Shapes, experts: Mapping[str, int], where: str) -> None:

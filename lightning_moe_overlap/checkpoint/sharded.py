@@ -43,7 +43,6 @@ from lightning_moe_overlap.checkpoint.state import (
     GROUPS,
     STATE,
     absent_keys,
-    absent_params,
     expert_counts,
     global_shape,
     model_state,

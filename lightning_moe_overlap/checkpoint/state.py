@@ -3,7 +3,9 @@
 ``get_model_state_dict`` / ``get_optimizer_state_dict`` key every entry by the unsplit model's parameter names
 (FQNs) and give each tensor in the form the run holds it: a plain tensor (a replicated dense parameter), a
 ``DTensor`` ``Shard(0)`` over the ep mesh (an expert stack, global shape ``[E, ...]``) or a ``DTensor`` over an
-FSDP2 mesh. DCP saves and loads all of them by their global shape, so this module never looks at a layout.
+FSDP2 mesh. DCP saves and loads all of them by their global shape. The one layout this module knows: experts built
+from an ep process group without a mesh (plain ``[E/ep, ...]`` tensors) are presented as ``DTensor`` s over a mesh
+of that group (:func:`plain_expert_meshes`).
 
 The optimizer state is *flat* (``StateDictOptions(flatten_optimizer_state_dict=True)``)::
 

@@ -5,13 +5,16 @@ as the strategy does at pp > 1 (docs/pipeline.md): the unsplit model with the ot
 expert parallelism applied to the held chunks, its tensors and AdamW state cut from the source by hand (the oracle).
 
 - pp=2 x ep=2 (vpp=2, interleaved chunks; its optimizer lists only held parameters) saves sharded and consolidated:
-  the DCP metadata has every key of the unsplit model with its global shape, each chunk written once, and the consolidated file is the source's own
-  ``state_dict()`` / ``optimizer.state_dict()``, loadable into the plain model, and equal to the offline
-  consolidation of the sharded directory;
+  the DCP metadata has every key of the unsplit model with its global shape, each chunk written once, and the
+  consolidated file is the source's own ``state_dict()`` / ``optimizer.state_dict()``, loadable into the plain
+  model, and equal to the offline consolidation of the sharded directory;
 - both load at pp=1 x ep=2 and pp=1 x ep=1, strictly: every held tensor and AdamW state is ``torch.equal`` to the
   source's, on every rank;
 - the reverse: pp=1 x ep=2 saves, and both formats load at pp=2 x ep=2 (V placement, an optimizer listing every
-  parameter; interleaved, held parameters only); tensors on meta stay on meta and get no optimizer state.
+  parameter; interleaved, held parameters only); tensors on meta stay on meta and get no optimizer state;
+- the same code with FSDP2: the test ``fully_shard`` s the model over the 4 ranks (every parameter a ``DTensor``),
+  saves after an AdamW step, loads into another FSDP2 model bitwise, and the test's own process loads the
+  directory into the plain model: every tensor and AdamW state is the gathered one.
 """
 
 from __future__ import annotations
@@ -175,6 +178,51 @@ def check_files(root: Path, name: str, ref) -> list[str]:
     return problems
 
 
+def fsdp_model(seed: int, world_size: int):
+    """``MoEGPT`` (ep=1) with ``fully_shard`` on each layer and the root over every rank, and its AdamW."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    model = MoEGPT(**CONFIG, seed=seed)
+    apply_expert_parallel(model, None)
+    mesh = init_device_mesh("cpu", (world_size,))
+    for layer in model.layers:
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    return model, torch.optim.AdamW(model.parameters(), lr=1e-2)
+
+
+def fsdp_case(root: Path, rank: int, world_size: int) -> list[str]:
+    """Save a stepped FSDP2 model sharded; load it into another; rank 0 keeps the gathered state (the oracle)."""
+    model, opt = fsdp_model(0, world_size)
+    tokens = torch.randint(0, CONFIG["vocab_size"], (2, 6), generator=torch.Generator().manual_seed(rank))
+    model(tokens).square().mean().backward()
+    opt.step()
+    checkpoint = {
+        "state_dict": checkpointer.module_state(model),
+        "optimizer_states": [checkpointer.optimizer_state(opt, model)],
+    }
+    checkpointer.save(checkpoint, root / "fsdp", "sharded", model, [opt], None)
+    other, other_opt = fsdp_model(1, world_size)
+    loaded = checkpointer.load(root / "fsdp", other, [other_opt], strict=True)
+    checkpointer.load_module_state(other, loaded, strict=True)
+    checkpointer.load_optimizer_states([other_opt], other, loaded)
+    problems = []
+    for (name, p), q in zip(model.named_parameters(), other.parameters()):
+        if not torch.equal(p.to_local(), q.to_local()):
+            problems.append(f"rank {rank} fsdp: {name} differs")
+        for k, v in opt.state[p].items():
+            w = other_opt.state[q][k]
+            if not torch.equal(getattr(v, "_local_tensor", v), getattr(w, "_local_tensor", w)):
+                problems.append(f"rank {rank} fsdp: AdamW {k} of {name} differs")
+    full = {n: p.full_tensor() for n, p in model.named_parameters()}
+    adam = {n: {k: (v.full_tensor() if hasattr(v, "full_tensor") else v) for k, v in opt.state[p].items()}
+            for n, p in model.named_parameters()}
+    if rank == 0:
+        torch.save({"params": full, "adam": adam}, root / "fsdp_gathered.pt")
+    return problems
+
+
 def worker(rank: int, world_size: int, root: str) -> list[str]:
     torch.use_deterministic_algorithms(True)
     root = Path(root)
@@ -193,9 +241,20 @@ def worker(rank: int, world_size: int, root: str) -> list[str]:
     for fmt in ("pp1", "pp1.ckpt"):
         problems += load_into(root / fmt, pp2, rank, ref, f"{fmt} -> pp2 v", vpp=2, placement="v")
         problems += load_into(root / fmt, pp2, rank, ref, f"{fmt} -> pp2 held-only", vpp=1, held_only=True)
+    problems += fsdp_case(root, rank, world_size)
     return problems
 
 
-def test_checkpoints_load_across_pipeline_layouts(tmp_path):
+def test_checkpoints_load_across_pipeline_layouts_and_fsdp(tmp_path):
     results = run_distributed(worker, WORLD, str(tmp_path), timeout_s=120.0)
     assert [p for rank in results for p in rank] == []
+    gathered = torch.load(tmp_path / "fsdp_gathered.pt", weights_only=False)
+    model = MoEGPT(**CONFIG, seed=5)  # unsharded, one process, no process group
+    apply_expert_parallel(model, None)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    loaded = checkpointer.load(tmp_path / "fsdp", model, [opt], strict=True)
+    checkpointer.load_module_state(model, loaded, strict=True)
+    checkpointer.load_optimizer_states([opt], model, loaded)
+    for name, p in model.named_parameters():
+        assert torch.equal(p, gathered["params"][name]), name
+        assert all(torch.equal(opt.state[p][k], v) for k, v in gathered["adam"][name].items()), name

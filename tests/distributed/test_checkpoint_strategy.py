@@ -5,8 +5,9 @@ Run A trains 2 epochs at ep=4 and saves a sharded checkpoint at each epoch end. 
   (model, per-expert Adam state, LR scheduler, loop progress and the dropout RNG all restored);
 - resharding ep=4 -> ep=2: run C resumes the same checkpoint at ep=2; the experts and their Adam state it loaded
   are bitwise the ones A saved, and it continues A's loss curve;
-- resharding ep=2 -> ep=1: run D loads C's final checkpoint at ep=1; its experts and Adam state are bitwise C's
-  (and ``validate(ckpt_path=...)`` at ep=2 loads the same experts);
+- resharding ep=2 -> ep=1 and ep=4: runs D (ep=1) and E (ep=4) load C's final checkpoint; their experts and Adam
+  state are bitwise C's (and ``validate(ckpt_path=...)`` at ep=2 loads the same experts), and so are those of an
+  unsharded model loading it in the test's own process, with no process group;
 - consolidated export (C's final state, an HF model at ep=2) loads into the unsharded models with the same outputs;
 - a checkpoint with another number of experts is refused on every rank with the same message.
 """
@@ -168,11 +169,13 @@ def _worker(rank: int, world: int, root: Path) -> dict:
     trainer_c.save_checkpoint(root / "c_full.ckpt")
     c_logits = _logits(c, _probe())
     _, d = _fit(root / "d", ep=1, ckpt=root / "c" / EPOCH1, seed=2)
+    _, e = _fit(root / "e", ep=4, ckpt=root / "c" / EPOCH1, seed=2)
     return {
         "a": {"losses": a.losses, "params": _params(a), "saved": a.saved},
         "b": {"losses": b.losses, "params": _params(b)},
         "c": {"losses": c.losses, "started": c.started, "saved": c.saved, "logits": c_logits},
         "d": {"held": held_experts(d, d.trainer.optimizers[0]), "losses": d.losses},
+        "e": {"held": held_experts(e, e.trainer.optimizers[0]), "losses": e.losses},
         "validated": _validate(root),
         "hf_logits": _export_hf(root),
         "refused": _refused(root),
@@ -225,16 +228,18 @@ def test_reshard_ep4_to_ep2_loads_the_saved_experts_and_adam_state(results):
         torch.testing.assert_close(torch.tensor(r["c"]["losses"]), torch.tensor(r["a"]["losses"][STEPS_PER_EPOCH:]))
 
 
-def test_reshard_ep2_to_ep1_loads_the_saved_experts(results):
+def test_reshard_ep2_to_ep1_and_ep4_loads_the_saved_experts(results):
     saved = [r["c"]["saved"][2 * STEPS_PER_EPOCH] for r in results]
-    loaded = [r["d"]["held"] for r in results]
-    assert all(r["d"]["losses"] == [] for r in results)  # fit restored the finished run and stopped
-    for which in (1, 2):
-        want, got = _full(saved, which), _full(loaded, which)
-        for name in want:
-            assert torch.equal(got[name], want[name]), name
-    for held in loaded:  # ep=1: every rank holds all experts
-        assert all(first == 0 and t.shape[0] == CONFIG["num_experts"] for first, t, _ in held.values())
+    for run in ("d", "e"):
+        loaded = [r[run]["held"] for r in results]
+        assert all(r[run]["losses"] == [] for r in results)  # fit restored the finished run and stopped
+        for which in (1, 2):
+            want, got = _full(saved, which), _full(loaded, which)
+            for name in want:
+                assert torch.equal(got[name], want[name]), (run, name)
+    for r in results:  # ep=1: every rank holds all experts; ep=4: two of them
+        assert all(first == 0 and t.shape[0] == CONFIG["num_experts"] for first, t, _ in r["d"]["held"].values())
+        assert all(t.shape[0] == CONFIG["num_experts"] // 4 for _, t, _ in r["e"]["held"].values())
     validated = _full([r["validated"] for r in results], 1)  # `validate(ckpt_path=...)` at ep=2 loads them too
     assert all(torch.equal(validated[name], t) for name, t in _full(saved, 1).items())
 
@@ -272,3 +277,22 @@ def test_checkpoint_with_another_expert_count_is_refused_on_every_rank(results):
     message = messages.pop()
     assert "holds 8 experts for `layers.0.mlp.experts.gate_up_proj` but the model has 4" in message
     assert "Load it into a model built with 8 experts" in message
+
+
+def test_a_sharded_checkpoint_loads_unsharded_in_one_process(results, root):
+    """C's ep=2 checkpoint, read here with no process group into the plain model at ep=1 (weights and Adam)."""
+    from lightning_moe_overlap.checkpoint import checkpointer
+    from lightning_moe_overlap.moe.adapters import apply_expert_parallel
+
+    model = GPT(seed=4)
+    apply_expert_parallel(model, None)
+    opt = model.configure_optimizers()[0][0]
+    loaded = checkpointer.load(root / "c" / EPOCH1, model, [opt], strict=True)
+    checkpointer.load_module_state(model, loaded, strict=True)
+    checkpointer.load_optimizer_states([opt], model, loaded)
+    saved = [r["c"]["saved"][2 * STEPS_PER_EPOCH] for r in results]
+    here = held_experts(model, opt)
+    for which in (1, 2):
+        want = _full(saved, which)
+        assert all(torch.equal(here[name][which], t) for name, t in want.items())
+    assert loaded["global_step"] == 2 * STEPS_PER_EPOCH

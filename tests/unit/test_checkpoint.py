@@ -295,7 +295,8 @@ def test_a_version_1_directory_converts_and_loads_bitwise(tmp_path):
     assert got["param_groups"] == want["param_groups"] and got["state"].keys() == want["state"].keys()
     for i, entry in want["state"].items():
         assert all(torch.equal(got["state"][i][k], v) for k, v in entry.items())
-    offline = torch.load(consolidate_checkpoint(os.path.join(FIXTURE, "checkpoint"), tmp_path / "f.ckpt"), weights_only=False)
+    offline_path = consolidate_checkpoint(os.path.join(FIXTURE, "checkpoint"), tmp_path / "f.ckpt")
+    offline = torch.load(offline_path, weights_only=False)
     assert all(torch.equal(offline["state_dict"][k], v) for k, v in expected["state_dict"].items())
     with pytest.raises(ValueError, match=r"is not a version-1 sharded checkpoint .*version 2"):
         convert_legacy_checkpoint(tmp_path / "v2", tmp_path / "v3")
