@@ -208,7 +208,7 @@ def _optimizer_part(
 ) -> dict[str, Any]:
     """The flat state of ``optimizer`` (its held parameters, in their layout) from a plain ``state_dict()``."""
     saved = indexed_to_flat(osd, saved_names or param_names(optimizer, module), where)
-    template = optimizer_state(module, optimizer)
+    template = optimizer_state(module, optimizer, template=True)
     held = {n for n, p in module.named_parameters() if not p.is_meta}
     listed = {param_of(k) for k in template if k.startswith(GROUPS)}
     checks.check_optimizer({param_of(k) for k in saved if k.startswith(GROUPS)}, listed, held, where)

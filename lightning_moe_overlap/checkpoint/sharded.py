@@ -130,8 +130,9 @@ def read_sharded(
         dcp.load(request, checkpoint_id=path, no_dist=_no_dist())
     checkpoint = {k: v for k, v in meta.items() if k != "optimizer_states"}
     checkpoint["state_dict"] = request[MODEL]
-    if optimizers:
-        checkpoint["optimizer_states"] = [request[optimizer_key(i)] for i in range(len(optimizers))]
+    count = min(len(optimizers), len(meta.get("optimizer_states", [])))
+    if count:
+        checkpoint["optimizer_states"] = [request[optimizer_key(i)] for i in range(count)]
     return checkpoint, request.get(RNG, {}).get(_rank_key(rank))
 
 
@@ -151,7 +152,7 @@ def _request(
     for i, optimizer in enumerate(optimizers[: len(meta.get("optimizer_states", []))]):
         key = optimizer_key(i)
         flat_saved = _under(entries, key)
-        flat = optimizer_state(module, optimizer)
+        flat = optimizer_state(module, optimizer, template=True)
         listed = {param_of(k) for k in flat if k.startswith(GROUPS)}
         checks.check_optimizer({param_of(k) for k in flat_saved if k.startswith(GROUPS)}, listed, held, str(path))
         with_state = {param_of(k) for k in flat_saved if k.startswith(STATE)}

@@ -71,13 +71,21 @@ def model_state(module: nn.Module) -> dict[str, Any]:
     return {k: _global(v, meshes.get(k)) for k, v in get_model_state_dict(module).items() if not _is_meta(v)}
 
 
-def optimizer_state(module: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+def optimizer_state(module: nn.Module, optimizer: torch.optim.Optimizer, *, template: bool = False) -> dict[str, Any]:
     """The flat optimizer state of the held parameters (group hyper-parameters of every listed parameter).
 
-    An optimizer that has not stepped yet gets its state initialised first (torch's state-dict API does so).
+    An optimizer that has not stepped yet has no state to save: torch's state-dict API initialises it (a step with
+    zero gradients and learning rate 0), which would shift the bias correction of the run's first real step, so
+    that state is dropped again and only the hyper-parameters are saved. ``template``: keep it (the tensors a load
+    reads into).
     """
     absent, meshes = absent_params(module), plain_expert_meshes(module)
-    flat = get_optimizer_state_dict(module, unwrapped(optimizer), options=FLAT)
+    optimizer = unwrapped(optimizer)
+    fresh = not optimizer.state
+    flat = get_optimizer_state_dict(module, optimizer, options=FLAT)
+    if fresh and not template:
+        optimizer.state.clear()
+        absent = {param_of(k) for k in flat}
     return {
         k: (_global(v, meshes.get(param_of(k))) if k.startswith(STATE) else v)
         for k, v in flat.items()
@@ -166,7 +174,7 @@ def expert_counts(module: nn.Module) -> dict[str, int]:
     for prefix, child in module.named_modules():
         if isinstance(child, ExpertParallelExperts):
             dot = f"{prefix}." if prefix else ""
-            for name in [*child._parameters, *child._buffers]:
+            for name, _ in [*child.named_parameters(recurse=False), *child.named_buffers(recurse=False)]:
                 counts[f"{dot}{name}"] = child.expert_shard.num_experts
     return counts
 
@@ -191,7 +199,8 @@ def plain_expert_meshes(module: nn.Module) -> dict[str, DeviceMesh]:
         if group not in meshes:
             meshes[group] = DeviceMesh.from_group(group, plain[0][1].device.type)
         dot = f"{prefix}." if prefix else ""
-        out.update({f"{dot}{n}": meshes[group] for n in [*child._parameters, *child._buffers]})
+        names = [n for n, _ in [*child.named_parameters(recurse=False), *child.named_buffers(recurse=False)]]
+        out.update({f"{dot}{n}": meshes[group] for n in names})
     return out
 
 

@@ -22,6 +22,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
+from torch.distributed.tensor import DTensor
 
 from lightning_moe_overlap.checkpoint import checkpointer, consolidate_checkpoint
 from lightning_moe_overlap.demo import MoEGPT
@@ -192,6 +193,10 @@ def fsdp_model(seed: int, world_size: int):
     return model, torch.optim.AdamW(model.parameters(), lr=1e-2)
 
 
+def _local(value: torch.Tensor) -> torch.Tensor:
+    return value.to_local() if isinstance(value, DTensor) else value
+
+
 def fsdp_case(root: Path, rank: int, world_size: int) -> list[str]:
     """Save a stepped FSDP2 model sharded; load it into another; rank 0 keeps the gathered state (the oracle)."""
     model, opt = fsdp_model(0, world_size)
@@ -213,7 +218,7 @@ def fsdp_case(root: Path, rank: int, world_size: int) -> list[str]:
             problems.append(f"rank {rank} fsdp: {name} differs")
         for k, v in opt.state[p].items():
             w = other_opt.state[q][k]
-            if not torch.equal(getattr(v, "_local_tensor", v), getattr(w, "_local_tensor", w)):
+            if not torch.equal(_local(v), _local(w)):
                 problems.append(f"rank {rank} fsdp: AdamW {k} of {name} differs")
     full = {n: p.full_tensor() for n, p in model.named_parameters()}
     adam = {n: {k: (v.full_tensor() if hasattr(v, "full_tensor") else v) for k, v in opt.state[p].items()}

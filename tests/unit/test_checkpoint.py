@@ -300,3 +300,26 @@ def test_a_version_1_directory_converts_and_loads_bitwise(tmp_path):
     assert all(torch.equal(offline["state_dict"][k], v) for k, v in expected["state_dict"].items())
     with pytest.raises(ValueError, match=r"is not a version-1 sharded checkpoint .*version 2"):
         convert_legacy_checkpoint(tmp_path / "v2", tmp_path / "v3")
+
+
+@pytest.mark.parametrize("fmt", ["sharded", "consolidated"])
+def test_a_checkpoint_without_optimizer_state_loads_the_model_only(tmp_path, fmt):
+    model, opt = _trained(seed=0)
+    checkpoint = _lightning_checkpoint(model, opt)
+    del checkpoint["optimizer_states"]  # `save_checkpoint(weights_only=True)`
+    checkpointer.save(checkpoint, tmp_path / "ck", fmt, model, [opt], None)
+    fresh, fresh_opt = _trained(seed=1)
+    loaded = checkpointer.load(tmp_path / "ck", fresh, [fresh_opt])
+    assert "optimizer_states" not in loaded  # Lightning then says the checkpoint holds the model only
+    checkpointer.load_module_state(fresh, loaded, strict=True)
+    assert all(torch.equal(a, b) for a, b in zip(fresh.state_dict().values(), model.state_dict().values()))
+
+
+def test_saving_before_the_first_step_leaves_the_optimizer_without_state(tmp_path):
+    model, opt = _trained(steps=0)
+    checkpointer.save(_lightning_checkpoint(model, opt), tmp_path / "ck", "sharded", model, [opt], None)
+    assert not opt.state  # the first real step stays the first (Adam's bias correction)
+    fresh, fresh_opt = _trained(seed=1)  # has stepped: loading gives it the saved (empty) state
+    loaded = checkpointer.load(tmp_path / "ck", fresh, [fresh_opt])
+    checkpointer.load_optimizer_states([fresh_opt], fresh, loaded)
+    assert not fresh_opt.state and fresh_opt.param_groups[0]["lr"] == opt.param_groups[0]["lr"]

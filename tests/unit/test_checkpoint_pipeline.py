@@ -13,7 +13,7 @@ import torch
 from lightning_moe_overlap.checkpoint import checkpointer
 from lightning_moe_overlap.checkpoint.consolidated import gather_full
 from lightning_moe_overlap.checkpoint.optimizer import merge_param_groups
-from lightning_moe_overlap.checkpoint.state import absent_keys
+from lightning_moe_overlap.checkpoint.state import absent_keys, optimizer_state
 from lightning_moe_overlap.demo import MoEGPT
 from lightning_moe_overlap.moe.adapters import apply_expert_parallel
 from lightning_moe_overlap.pipeline.layout import build_layout
@@ -67,7 +67,8 @@ def test_a_view_saves_its_held_tensors_only_and_names_the_rest_absent():
     unsplit = list(MoEGPT(**CONFIG).state_dict())
     assert set(absent_keys(model)) == {k for k in unsplit if k.startswith(("embed.", "layers.0.", "layers.1."))}
     assert list(model.state_dict()) == unsplit
-    flat = checkpointer.optimizer_state(opt, model)  # no state of a meta parameter, not even its `step`
+    # the state initialised for a load: still no entry of a meta parameter, not even its `step`
+    flat = optimizer_state(model, opt, template=True)
     assert not any(k.startswith("state.embed.") for k in flat) and "state.head.weight.exp_avg" in flat
 
 
