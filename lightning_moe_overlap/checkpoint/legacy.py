@@ -97,11 +97,11 @@ def read_all(src: Path) -> tuple[dict[str, Any], dict[str, Any], dict[str, Any],
                 experts.setdefault(name, {})[expert] = entry
         for name, pieces in experts.items():
             for state_name in pieces[0]:
-                stacked = _stack({f"x[{e}]": p[state_name] for e, p in pieces.items()})
-                merged.setdefault(name, {})[state_name] = stacked["x"]
+                stacked = _stack({f"{name}[{e}]": p[state_name] for e, p in pieces.items()})
+                merged.setdefault(name, {})[state_name] = stacked[name]
         states[i] = merged
     rng = {int(k[len(_RNG) :]): v for k, v in unpack.items() if k.startswith(_RNG)}
-    meta = torch.load(src / "meta.pt", map_location="cpu", weights_only=False)
+    meta = torch.load(src / META_FILE, map_location="cpu", weights_only=False)
     return model, states, rng, meta
 
 
