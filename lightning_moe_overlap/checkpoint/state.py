@@ -1,9 +1,9 @@
 """Model and optimizer state through torch's state-dict API, the tensors this rank holds only.
 
 ``get_model_state_dict`` / ``get_optimizer_state_dict`` key every entry by the unsplit model's parameter names
-(FQNs) and give each tensor in the form the run holds it: a plain tensor (a replicated dense parameter), a
-``DTensor`` ``Shard(0)`` over the ep mesh (an expert stack, global shape ``[E, ...]``) or a ``DTensor`` over an
-FSDP2 mesh. DCP saves and loads all of them by their global shape. The one layout this module knows: experts built
+(FQNs) and give each tensor in the form the run holds it: a ``DTensor`` ``Shard(0)`` over the ep mesh (an expert
+stack, global shape ``[E, ...]``), a ``DTensor`` over an FSDP2 mesh (a dense parameter, replicated or sharded), or
+a plain tensor (a model outside the strategy). DCP saves and loads all of them by their global shape. The one layout this module knows: experts built
 from an ep process group without a mesh (plain ``[E/ep, ...]`` tensors) are presented as ``DTensor`` s over a mesh
 of that group (:func:`plain_expert_meshes`).
 
