@@ -16,6 +16,7 @@ StartMethod = Literal["popen", "spawn", "fork", "forkserver"]
 ExpertBackend = Literal["torch", "te"]
 CheckpointFormat = Literal["sharded", "consolidated"]
 PipelineSchedule = Literal["1f1b", "interleaved_1f1b", "dualpipev", "zero_bubble"]
+ShardMode = Literal["none", "optimizer", "full"]
 
 DISPATCHERS: tuple[str, ...] = get_args(Dispatcher)
 FLEX_BACKENDS: tuple[str, ...] = get_args(FlexBackend)
@@ -24,6 +25,7 @@ START_METHODS: tuple[str, ...] = get_args(StartMethod)
 EXPERT_BACKENDS: tuple[str, ...] = get_args(ExpertBackend)
 CHECKPOINT_FORMATS: tuple[str, ...] = get_args(CheckpointFormat)
 PIPELINE_SCHEDULES: tuple[str, ...] = get_args(PipelineSchedule)
+SHARD_MODES: tuple[str, ...] = get_args(ShardMode)
 # Overlapped by default at pp > 1: interleaved 1F1B's pairs chain the pp ranks (each needs what the other rank's
 # previous pair sends) and still leave one rank idle for a quarter of the step with overlap (docs/benchmarks.md,
 # "Pipeline parallelism"), so it overlaps only when asked.
@@ -70,6 +72,7 @@ class OverlapConfig:
     expert_backend: str = "torch"
     pipeline_schedule: str | None = None
     pipeline_layout: str | None = None
+    shard: str = "none"
 
     def __post_init__(self) -> None:
         if self.overlap is None:

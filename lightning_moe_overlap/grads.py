@@ -12,17 +12,21 @@ over the ``D = dp * cp`` data-parallel ranks, so
 Norm. After the sync, dense gradients are identical on every rank of a pp stage and expert gradients differ
 between ep ranks, so ``|g|^2 = sum over the pp group of (dense^2 + sum over the ep group of expert^2)``: each pp
 rank holds different chunks of the model (at ``pp = 1`` the outer sum has one term). Gradients that are
-``DTensor``s are read through their local shards.
+``DTensor``s are read through their local shards. With sharded parameters
+(``shard="optimizer"`` / ``"full"``, ``parallel/sharding.py``) FSDP reduce-scatters instead of the all-reduce here,
+and :func:`sharded_grad_norm` counts each element of every local shard once over the world, in one all-reduce.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable, Sequence
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
 from torch.distributed import ProcessGroup
+from torch.distributed.tensor import DTensor
 
 from lightning_moe_overlap._compat import torch as torch_compat
 from lightning_moe_overlap.parallel.dtensors import local
@@ -166,5 +170,62 @@ def clip_grad_norm(
     norm = global_grad_norm(dense, expert, ep_group=ep_group, pp_group=pp_group, device=device)
     coef = torch.clamp(max_norm / (norm + eps), max=1.0)
     for (grad_device, dtype), grads in _by_device_and_dtype(_present_grads([*dense, *expert])).items():
+        torch_compat.foreach_mul_(grads, coef.to(grad_device, dtype))
+    return norm
+
+
+# -- gradients that are DTensors (sharded parameters): one reduction over the world --------------------------------
+def _copies(grad: Tensor, block: int) -> int:
+    """On how many ranks of a ``block``-rank model replica (one pp stage) each element of ``grad`` lives: a plain
+    tensor on all of them, a ``DTensor`` on ``block`` / (the size of the mesh dimensions it is sharded over)."""
+    if not isinstance(grad, DTensor):
+        return block
+    mesh = grad.device_mesh
+    shards = math.prod(mesh.size(i) for i, placement in enumerate(grad.placements) if not placement.is_replicate())
+    return block // shards
+
+
+def sharded_grad_norm(
+    params: Iterable[torch.nn.Parameter], *, block: int, group: ProcessGroup | None = None, device: torch.device
+) -> Tensor:
+    """The L2 norm of the gradients of ``params`` over every rank of ``group`` (default: the world), a float64
+    scalar on ``device``, identical everywhere.
+
+    Gradients may be plain tensors (replicated over the ``block`` ranks that hold one copy of the model, i.e. one pp
+    stage), DTensors of expert parallelism (``Shard(0)`` over ep) or of ``fully_shard`` (over ``dp_cp``, or
+    ``(edp, ep)`` for experts). Each rank adds the squares of its local shards, each weighted by ``1 / copies`` so
+    an element counts once over its replicas, and ONE all-reduce over ``group`` sums them; no host sync.
+    """
+    grads: dict[tuple[torch.device, torch.dtype, int], list[Tensor]] = {}
+    for p in params:
+        if p.grad is None:
+            continue
+        grad = p.grad.detach()
+        shard = local(grad)
+        grads.setdefault((shard.device, shard.dtype, _copies(grad, block)), []).append(shard)
+    partials = [
+        torch.stack(torch_compat.foreach_norm(locals_, 2.0, dtype=torch.float64)).square().sum().to(device) / copies
+        for (_, _, copies), locals_ in grads.items()
+    ]
+    total_sq = torch.stack(partials).sum() if partials else torch.zeros((), dtype=torch.float64, device=device)
+    if dist.is_initialized() and dist.get_world_size(group) > 1:
+        dist.all_reduce(total_sq, group=group)
+    return total_sq.sqrt()
+
+
+def clip_sharded_grad_norm(
+    params: Sequence[torch.nn.Parameter],
+    max_norm: float,
+    *,
+    block: int,
+    group: ProcessGroup | None = None,
+    eps: float = 1e-6,
+    device: torch.device,
+) -> Tensor:
+    """:func:`clip_grad_norm` for gradients that may be DTensors (:func:`sharded_grad_norm`): scales every local
+    shard in place by ``min(1, max_norm / (norm + eps))`` with one ``foreach`` multiply per (device, dtype)."""
+    norm = sharded_grad_norm(params, block=block, group=group, device=device)
+    coef = torch.clamp(max_norm / (norm + eps), max=1.0)
+    for (grad_device, dtype), grads in _by_device_and_dtype(_present_grads(params)).items():
         torch_compat.foreach_mul_(grads, coef.to(grad_device, dtype))
     return norm

@@ -21,6 +21,7 @@ from lightning.pytorch.strategies.strategy import TBroadcast
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_only
 from torch import Tensor
+from torch.distributed.fsdp import MixedPrecisionPolicy
 from torch.nn import Module
 from typing_extensions import override
 
@@ -35,9 +36,10 @@ from lightning_moe_overlap.config import (
     FlexBackend,
     OverlapConfig,
     PipelineSchedule,
+    ShardMode,
     StartMethod,
 )
-from lightning_moe_overlap.grads import clip_grad_norm, global_grad_norm
+from lightning_moe_overlap.grads import clip_grad_norm, clip_sharded_grad_norm, global_grad_norm, sharded_grad_norm
 from lightning_moe_overlap.launcher import ExpertParallelScriptLauncher, ExpertParallelSpawnLauncher
 from lightning_moe_overlap.loop import MicroBatchLoop, StepHooks
 from lightning_moe_overlap.overlap.engine import OverlapEngine
@@ -121,6 +123,14 @@ class MoEOverlapStrategy(ParallelStrategy):
         expert_backend: Kernels of the experts' GEMMs: ``"torch"`` (pure PyTorch grouped GEMMs, runs everywhere)
             or ``"te"`` (NVIDIA Transformer Engine's ``GroupedLinear``, CUDA only, with ``delay_wgrad`` through its
             ``backward_dw``; the ``te`` extra). Parameters and checkpoints are the same.
+        shard: What is sharded with FSDP2 (``fully_shard``; docs/sharding.md): ``"none"`` (replicated parameters,
+            gradients all-reduced), ``"optimizer"`` (ZeRO-1-like: optimizer state and gradients sharded, the full
+            parameters gathered again after each optimizer step) or ``"full"`` (ZeRO-3-like: parameters sharded too,
+            gathered once per step before the first micro-batch). Dense parameters are sharded over dp x cp, experts
+            over edp. Not with ``pp > 1``, ``delay_wgrad`` or ``expert_backend="te"``.
+        fsdp_mp_policy: FSDP2's ``MixedPrecisionPolicy`` for the sharded modes (e.g. ``param_dtype=torch.bfloat16,
+            reduce_dtype=torch.float32``: bf16 compute copies of fp32 sharded parameters); None keeps the parameters'
+            dtype. Gradients of the micro-batches of a step accumulate in ``param_dtype``.
     """
 
     strategy_name = "moe_overlap"
@@ -149,6 +159,8 @@ class MoEOverlapStrategy(ParallelStrategy):
         start_method: StartMethod = "popen",
         checkpoint_format: CheckpointFormat = "sharded",
         expert_backend: ExpertBackend = "torch",
+        shard: ShardMode = "none",
+        fsdp_mp_policy: MixedPrecisionPolicy | None = None,
         accelerator: Accelerator | None = None,
         parallel_devices: list[torch.device] | None = None,
         cluster_environment: ClusterEnvironment | None = None,
@@ -183,6 +195,7 @@ class MoEOverlapStrategy(ParallelStrategy):
             expert_backend=expert_backend,
             pipeline_schedule=pipeline_schedule,
             pipeline_layout=pipeline_layout,
+            shard=shard,
         )
         raise_problems(check_config(self.config))
         self._timeout = _as_timedelta(timeout)
@@ -197,6 +210,7 @@ class MoEOverlapStrategy(ParallelStrategy):
         self._loop: MicroBatchLoop | None = None
         self._pipeline: PipelinedModel | None = None  # at pp > 1: this rank's chunks and their schedule
         self._loop_trainer: Trainer | None = None  # whose automatic optimization skips backward for the loop
+        self._fsdp_mp_policy = fsdp_mp_policy
         self.checkpoint_format = checkpointer.check_format(checkpoint_format)
 
     # -- sizes and groups ------------------------------------------------------------------------------------
@@ -373,10 +387,17 @@ class MoEOverlapStrategy(ParallelStrategy):
         self.precision_plugin.convert_module(self.model)
         self.model_to_device()
         self._ep_model.broadcast_replicas(self.parallel_groups)
-        if self._sharded is None:
-            roots = [self.model] if self._pipeline is None else self._pipeline.held_chunks
-            mesh = replicate_mesh(self.dims, self.root_device.type)
-            self._sharded = ShardedModel.replicate(roots, self._ep_model.expert_parameters(), mesh)
+        if self._sharded is None:  # before the optimizers: they hold what `fully_shard` made of the parameters
+            if self.config.shard == "none":
+                roots = [self.model] if self._pipeline is None else self._pipeline.held_chunks
+                mesh = replicate_mesh(self.dims, self.root_device.type)
+                self._sharded = ShardedModel.replicate(roots, self._ep_model.expert_parameters(), mesh)
+            else:
+                mode: ShardMode = self.config.shard  # type: ignore[assignment]
+                self._sharded = ShardedModel.shard(
+                    self.model, self._ep_model.expert_modules(), self.parallel_mesh, mode,
+                    mp_policy=self._fsdp_mp_policy,
+                )  # fmt: skip
         if fitting:
             self.setup_optimizers(trainer)
         self.setup_precision_plugin()
@@ -425,6 +446,8 @@ class MoEOverlapStrategy(ParallelStrategy):
         **kwargs: Any,
     ) -> Any:
         output = super().optimizer_step(optimizer, closure, model, **kwargs)
+        if self._sharded is not None:
+            self._sharded.after_optimizer_step()
         assert self._ep_model is not None
         self._ep_model.update_expert_bias(self.parallel_groups.dp_cp)
         return output
@@ -498,13 +521,17 @@ class MoEOverlapStrategy(ParallelStrategy):
         return result.loss
 
     def sync_gradients(self) -> None:
-        """Average gradients over the data-parallel groups (called once per step, after the last micro-batch)."""
+        """Average gradients over the data-parallel groups (called once per step, after the last micro-batch): FSDP's
+        all-reduce (``"none"``, plus the experts' over edp, ``grads.py``) or reduce-scatter (``parallel/sharding.py``)."""
         assert self._ep_model is not None and self._sharded is not None
         self._sharded.end_step()
-        self._ep_model.sync_expert_gradients(self.parallel_groups)
+        if not self._sharded.sharded:
+            self._ep_model.sync_expert_gradients(self.parallel_groups)
 
     def global_grad_norm(self) -> Tensor:
         """The L2 norm of all gradients of the model across every rank (float64 on the root device, same on every rank)."""
+        if self._sharded is not None and self._sharded.sharded:
+            return sharded_grad_norm(self._sharded.parameters, block=self._replica_size, device=self.root_device)
         assert self._ep_model is not None
         dense, expert = self._ep_model.partition_parameters()
         groups = self.parallel_groups
@@ -512,10 +539,20 @@ class MoEOverlapStrategy(ParallelStrategy):
 
     def _clip_grad_by_norm(self, optimizer: torch.optim.Optimizer, max_norm: float) -> None:
         """Clip the optimizer's gradients by the norm over all ranks (``ExpertParallelPrecision`` calls it)."""
+        if self._sharded is not None and self._sharded.sharded:
+            params = [p for group in optimizer.param_groups for p in group["params"] if p.requires_grad]
+            clip_sharded_grad_norm(params, max_norm, block=self._replica_size, device=self.root_device)
+            return
         assert self._ep_model is not None
         dense, expert = self._ep_model.partition_parameters(optimizer)
         groups = self.parallel_groups
         clip_grad_norm(dense, expert, max_norm, ep_group=groups.ep, pp_group=groups.pp, device=self.root_device)
+
+    @property
+    def _replica_size(self) -> int:
+        """Ranks that together hold one copy of the model (those of a pp stage): ``dp * cp * tp``."""
+        dims = self.dims
+        return dims.dp * dims.cp * dims.tp
 
     # -- checkpoints (docs/checkpoints.md): layout-free state, sharded or consolidated, committed atomically ------
     @property

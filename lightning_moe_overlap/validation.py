@@ -26,6 +26,7 @@ from lightning_moe_overlap.config import (
     EXPERT_BACKENDS,
     FLEX_BACKENDS,
     PIPELINE_SCHEDULES,
+    SHARD_MODES,
     START_METHODS,
     OverlapConfig,
 )
@@ -89,6 +90,7 @@ def rule_choices(cfg: OverlapConfig) -> list[Problem]:
         ("token_drop_policy", cfg.token_drop_policy, DROP_POLICIES),
         ("start_method", cfg.start_method, START_METHODS),
         ("expert_backend", cfg.expert_backend, EXPERT_BACKENDS),
+        ("shard", cfg.shard, SHARD_MODES),
     )
     sms = cfg.deepep_num_sms
     return _failing(
@@ -235,6 +237,39 @@ def rule_not_implemented(cfg: OverlapConfig) -> list[Problem]:
     return []
 
 
+def rule_shard(cfg: OverlapConfig) -> list[Problem]:
+    """What sharding with FSDP2 (``shard="optimizer"`` / ``"full"``) does not run with in this version."""
+    if cfg.shard not in ("optimizer", "full"):
+        return []
+    fix = "Set `shard='none'` (replicated parameters), or drop the other setting."
+    return [
+        *_when(
+            cfg.expert_backend == "te",
+            "shard-te",
+            f"`shard={cfg.shard!r}` with `expert_backend='te'`: Transformer Engine's GroupedLinear holds views of the "
+            "experts' parameters taken when the experts were built, and FSDP replaces those parameters by sharded "
+            f"and gathered ones, so the views would compute on stale storage. {fix}",
+            NotImplementedError,
+        ),
+        *_when(
+            cfg.delay_wgrad,
+            "shard-delay-wgrad",
+            f"`shard={cfg.shard!r}` with `delay_wgrad=True`: the delayed expert weight-gradient GEMMs write `.grad` "
+            "outside autograd, which FSDP's gradient reduce-scatter of the gathered parameters is not verified "
+            f"against. {fix}",
+            NotImplementedError,
+        ),
+        *_when(
+            is_positive_int(cfg.pp) and cfg.pp > 1,
+            "shard-pipeline",
+            f"`shard={cfg.shard!r}` with `pp={cfg.pp}`: the pipeline chunks are built on the meta device and placed "
+            "per pp rank, and sharding them is not implemented in this version. Use `pp=1` with sharding, or "
+            "`shard='none'` with pipeline parallelism.",
+            NotImplementedError,
+        ),
+    ]
+
+
 def rule_torch_version(cfg: OverlapConfig, version: str | None = None) -> list[Problem]:
     """Megatron-core and Bridge record all-to-all overlap hangs below torch 2.6."""
     version = version or torch.__version__
@@ -260,6 +295,7 @@ CONFIG_RULES: tuple[Callable[[OverlapConfig], list[Problem]], ...] = (
     rule_pipeline,
     rule_overlap_needs_microbatches,
     rule_not_implemented,
+    rule_shard,
     rule_torch_version,
 )
 

@@ -98,6 +98,20 @@ def fsdp_reduce_gradients(module: nn.Module) -> None:
     state._root_post_backward_final_callback()
 
 
+def fsdp_set_hooks_idle(module: nn.Module, idle: bool) -> None:
+    """``FSDPState._training_state`` of every FSDP state under the root ``module`` (``_state_ctx.all_states``), set
+    to the state in which the forward hooks gather nothing, reshard nothing and register no backward hook
+    (``idle=True``: ``TrainingState.PRE_BACKWARD`` of ``torch.distributed.fsdp._fully_shard._fsdp_common``, the state
+    FSDP2 keeps while activation checkpointing recomputes a forward), or back to ``IDLE`` (``idle=False``). For the
+    micro-batches of a step run as two overlapped contexts on two threads, whose hooks would otherwise share and
+    flip that state (``parallel/sharding.py``)."""
+    from torch.distributed.fsdp import fully_shard  # noqa: PLC0415 - FSDP2 only where a model is sharded
+    from torch.distributed.fsdp._fully_shard._fsdp_common import TrainingState  # noqa: PLC0415
+
+    for each in fully_shard.state(module)._state_ctx.all_states:
+        each._training_state = TrainingState.PRE_BACKWARD if idle else TrainingState.IDLE
+
+
 class Float32Buffers(nn.Module):
     """A module whose buffers named in ``float32_buffers`` stay float32 through ``.to(dtype)``, ``.half()``,
     ``.bfloat16()``: it extends ``torch.nn.Module._apply``, the method every such conversion goes through."""

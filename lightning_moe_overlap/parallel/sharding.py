@@ -1,31 +1,46 @@
-"""Dense parameters on torch's FSDP2 (``fully_shard``), composed with the overlap engine.
+"""Parameters on torch's FSDP2 (``fully_shard``), composed with the overlap engine; ``shard="none" | "optimizer" |
+"full"`` (docs/sharding.md).
 
 Why every parameter is a ``DTensor``. The experts are ``DTensor``s over the ep mesh (``moe/ep.py``), and torch's
 optimizers refuse a parameter group that mixes ``DTensor``s and plain tensors (their ``foreach`` kernels), so the
 dense parameters must be ``DTensor``s too; ``fully_shard`` makes them so, and swaps the gathered tensors in for the
-forward and backward. Mode ``"none"`` shards nothing: the dense parameters are replicated over ``dp x cp`` through
-``fully_shard`` on a 2-D ``(dp_cp, 1)`` mesh (hybrid sharding whose shard dimension has one rank: their gradients
-are all-reduced), and the experts, which ``fully_shard`` ignores here, keep their ``edp`` all-reduce
-(``grads.py``).
+forward and backward.
+
+Modes:
+
+- ``"none"`` shards nothing: the dense parameters are replicated over ``dp x cp`` through ``fully_shard`` on a 2-D
+  ``(dp_cp, 1)`` mesh (hybrid sharding whose shard dimension has one rank: their gradients are all-reduced), and the
+  experts, which ``fully_shard`` ignores here, keep their ``edp`` all-reduce (``grads.py``).
+- ``"optimizer"`` (ZeRO-1-like) and ``"full"`` (ZeRO-3-like): the root over ``mesh["dp_cp"]`` (dense parameters
+  ``Shard(0)`` over ``dp x cp``) and every expert-parallel experts module over ``mesh["edp"]`` (experts 2-D over
+  ``(edp, ep)``); both reduce-scatters divide by ``dp * cp`` (an expert's local gradient already holds the tokens of
+  its whole ep group: ``grads.py``, "Scaling"). The optimizer holds the shards, so its state is sharded. In
+  ``"optimizer"`` the parameters are gathered again right after each optimizer step (full parameters at rest); in
+  ``"full"`` they stay sharded until the next step's gather.
 
 The step, and why it is safe with the overlap engine. The engine runs the forward of one micro-batch and the
 backward of another on two threads through the same modules, so no all-gather, reduce-scatter or reshard may run
 inside a pair. :meth:`ShardedModel.begin_step` therefore turns gradient sync and resharding off and gathers the
-parameters once, on the calling thread, before the first forward; FSDP's hooks then find them gathered and only
-accumulate gradients. :meth:`ShardedModel.end_step`, after the last backward, runs the reduction FSDP deferred and
-reshards, as torch's pipelining does after its last backward.
+parameters once, on the calling thread, before the first forward; :meth:`ShardedModel.end_step`, after the last
+backward, runs the reduction FSDP deferred (one reduce-scatter per module) and reshards, as torch's pipelining does
+after its last backward. In the sharded modes FSDP's hooks are also kept idle in between (``_compat/torch.py``,
+``fsdp_set_hooks_idle``): they keep one training state per module, which the two threads' hooks would otherwise
+flip under each other (a forward ending while the other thread's backward set the state would reshard).
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 
+import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
-from torch.distributed.fsdp import FSDPModule, fully_shard
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
 from lightning_moe_overlap._compat import torch as torch_compat
+from lightning_moe_overlap.config import ShardMode
 from lightning_moe_overlap.parallel.dims import ParallelDims
+from lightning_moe_overlap.parallel.mesh import ParallelMesh
 
 
 def replicate_mesh(dims: ParallelDims, device_type: str) -> DeviceMesh:
@@ -42,9 +57,12 @@ class ShardedModel:
     """The modules ``fully_shard`` was applied to (``roots``: the model at ``pp = 1``, each held chunk at
     ``pp > 1``) and the per-step calls that keep FSDP's communication out of the overlapped pairs."""
 
-    def __init__(self, roots: Sequence[FSDPModule], mode: str = "none") -> None:
+    def __init__(self, roots: Sequence[FSDPModule], mode: ShardMode = "none") -> None:
         self.roots = list(roots)
         self.mode = mode
+        # The parameters as the optimizer holds them (sharded DTensors), taken while the modules hold them.
+        self.parameters: list[nn.Parameter] = [p for root in self.roots for p in root.parameters()]  # type: ignore[attr-defined]
+        self._fresh = False  # gathered right after an optimizer step: the next step needs no new gather
 
     @classmethod
     def replicate(cls, roots: Sequence[nn.Module], ignored: Iterable[nn.Parameter], mesh: DeviceMesh) -> ShardedModel:
@@ -56,6 +74,34 @@ class ShardedModel:
             fully_shard(root, mesh=mesh, reshard_after_forward=False, ignored_params=mine)
         return cls([root for root in roots if isinstance(root, FSDPModule)], mode="none")
 
+    @classmethod
+    def shard(
+        cls,
+        model: nn.Module,
+        experts: Sequence[nn.Module],
+        mesh: ParallelMesh,
+        mode: ShardMode,
+        *,
+        mp_policy: MixedPrecisionPolicy | None = None,
+    ) -> ShardedModel:
+        """``fully_shard`` each of ``experts`` over ``mesh["edp"]``, then ``model`` over ``mesh["dp_cp"]``
+        (``mode``: ``"optimizer"`` or ``"full"``). Call once the replicas are equal and before the optimizer is
+        created. FSDP's forward hooks never reshard (``reshard_after_forward=False``): the step does."""
+        divide = float(mesh.dims.dp * mesh.dims.cp)
+        kwargs = {"reshard_after_forward": False, "mp_policy": mp_policy or MixedPrecisionPolicy()}
+        modules = [fully_shard(m, mesh=mesh["edp"], **kwargs) for m in experts]  # type: ignore[arg-type]
+        root = fully_shard(model, mesh=mesh["dp_cp"], **kwargs)  # type: ignore[arg-type]
+        sum_only = dist.get_backend(mesh.group("dp_cp")) == "gloo"  # no pre-multiplied sum: divide afterwards
+        for module in [*modules, root]:
+            module.set_gradient_divide_factor(divide)
+            module.set_force_sum_reduction_for_comms(sum_only)
+        return cls([root], mode=mode)
+
+    @property
+    def sharded(self) -> bool:
+        """Whether parameters, gradients and optimizer state are sharded (``"optimizer"`` / ``"full"``)."""
+        return self.mode != "none"
+
     def modules(self) -> list[FSDPModule]:
         """Every module under the roots that ``fully_shard`` was applied to (each gathers its own parameters)."""
         return [m for root in self.roots for m in root.modules() if isinstance(m, FSDPModule)]
@@ -64,33 +110,52 @@ class ShardedModel:
         """Before the first micro-batch: sync and resharding off, the parameters gathered once (here, on this thread).
 
         A gathered copy left by an earlier forward (validation) is dropped first: it may predate the last
-        optimizer step or a checkpoint load."""
+        optimizer step or a checkpoint load (not the one gathered right after the optimizer step, ``"optimizer"``)."""
         for root in self.roots:
             torch_compat.fsdp_lazy_init(root)
             root.set_is_last_backward(False)
             root.set_requires_gradient_sync(False)
             root.set_reshard_after_backward(False)
         for module in self.modules():
-            module.reshard()
+            if not self._fresh:
+                module.reshard()
             module.unshard()
+        self._fresh = False
+        if self.sharded:
+            for root in self.roots:
+                torch_compat.fsdp_set_hooks_idle(root, True)
 
     def end_step(self) -> None:
-        """After the last micro-batch's backward: reduce the accumulated gradients and reshard."""
+        """After the last micro-batch's backward: reduce the accumulated gradients (reduce-scatter in the sharded
+        modes) and reshard; FSDP's hooks are active again afterwards."""
         for root in self.roots:
             root.set_is_last_backward(True)
             root.set_requires_gradient_sync(True)
             root.set_reshard_after_backward(True)
-            torch_compat.fsdp_reduce_gradients(root)
+            torch_compat.fsdp_reduce_gradients(root)  # leaves every FSDP state idle, its hooks active
+
+    def after_optimizer_step(self) -> None:
+        """``"optimizer"``: gather the updated parameters now, the full parameters being what it keeps between
+        steps. Other modes: nothing. Collective."""
+        if self.mode == "optimizer":
+            self.gather()
+            self._fresh = True
 
     def gather(self) -> None:
         """Gather every parameter (collective over the shard groups; nothing for those already gathered): the
         model's submodules can then be called directly, their parameters being plain tensors once gathered."""
+        for root in self.roots:
+            torch_compat.fsdp_lazy_init(root)
         for module in self.modules():
             module.unshard()
 
     def release(self) -> None:
-        """After a checkpoint's ``state_dict()`` (which reshards) and at the end of a run, in mode ``"none"``: leave
-        the parameters gathered, so that the model can be called as before. Gathering over a size-1 shard
-        dimension communicates with no other rank, so this is safe in a teardown after another rank failed."""
+        """After a checkpoint's ``state_dict()`` (which reshards) and at the end of a run: leave the parameters
+        gathered in modes ``"none"`` (so that the model can be called as before; gathering over a size-1 shard
+        dimension communicates with no other rank, so this is safe in a teardown after another rank failed) and
+        ``"optimizer"`` (its state at rest); ``"full"`` keeps them sharded."""
         if self.mode == "none":
             self.gather()
+        elif self.mode == "optimizer":
+            self.gather()
+            self._fresh = False

@@ -278,3 +278,47 @@ def test_fsdp_lazy_init_and_reduce_gradients(tmp_path) -> None:
     finally:
         if owned:
             dist.destroy_process_group()
+
+
+def _one_rank_fsdp(tmp_path):
+    """A 1-rank gloo world (if none is running) and a ``fully_shard``-ed two-layer model on it."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    owned = not dist.is_initialized()
+    if owned:
+        dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1)
+    mesh = init_device_mesh("cpu", (1,))
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 1))
+    fully_shard(model[0], mesh=mesh, reshard_after_forward=False)
+    fully_shard(model, mesh=mesh, reshard_after_forward=False)
+    return model, owned
+
+
+def test_fsdp_set_hooks_idle(tmp_path) -> None:
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.fsdp._fully_shard import _fsdp_common
+    from torch.distributed.tensor import DTensor
+
+    _require(_fsdp_common, "TrainingState", "torch.distributed.fsdp._fully_shard._fsdp_common.TrainingState",
+             "fsdp_set_hooks_idle")  # fmt: skip
+    model, owned = _one_rank_fsdp(tmp_path)
+    try:
+        torch_compat.fsdp_lazy_init(model)
+        states = fully_shard.state(model)._state_ctx.all_states
+        assert len(states) == 2, _broken("FSDPState._state_ctx.all_states", "fsdp_set_hooks_idle", "misses states")
+        for module in (model[0], model):
+            module.set_requires_gradient_sync(False, recurse=False)
+            module.unshard()
+        torch_compat.fsdp_set_hooks_idle(model, True)
+        assert {s._training_state for s in states} == {_fsdp_common.TrainingState.PRE_BACKWARD}
+        model(torch.ones(2, 4)).sum().backward()  # the hooks act on nothing: the gathered parameters stay, with grads
+        assert all(p.grad is not None and not isinstance(p, DTensor) for p in model.parameters()), _broken(
+            "FSDPState._training_state (PRE_BACKWARD)", "fsdp_set_hooks_idle", "no longer keeps the hooks idle"
+        )
+        assert {s._training_state for s in states} == {_fsdp_common.TrainingState.PRE_BACKWARD}
+        torch_compat.fsdp_set_hooks_idle(model, False)
+        assert {s._training_state for s in states} == {_fsdp_common.TrainingState.IDLE}
+    finally:
+        if owned:
+            dist.destroy_process_group()

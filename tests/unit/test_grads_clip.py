@@ -12,7 +12,13 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from lightning_moe_overlap.grads import allreduce_mean, clip_grad_norm, global_grad_norm
+from lightning_moe_overlap.grads import (
+    allreduce_mean,
+    clip_grad_norm,
+    clip_sharded_grad_norm,
+    global_grad_norm,
+    sharded_grad_norm,
+)
 
 SYNCING_METHODS = ("cpu", "item", "tolist", "numpy", "__float__", "__int__", "__bool__")
 
@@ -109,3 +115,27 @@ def test_no_gradients_gives_zero_norm_on_the_requested_device() -> None:
     norm = global_grad_norm(params, [], ep_group=None, device=torch.device("cpu"))
     assert norm.device.type == "cpu" and norm.dtype == torch.float64
     assert torch.equal(norm, torch.zeros((), dtype=torch.float64))
+
+
+def test_sharded_clip_matches_torch_single_process() -> None:
+    params = _params(6, [(8, 8), (8,)]) + _params(7, [(4, 8, 2)], torch.float64)
+    reference = [nn.Parameter(p.detach().clone()) for p in params]
+    for r, p in zip(reference, params, strict=True):
+        r.grad = p.grad.clone()
+    want = torch.nn.utils.clip_grad_norm_(reference, 0.5)
+    got = clip_sharded_grad_norm(params, 0.5, block=1, device=torch.device("cpu"))
+    torch.testing.assert_close(got.float(), want.float())
+    for r, p in zip(reference, params, strict=True):
+        torch.testing.assert_close(p.grad, r.grad)
+
+
+def test_sharded_norm_counts_a_replicated_gradient_once_in_one_collective(
+    syncs: list[str], two_rank_ep: list[torch.Tensor]
+) -> None:
+    """Plain gradients are replicated over the ``block`` ranks: each rank adds ``1/block`` of their squares, and the
+    one all-reduce over the world (here two ranks with the same gradients) sums them back to one copy."""
+    params = _params(8, [(4, 3), (3,)])
+    want = torch.sqrt(sum(p.grad.double().square().sum() for p in params))
+    norm = sharded_grad_norm(params, block=2, device=torch.device("cpu"))
+    assert syncs == [] and len(two_rank_ep) == 1 and two_rank_ep[0].dtype == torch.float64
+    torch.testing.assert_close(norm, want)

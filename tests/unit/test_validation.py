@@ -57,6 +57,22 @@ def _raise(problems):
         ),
         ({"alltoall_dedup": "yes"}, TypeError, r"`alltoall_dedup='yes'` is a str; .*Pass True or False \(default\)"),
         ({"tp": 2}, NotImplementedError, r"tp=2: this version builds the process groups"),
+        ({"shard": "zero3"}, ValueError, r"`shard='zero3'` is not one of \['none', 'optimizer', 'full'\]"),
+        (
+            {"shard": "full", "expert_backend": "te"},
+            NotImplementedError,
+            r"`shard='full'` with `expert_backend='te'`.*Set `shard='none'`",
+        ),
+        (
+            {"shard": "optimizer", "delay_wgrad": True},
+            NotImplementedError,
+            r"`shard='optimizer'` with `delay_wgrad=True`.*Set `shard='none'`",
+        ),
+        (
+            {"shard": "full", "pp": 2, "vpp": 2, "num_microbatches": 4},
+            NotImplementedError,
+            r"`shard='full'` with `pp=2`.*Use `pp=1` with sharding, or `shard='none'`",
+        ),
         ({"pp": 2, "vpp": 2, "cp": 2, "num_microbatches": 4}, NotImplementedError, r"cp=2: this version"),
     ],
 )
