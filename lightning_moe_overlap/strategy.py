@@ -127,7 +127,7 @@ class MoEOverlapStrategy(ParallelStrategy):
             gradients all-reduced), ``"optimizer"`` (ZeRO-1-like: optimizer state and gradients sharded, the full
             parameters gathered again after each optimizer step) or ``"full"`` (ZeRO-3-like: parameters sharded too,
             gathered once per step before the first micro-batch). Dense parameters are sharded over dp x cp, experts
-            over edp. Not with ``pp > 1``, ``delay_wgrad`` or ``expert_backend="te"``.
+            over edp. Not with ``pp > 1`` or ``expert_backend="te"``.
         fsdp_mp_policy: FSDP2's ``MixedPrecisionPolicy`` for the sharded modes (e.g. ``param_dtype=torch.bfloat16,
             reduce_dtype=torch.float32``: bf16 compute copies of fp32 sharded parameters); None keeps the parameters'
             dtype. Gradients of the micro-batches of a step accumulate in ``param_dtype``.

@@ -252,14 +252,6 @@ def rule_shard(cfg: OverlapConfig) -> list[Problem]:
             NotImplementedError,
         ),
         *_when(
-            cfg.delay_wgrad,
-            "shard-delay-wgrad",
-            f"`shard={cfg.shard!r}` with `delay_wgrad=True`: the delayed expert weight-gradient GEMMs write `.grad` "
-            "outside autograd, which FSDP's gradient reduce-scatter of the gathered parameters is not verified "
-            f"against. {fix}",
-            NotImplementedError,
-        ),
-        *_when(
             is_positive_int(cfg.pp) and cfg.pp > 1,
             "shard-pipeline",
             f"`shard={cfg.shard!r}` with `pp={cfg.pp}`: the pipeline chunks are built on the meta device and placed "

@@ -49,3 +49,33 @@ def test_step_accumulates_then_reduces_once_and_ignores_given_parameters(world_o
     sharded.release()  # mode "none": gathered again, callable by submodule
     assert not isinstance(model[0].weight, DTensor)
     model[0](torch.randn(2, 3))
+
+
+@pytest.mark.parametrize("mode", ["optimizer", "full"])
+def test_sharded_modes_gather_once_keep_hooks_idle_and_reduce_once(world_of_one, mode) -> None:
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.fsdp._fully_shard._fsdp_common import TrainingState
+
+    from lightning_moe_overlap.parallel import build_mesh
+
+    model, reference = _model(), _model()
+    mesh = build_mesh(ParallelDims.from_world_size(1), "cpu")
+    sharded = ShardedModel.shard(model, [model[2]], mesh, mode)  # model[2] stands in for an experts module
+    assert sharded.sharded and all(isinstance(p, DTensor) for p in sharded.parameters)
+    assert tuple(model[2].weight.device_mesh.mesh_dim_names) == ("edp",)
+    states = fully_shard.state(model)._state_ctx.all_states
+    for step in range(2):
+        sharded.begin_step()
+        assert {s._training_state for s in states} == {TrainingState.PRE_BACKWARD}  # hooks idle for the step
+        assert not any(isinstance(p, DTensor) for p in model.parameters())  # gathered
+        for x in (torch.randn(5, 3), torch.randn(5, 3)):
+            model(x).square().mean().backward()
+            reference(x).square().mean().backward()
+        sharded.end_step()
+        assert {s._training_state for s in states} == {TrainingState.IDLE}
+        assert all(isinstance(p, DTensor) for p in model.parameters())  # resharded after the reduction
+        for got, want in zip(sharded.parameters, reference.parameters(), strict=True):
+            torch.testing.assert_close(got.grad.to_local(), want.grad, rtol=0, atol=1e-7)
+            got.grad, want.grad = None, None
+        sharded.after_optimizer_step()  # "optimizer": gathered again at rest; "full": stays sharded
+        assert all(isinstance(p, DTensor) != (mode == "optimizer") for p in model.parameters())

@@ -64,11 +64,6 @@ def _raise(problems):
             r"`shard='full'` with `expert_backend='te'`.*Set `shard='none'`",
         ),
         (
-            {"shard": "optimizer", "delay_wgrad": True},
-            NotImplementedError,
-            r"`shard='optimizer'` with `delay_wgrad=True`.*Set `shard='none'`",
-        ),
-        (
             {"shard": "full", "pp": 2, "vpp": 2, "num_microbatches": 4},
             NotImplementedError,
             r"`shard='full'` with `pp=2`.*Use `pp=1` with sharding, or `shard='none'`",
