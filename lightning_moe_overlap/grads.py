@@ -9,12 +9,13 @@ over the ``D = dp * cp`` data-parallel ranks, so
   contributions of every rank of its ``ep`` group (their tokens came to it through the all-to-all). Summing over
   ``edp`` therefore covers all ``D`` ranks, and it is divided by ``D`` as well, not by ``edp``.
 
-Norm. After the sync, dense gradients are identical on every rank of a pp stage and expert gradients differ
-between ep ranks, so ``|g|^2 = sum over the pp group of (dense^2 + sum over the ep group of expert^2)``: each pp
-rank holds different chunks of the model (at ``pp = 1`` the outer sum has one term). Gradients that are
-``DTensor``s are read through their local shards. With sharded parameters
-(``shard="optimizer"`` / ``"full"``, ``parallel/sharding.py``) FSDP reduce-scatters instead of the all-reduce here,
-and :func:`sharded_grad_norm` counts each element of every local shard once over the world, in one all-reduce.
+With sharded parameters (``shard="optimizer"`` / ``"full"``, ``parallel/sharding.py``) FSDP reduce-scatters the
+gradients instead.
+
+Norm. After the sync every gradient is a local shard or a replica: dense gradients are equal on every rank of a pp
+stage (``"none"``) or split over it (sharded), expert gradients split over ep (and edp when sharded), and each pp
+rank holds other chunks. :func:`global_grad_norm` weights each local shard's squares by the inverse of its number
+of copies, read from its ``DTensor`` placements, and sums over the world in one all-reduce.
 """
 
 from __future__ import annotations
@@ -106,75 +107,7 @@ def _present_grads(params: Iterable[torch.nn.Parameter]) -> list[Tensor]:
     return [local(p.grad.detach()) for p in params if p.grad is not None]
 
 
-def _sum_of_squares(params: Iterable[torch.nn.Parameter], device: torch.device) -> Tensor:
-    """``sum(g**2)`` over every gradient, a float64 scalar on ``device``; no host sync.
-
-    One fused norm per (device, dtype) of the gradients (``torch._foreach_norm``, as
-    ``torch.nn.utils.clip_grad_norm_`` does), computed in float64.
-    """
-    partials = [
-        torch.stack(torch_compat.foreach_norm(grads, 2.0, dtype=torch.float64)).square().sum().to(device)
-        for grads in _by_device_and_dtype(_present_grads(params)).values()
-    ]
-    if not partials:
-        return torch.zeros((), dtype=torch.float64, device=device)
-    return torch.stack(partials).sum()
-
-
-def _norm_device(params: Sequence[torch.nn.Parameter], device: torch.device | None) -> torch.device:
-    """Where the norm lives: ``device``, else the first parameter's (a CUDA device for an NCCL group)."""
-    if device is not None:
-        return torch.device(device)
-    return params[0].device if params else torch.device("cpu")
-
-
-def global_grad_norm(
-    dense: Sequence[torch.nn.Parameter],
-    expert: Sequence[torch.nn.Parameter],
-    *,
-    ep_group: ProcessGroup,
-    pp_group: ProcessGroup | None = None,
-    device: torch.device | None = None,
-) -> Tensor:
-    """The L2 norm of every gradient of the model, a float64 scalar identical on every rank.
-
-    The norm stays a tensor on ``device`` (default: the first parameter's device): no host sync, one all-reduce of
-    the expert part over ``ep_group`` (dense gradients are already equal on every rank of a stage) and, with a
-    ``pp_group`` of several ranks, one of the whole over it (each pp rank holds other chunks).
-    """
-    device = _norm_device([*dense, *expert], device)
-    expert_sq = _sum_of_squares(expert, device)
-    if dist.is_initialized() and dist.get_world_size(ep_group) > 1:
-        dist.all_reduce(expert_sq, group=ep_group)
-    total_sq = _sum_of_squares(dense, device) + expert_sq
-    if pp_group is not None and dist.is_initialized() and dist.get_world_size(pp_group) > 1:
-        dist.all_reduce(total_sq, group=pp_group)
-    return total_sq.sqrt()
-
-
-def clip_grad_norm(
-    dense: Sequence[torch.nn.Parameter],
-    expert: Sequence[torch.nn.Parameter],
-    max_norm: float,
-    *,
-    ep_group: ProcessGroup,
-    pp_group: ProcessGroup | None = None,
-    eps: float = 1e-6,
-    device: torch.device | None = None,
-) -> Tensor:
-    """Scale every gradient by ``min(1, max_norm / (norm + eps))`` like ``torch.nn.utils.clip_grad_norm_``.
-
-    The coefficient is applied on the device (``clamp``, no ``if``), so clipping never waits for the device.
-    Returns the norm before clipping (a float64 tensor on ``device``).
-    """
-    norm = global_grad_norm(dense, expert, ep_group=ep_group, pp_group=pp_group, device=device)
-    coef = torch.clamp(max_norm / (norm + eps), max=1.0)
-    for (grad_device, dtype), grads in _by_device_and_dtype(_present_grads([*dense, *expert])).items():
-        torch_compat.foreach_mul_(grads, coef.to(grad_device, dtype))
-    return norm
-
-
-# -- gradients that are DTensors (sharded parameters): one reduction over the world --------------------------------
+# -- the global norm: one reduction over the world, whatever the gradients' layout -----------------------------------
 def _copies(grad: Tensor, block: int) -> int:
     """On how many ranks of a ``block``-rank model replica (one pp stage) each element of ``grad`` lives: a plain
     tensor on all of them, a ``DTensor`` on ``block`` / (the size of the mesh dimensions it is sharded over)."""
@@ -185,7 +118,7 @@ def _copies(grad: Tensor, block: int) -> int:
     return block // shards
 
 
-def sharded_grad_norm(
+def global_grad_norm(
     params: Iterable[torch.nn.Parameter], *, block: int, group: ProcessGroup | None = None, device: torch.device
 ) -> Tensor:
     """The L2 norm of the gradients of ``params`` over every rank of ``group`` (default: the world), a float64
@@ -193,8 +126,10 @@ def sharded_grad_norm(
 
     Gradients may be plain tensors (replicated over the ``block`` ranks that hold one copy of the model, i.e. one pp
     stage), DTensors of expert parallelism (``Shard(0)`` over ep) or of ``fully_shard`` (over ``dp_cp``, or
-    ``(edp, ep)`` for experts). Each rank adds the squares of its local shards, each weighted by ``1 / copies`` so
-    an element counts once over its replicas, and ONE all-reduce over ``group`` sums them; no host sync.
+    ``(edp, ep)`` for experts). Each rank adds the squares of its local shards (one fused ``torch._foreach_norm``
+    per device, dtype and weight, in float64, as ``torch.nn.utils.clip_grad_norm_`` does), each weighted by
+    ``1 / copies`` so an element counts once over its replicas, and ONE all-reduce over ``group`` sums them; no host
+    sync.
     """
     grads: dict[tuple[torch.device, torch.dtype, int], list[Tensor]] = {}
     for p in params:
@@ -213,7 +148,7 @@ def sharded_grad_norm(
     return total_sq.sqrt()
 
 
-def clip_sharded_grad_norm(
+def clip_grad_norm(
     params: Sequence[torch.nn.Parameter],
     max_norm: float,
     *,
@@ -222,9 +157,11 @@ def clip_sharded_grad_norm(
     eps: float = 1e-6,
     device: torch.device,
 ) -> Tensor:
-    """:func:`clip_grad_norm` for gradients that may be DTensors (:func:`sharded_grad_norm`): scales every local
-    shard in place by ``min(1, max_norm / (norm + eps))`` with one ``foreach`` multiply per (device, dtype)."""
-    norm = sharded_grad_norm(params, block=block, group=group, device=device)
+    """Scale every gradient by ``min(1, max_norm / (norm + eps))`` like ``torch.nn.utils.clip_grad_norm_``, the norm
+    being :func:`global_grad_norm`'s: one ``foreach`` multiply per (device, dtype) of the local shards, the
+    coefficient applied on the device (``clamp``, no ``if``), so clipping never waits for the device. Returns the
+    norm before clipping (a float64 tensor on ``device``)."""
+    norm = global_grad_norm(params, block=block, group=group, device=device)
     coef = torch.clamp(max_norm / (norm + eps), max=1.0)
     for (grad_device, dtype), grads in _by_device_and_dtype(_present_grads(params)).items():
         torch_compat.foreach_mul_(grads, coef.to(grad_device, dtype))

@@ -39,7 +39,7 @@ from lightning_moe_overlap.config import (
     ShardMode,
     StartMethod,
 )
-from lightning_moe_overlap.grads import clip_grad_norm, clip_sharded_grad_norm, global_grad_norm, sharded_grad_norm
+from lightning_moe_overlap.grads import clip_grad_norm, global_grad_norm
 from lightning_moe_overlap.launcher import ExpertParallelScriptLauncher, ExpertParallelSpawnLauncher
 from lightning_moe_overlap.loop import MicroBatchLoop, StepHooks
 from lightning_moe_overlap.overlap.engine import OverlapEngine
@@ -522,7 +522,8 @@ class MoEOverlapStrategy(ParallelStrategy):
 
     def sync_gradients(self) -> None:
         """Average gradients over the data-parallel groups (called once per step, after the last micro-batch): FSDP's
-        all-reduce (``"none"``, plus the experts' over edp, ``grads.py``) or reduce-scatter (``parallel/sharding.py``)."""
+        all-reduce (``"none"``, plus the experts' over edp, ``grads.py``) or reduce-scatter (``parallel/sharding.py``).
+        """
         assert self._ep_model is not None and self._sharded is not None
         self._sharded.end_step()
         if not self._sharded.sharded:
@@ -530,23 +531,14 @@ class MoEOverlapStrategy(ParallelStrategy):
 
     def global_grad_norm(self) -> Tensor:
         """The L2 norm of all gradients of the model across every rank (float64 on the root device, same on every rank)."""
-        if self._sharded is not None and self._sharded.sharded:
-            return sharded_grad_norm(self._sharded.parameters, block=self._replica_size, device=self.root_device)
-        assert self._ep_model is not None
-        dense, expert = self._ep_model.partition_parameters()
-        groups = self.parallel_groups
-        return global_grad_norm(dense, expert, ep_group=groups.ep, pp_group=groups.pp, device=self.root_device)
+        assert self._sharded is not None
+        params = [p for p in self._sharded.parameters if p.requires_grad]
+        return global_grad_norm(params, block=self._replica_size, device=self.root_device)
 
     def _clip_grad_by_norm(self, optimizer: torch.optim.Optimizer, max_norm: float) -> None:
         """Clip the optimizer's gradients by the norm over all ranks (``ExpertParallelPrecision`` calls it)."""
-        if self._sharded is not None and self._sharded.sharded:
-            params = [p for group in optimizer.param_groups for p in group["params"] if p.requires_grad]
-            clip_sharded_grad_norm(params, max_norm, block=self._replica_size, device=self.root_device)
-            return
-        assert self._ep_model is not None
-        dense, expert = self._ep_model.partition_parameters(optimizer)
-        groups = self.parallel_groups
-        clip_grad_norm(dense, expert, max_norm, ep_group=groups.ep, pp_group=groups.pp, device=self.root_device)
+        params = [p for group in optimizer.param_groups for p in group["params"] if p.requires_grad]
+        clip_grad_norm(params, max_norm, block=self._replica_size, device=self.root_device)
 
     @property
     def _replica_size(self) -> int:

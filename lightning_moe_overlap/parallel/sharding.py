@@ -61,7 +61,9 @@ class ShardedModel:
         self.roots = list(roots)
         self.mode = mode
         # The parameters as the optimizer holds them (sharded DTensors), taken while the modules hold them.
-        self.parameters: list[nn.Parameter] = [p for root in self.roots for p in root.parameters()]  # type: ignore[attr-defined]
+        self.parameters: list[nn.Parameter] = [
+            p for root in self.roots for p in root.parameters()  # type: ignore[attr-defined]
+        ]
         self._fresh = False  # gathered right after an optimizer step: the next step needs no new gather
 
     @classmethod

@@ -3,10 +3,11 @@ edp for experts, ``MoEGPT`` and HF Qwen3-MoE, AdamW, clipping by the global norm
 
 Oracles, all from one spawn: per-step losses and global gradient norms follow single-process training on the same
 global batches (1e-5, float32); the overlapped schedule (also with delayed expert weight gradients) leaves the
-parameters bitwise equal to the sequential one;
-per rank, the parameters are DTensors with the expected placements and local shapes (``"full"``: the module holds
-the shards at rest; ``"optimizer"``: the optimizer holds them and the module the gathered parameters); bf16-true
-and bf16-mixed run with sharding, and so do validation forwards between steps; ``benchmarks/sharding_memory.py``'s measurement comes within 10% of its formula.
+parameters bitwise equal to the sequential one; per rank, the parameters are DTensors with the expected placements
+and local shapes (``"full"``: the module holds the shards at rest; ``"optimizer"``: the optimizer holds them and
+the module the gathered parameters); bf16-true, bf16-mixed and FSDP's ``MixedPrecisionPolicy`` run with sharding,
+and so do validation forwards between steps; ``benchmarks/sharding_memory.py``'s measurement comes within 10% of
+its formula.
 """
 
 from __future__ import annotations

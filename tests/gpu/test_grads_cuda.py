@@ -16,30 +16,6 @@ pytestmark = [
 
 def test_clip_on_cuda_has_no_host_sync_and_matches_torch() -> None:
     torch.manual_seed(0)
-    shapes = [(64, 32), (32,), (4, 32, 16)]
-    params = [nn.Parameter(torch.zeros(s, device="cuda")) for s in shapes]
-    for p in params:
-        p.grad = torch.randn_like(p)
-    reference = [nn.Parameter(p.detach().clone()) for p in params]
-    for r, p in zip(reference, params, strict=True):
-        r.grad = p.grad.clone()
-    want = torch.nn.utils.clip_grad_norm_(reference, 0.5)
-    torch.cuda.synchronize()
-    torch.cuda.set_sync_debug_mode("error")
-    try:
-        norm = clip_grad_norm(params[:2], params[2:], 0.5, ep_group=None)
-    finally:
-        torch.cuda.set_sync_debug_mode("default")
-    assert norm.device.type == "cuda" and norm.dtype == torch.float64
-    torch.testing.assert_close(norm.float(), want)
-    for r, p in zip(reference, params, strict=True):
-        torch.testing.assert_close(p.grad, r.grad)
-
-
-def test_sharded_clip_on_cuda_has_no_host_sync_and_matches_torch() -> None:
-    from lightning_moe_overlap.grads import clip_sharded_grad_norm
-
-    torch.manual_seed(0)
     params = [nn.Parameter(torch.zeros(s, device="cuda")) for s in [(64, 32), (32,), (4, 32, 16)]]
     for p in params:
         p.grad = torch.randn_like(p)
@@ -50,9 +26,10 @@ def test_sharded_clip_on_cuda_has_no_host_sync_and_matches_torch() -> None:
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
     try:
-        norm = clip_sharded_grad_norm(params, 0.5, block=1, device=torch.device("cuda"))
+        norm = clip_grad_norm(params, 0.5, block=1, device=torch.device("cuda"))
     finally:
         torch.cuda.set_sync_debug_mode("default")
+    assert norm.device.type == "cuda" and norm.dtype == torch.float64
     torch.testing.assert_close(norm.float(), want)
     for r, p in zip(reference, params, strict=True):
         torch.testing.assert_close(p.grad, r.grad)

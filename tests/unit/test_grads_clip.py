@@ -12,13 +12,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from lightning_moe_overlap.grads import (
-    allreduce_mean,
-    clip_grad_norm,
-    clip_sharded_grad_norm,
-    global_grad_norm,
-    sharded_grad_norm,
-)
+from lightning_moe_overlap.grads import allreduce_mean, clip_grad_norm, global_grad_norm
 
 SYNCING_METHODS = ("cpu", "item", "tolist", "numpy", "__float__", "__int__", "__bool__")
 
@@ -73,69 +67,43 @@ def test_allreduce_mean_buckets_by_dtype_and_writes_every_gradient_back(two_rank
 
 
 def test_clip_has_no_host_sync_and_one_collective(syncs: list[str], two_rank_ep: list[torch.Tensor]) -> None:
-    dense = _params(0, [(4, 3), (3,)]) + _params(1, [(5,)], torch.float64)
-    expert = _params(2, [(2, 4, 3), (2, 3, 4)])
-    want_sq = sum(p.grad.double().square().sum() for p in dense) + 2 * sum(
-        p.grad.double().square().sum() for p in expert
-    )
-    grads_before = [p.grad.clone() for p in (*dense, *expert)]
+    """Plain gradients are replicas over the ``block`` ranks of a model copy: each rank adds ``1/block`` of their
+    squares, and the one all-reduce over the world (here two ranks with the same gradients) sums them back."""
+    params = _params(0, [(4, 3), (3,)]) + _params(1, [(5,)], torch.float64) + _params(2, [(2, 4, 3)])
+    want_sq = sum(p.grad.double().square().sum() for p in params)
+    grads_before = [p.grad.clone() for p in params]
 
-    norm = clip_grad_norm(dense, expert, 1.0, ep_group=object())
+    norm = clip_grad_norm(params, 1.0, block=2, device=torch.device("cpu"))
 
     assert syncs == []
     assert len(two_rank_ep) == 1 and two_rank_ep[0].dtype == torch.float64 and two_rank_ep[0].dim() == 0
     assert isinstance(norm, torch.Tensor) and norm.dtype == torch.float64
     torch.testing.assert_close(norm, want_sq.sqrt(), rtol=1e-12, atol=0)
     coef = 1.0 / (want_sq.sqrt() + 1e-6)
-    for p, before in zip((*dense, *expert), grads_before, strict=True):
+    for p, before in zip(params, grads_before, strict=True):
         torch.testing.assert_close(p.grad, before * coef.to(before.dtype))
 
 
 def test_norm_matches_torch_clip_grad_norm_single_process() -> None:
-    dense, expert = _params(3, [(8, 8), (8,)]), _params(4, [(4, 8, 2)])
-    reference = [nn.Parameter(p.detach().clone()) for p in (*dense, *expert)]
-    for r, p in zip(reference, (*dense, *expert), strict=True):
-        r.grad = p.grad.clone()
-    want = torch.nn.utils.clip_grad_norm_(reference, 0.5)
-    got = clip_grad_norm(dense, expert, 0.5, ep_group=None)
-    torch.testing.assert_close(got.float(), want)
-    for r, p in zip(reference, (*dense, *expert), strict=True):
-        torch.testing.assert_close(p.grad, r.grad)
-
-
-def test_below_max_norm_leaves_gradients_bitwise_unchanged() -> None:
-    dense = _params(5, [(3, 3)])
-    before = dense[0].grad.clone()
-    clip_grad_norm(dense, [], 1e6, ep_group=None)
-    assert torch.equal(dense[0].grad, before)
-
-
-def test_no_gradients_gives_zero_norm_on_the_requested_device() -> None:
-    params = [nn.Parameter(torch.zeros(2))]
-    norm = global_grad_norm(params, [], ep_group=None, device=torch.device("cpu"))
-    assert norm.device.type == "cpu" and norm.dtype == torch.float64
-    assert torch.equal(norm, torch.zeros((), dtype=torch.float64))
-
-
-def test_sharded_clip_matches_torch_single_process() -> None:
     params = _params(6, [(8, 8), (8,)]) + _params(7, [(4, 8, 2)], torch.float64)
     reference = [nn.Parameter(p.detach().clone()) for p in params]
     for r, p in zip(reference, params, strict=True):
         r.grad = p.grad.clone()
     want = torch.nn.utils.clip_grad_norm_(reference, 0.5)
-    got = clip_sharded_grad_norm(params, 0.5, block=1, device=torch.device("cpu"))
+    got = clip_grad_norm(params, 0.5, block=1, device=torch.device("cpu"))
     torch.testing.assert_close(got.float(), want.float())
     for r, p in zip(reference, params, strict=True):
         torch.testing.assert_close(p.grad, r.grad)
 
 
-def test_sharded_norm_counts_a_replicated_gradient_once_in_one_collective(
-    syncs: list[str], two_rank_ep: list[torch.Tensor]
-) -> None:
-    """Plain gradients are replicated over the ``block`` ranks: each rank adds ``1/block`` of their squares, and the
-    one all-reduce over the world (here two ranks with the same gradients) sums them back to one copy."""
-    params = _params(8, [(4, 3), (3,)])
-    want = torch.sqrt(sum(p.grad.double().square().sum() for p in params))
-    norm = sharded_grad_norm(params, block=2, device=torch.device("cpu"))
-    assert syncs == [] and len(two_rank_ep) == 1 and two_rank_ep[0].dtype == torch.float64
-    torch.testing.assert_close(norm, want)
+def test_below_max_norm_leaves_gradients_bitwise_unchanged() -> None:
+    params = _params(5, [(3, 3)])
+    before = params[0].grad.clone()
+    clip_grad_norm(params, 1e6, block=1, device=torch.device("cpu"))
+    assert torch.equal(params[0].grad, before)
+
+
+def test_no_gradients_gives_zero_norm_on_the_requested_device() -> None:
+    norm = global_grad_norm([nn.Parameter(torch.zeros(2))], block=1, device=torch.device("cpu"))
+    assert norm.device.type == "cpu" and norm.dtype == torch.float64
+    assert torch.equal(norm, torch.zeros((), dtype=torch.float64))
