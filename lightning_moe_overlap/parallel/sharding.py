@@ -93,10 +93,11 @@ class ShardedModel:
         kwargs = {"reshard_after_forward": False, "mp_policy": mp_policy or MixedPrecisionPolicy()}
         modules = [fully_shard(m, mesh=mesh["edp"], **kwargs) for m in experts]  # type: ignore[arg-type]
         root = fully_shard(model, mesh=mesh["dp_cp"], **kwargs)  # type: ignore[arg-type]
-        sum_only = dist.get_backend(mesh.group("dp_cp")) == "gloo"  # no pre-multiplied sum: divide afterwards
-        for module in [*modules, root]:
+        gloo = dist.get_backend(mesh.group("dp_cp")) == "gloo"  # no pre-multiplied sum: divide afterwards
+        for module, kind in [*((m, "edp") for m in modules), (root, "dp_cp")]:
             module.set_gradient_divide_factor(divide)
-            module.set_force_sum_reduction_for_comms(sum_only)
+            # Not over one rank: torch then divides both while copying and after the (skipped) reduce-scatter
+            module.set_force_sum_reduction_for_comms(gloo and mesh[kind].size() > 1)
         return cls([root], mode=mode)
 
     @property
