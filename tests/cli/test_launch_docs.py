@@ -19,6 +19,9 @@ DOC = ROOT / "docs" / "launch.md"
 RUN_ELSEWHERE = {
     "python examples/train_moe_gpt.py": "tests/unit/test_docs.py::test_readme_main_job_runs_as_pasted",
     "lightning-moe-overlap fit --config examples/configs/cpu.yaml": "tests/cli/test_cli.py::test_cli_fit_cpu_yaml_class_path_form",
+    # the same subcommand on a version-1 fixture
+    "lightning-moe-overlap convert-checkpoint ckpts/old.ckpt ckpts/old-v2.ckpt":
+        "tests/unit/test_checkpoint.py::test_a_version_1_directory_converts_and_loads_bitwise",
 }
 SHORT = ["--trainer.max_steps=2", "--trainer.limit_val_batches=0"]
 
