@@ -28,3 +28,16 @@ def _scoped_registries():
 
     with ADAPTERS.scoped(), LAYER_SPECS.scoped():
         yield
+
+
+@pytest.fixture
+def world_of_one(tmp_path):
+    """A default process group of one gloo rank (file store), for single-process tests of mesh and FSDP code."""
+    import torch.distributed as dist
+
+    owned = not dist.is_initialized()
+    if owned:
+        dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1)
+    yield
+    if owned:
+        dist.destroy_process_group()

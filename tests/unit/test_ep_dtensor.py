@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Shard
@@ -16,16 +15,6 @@ from lightning_moe_overlap.moe.experts import Experts
 from lightning_moe_overlap.overlap.runtime import CommRuntime
 
 T, K, D, F, E = 7, 2, 8, 6, 4
-
-
-@pytest.fixture
-def world_of_one(tmp_path):
-    owned = not dist.is_initialized()
-    if owned:
-        dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1)
-    yield
-    if owned:
-        dist.destroy_process_group()
 
 
 def _holder() -> nn.Module:

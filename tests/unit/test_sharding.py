@@ -5,22 +5,11 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
 from lightning_moe_overlap.parallel import ParallelDims
 from lightning_moe_overlap.parallel.sharding import ShardedModel, replicate_mesh
-
-
-@pytest.fixture
-def world_of_one(tmp_path):
-    owned = not dist.is_initialized()
-    if owned:
-        dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1)
-    yield
-    if owned:
-        dist.destroy_process_group()
 
 
 def _model() -> nn.Module:
