@@ -85,21 +85,8 @@ class MoEModelHandle:
         return list(self._ep_modules)
 
     def expert_parameters(self) -> list[nn.Parameter]:
+        """The parameters of :meth:`expert_modules`, in model order (the same order on every rank of an edp group)."""
         return [p for m in self._ep_modules for p in m.parameters()]
-
-    def _expert_ids(self) -> set[int]:
-        return {id(p) for m in self._ep_modules for p in m.parameters()}
-
-    def partition_parameters(
-        self, optimizer: torch.optim.Optimizer | None = None
-    ) -> tuple[list[nn.Parameter], list[nn.Parameter]]:
-        """(dense, expert) trainable parameters, in model order (the same order on every rank)."""
-        params = [p for p in self.model.parameters() if p.requires_grad and not p.is_meta]
-        if optimizer is not None:
-            in_opt = {id(p) for group in optimizer.param_groups for p in group["params"]}
-            params = [p for p in params if id(p) in in_opt]
-        experts = self._expert_ids()
-        return [p for p in params if id(p) not in experts], [p for p in params if id(p) in experts]
 
     def broadcast_replicas(self, groups: ParallelGroups) -> None:
         """Make replicas equal, as DDP does at start: dense state from the first rank of each dp*cp group,
@@ -113,7 +100,7 @@ class MoEModelHandle:
 
     def sync_expert_gradients(self, groups: ParallelGroups) -> None:
         """Average the expert gradients over ``edp`` (the dense ones go through ``fully_shard``)."""
-        _, expert = self.partition_parameters()
+        expert = [p for p in self.expert_parameters() if p.requires_grad]
         sync_expert_gradients(expert, edp_group=groups.edp, dp_cp_size=groups.dims.dp * groups.dims.cp)
 
 
