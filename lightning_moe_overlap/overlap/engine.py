@@ -7,7 +7,9 @@ it hands the tasks of a phase to the lanes, waits for them, reads other ranks' f
 re-raises the first error in its own thread.
 
 Both schedules (overlapped and sequential) run through the same lanes, thread-local state and context factory,
-so the sequential run is a faithful oracle: the only difference is which tasks share a phase.
+so the sequential run is a faithful oracle: the only difference is which tasks share a phase. With one micro-batch
+there is nothing to pair: ``F0`` and ``B0`` run in the calling thread, with the same state, context factory and
+failure watch, and no lane is started (:meth:`EngineStep.run_here`).
 
 The unit is a pair of any forward task with any backward task (``schedule.pair``). :meth:`OverlapEngine.run`
 drives the pp=1 schedule; :meth:`OverlapEngine.step` hands the same machinery to a schedule driven from outside,
@@ -125,7 +127,10 @@ class OverlapEngine:
 
         with self.step(_stacklevel=5) as step:
             for phase in phases:
-                step.run_phase(phase, body)
+                if num_microbatches == 1:  # F0, B0: nothing to pair, so no lanes (see `EngineStep.run_here`)
+                    step.run_here(phase.tasks[0], body)
+                else:
+                    step.run_phase(phase, body)
         return outputs
 
     @contextmanager
@@ -235,6 +240,22 @@ class EngineStep:
     def run_task(self, task: Task, fn: Callable[[], Any]) -> None:
         """Run ``fn`` as ``task``, alone in its phase (its comm points do not hand over)."""
         self.run_phase(Phase((task,)), lambda _: fn())
+
+    def run_here(self, task: Task, body: TaskBody) -> None:
+        """Run ``task`` alone in the calling thread, as a one-context phase would (its hand-overs return at once).
+
+        For a step with nothing to pair (one micro-batch): no lane thread. Besides the hand-over, a lane costs
+        memory traffic on CPU: the C allocator gives each new thread its own arena, so a lane allocates the step's
+        activations afresh (a page fault on every new page) where the calling thread reuses its own memory; at 1536
+        tokens per call that cost up to a third of the step. What a task sees is the same: the context factory,
+        the thread state, the delayed weight gradients flushed after a backward, the failure watch of the step.
+        A peer's failure is read when this task's collective fails, not polled while it runs, and a stuck task is
+        ended by the process group's timeout rather than the engine's stall detector.
+        """
+        engine = self.engine
+        baton = Baton((task.role,), phase=task.name, starter=task.role, timeout_s=engine.timeout_s, rng=self.rng)
+        with engine.runtime.overlapping(baton):  # one context: its hand-overs return at once
+            self._execute(task, body)
 
     def run_phase(self, phase: Phase, body: TaskBody) -> None:
         """Run the tasks of ``phase``; ``body(task)`` does each one's work, in that task's lane."""

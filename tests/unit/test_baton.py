@@ -150,7 +150,8 @@ def test_phase_without_progress_raises_naming_the_phase() -> None:
     release = threading.Event()
     start = time.monotonic()
     with pytest.raises(RuntimeError, match="Phase F0 made no progress"):
-        run_schedule(lambda i: release.wait(30), lambda i, out: None, 1, runtime, overlap=True, timeout_s=0.3)
+        # Two micro-batches: with one, F0 runs in the calling thread, where the process group's timeout is the net.
+        run_schedule(lambda i: release.wait(30), lambda i, out: None, 2, runtime, overlap=True, timeout_s=0.3)
     assert time.monotonic() - start < 5
     release.set()
     for thread in lane_threads():

@@ -115,6 +115,45 @@ def test_context_factory_hooks_active_in_forward_context_while_it_holds_the_bato
     torch.testing.assert_close(w.grad, expected)
 
 
+@pytest.mark.parametrize("overlap", [True, False])
+def test_one_microbatch_runs_in_the_calling_thread_with_the_same_step_machinery(overlap: bool) -> None:
+    """M=1 has nothing to pair: F0 and B0 run in the caller's thread, no lane is started, and a task still gets the
+    context factory, its delayed weight gradients flushed after its backward, and its original exception."""
+    runtime = CommRuntime(delay_wgrad=True)
+    w = torch.randn(4, requires_grad=True)
+    x = torch.randn(3, 4)
+    events: list[str] = []
+    caller = threading.current_thread().name
+    threads_before = threading.active_count()
+
+    def factory(task: Task) -> object:
+        events.append(f"enter {task.name} on {threading.current_thread().name}")
+        return nullcontext()
+
+    def forward(i: int) -> torch.Tensor:
+        events.append(f"lanes {threading.active_count() - threads_before}")
+        return CommPoint.apply((x * w).sin(), runtime).sum()
+
+    def backward(i: int, loss: torch.Tensor) -> None:
+        loss.backward()
+        assert runtime.defer_wgrad(lambda: events.append("wgrad"))  # left for the engine's flush
+
+    engine = OverlapEngine(runtime, overlap=overlap, context_factory=factory)
+    (loss,) = engine.run(forward, backward, 1)
+    assert events == [f"enter F0 on {caller}", "lanes 0", f"enter B0 on {caller}", "wgrad"]
+    torch.testing.assert_close(w.grad, torch.autograd.grad((x * w).sin().sum(), w)[0])
+    assert runtime.pending_wgrad == 0
+
+    boom = ValueError("boom")
+
+    def failing(i: int) -> None:
+        raise boom
+
+    with pytest.raises(ValueError) as raised:
+        engine.run(failing, backward, 1)
+    assert raised.value is boom
+
+
 # -- delayed weight gradients ----------------------------------------------------------------------------------
 def test_delayed_wgrad_flushed_in_the_backward_context_in_microbatch_order_exactly_once() -> None:
     runtime = CommRuntime(delay_wgrad=True)
