@@ -18,12 +18,14 @@ runs its expert GEMMs in bfloat16, so they agree to about 1e-3, not bitwise).
 
 torchtitan 0.3.0 is an optional dependency (``pip install 'lightning-moe-overlap[peer]'``); without it the script
 exits with the install hint. Usage: ``python benchmarks/peer_torchtitan.py [--rounds 5] [--warmup 2] [--json]``
-plus the shape options of ``overlap.py`` (``--help``). See ``docs/benchmarks.md`` for the figures and caveats.
+plus the shape options of ``overlap.py`` (``--help``); ``--autocast`` runs both under bfloat16 autocast (GEMMs of
+the same precision on both sides). See ``docs/benchmarks.md`` for the figures and caveats.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib
 import json
 import os
@@ -187,7 +189,9 @@ def accumulation_step(t: Any, cfg: Config, groups: ParallelGroups, batch: tuple[
 
 
 # -- one rank --------------------------------------------------------------------------------------------------------
-def rank_main(rank: int, cfg: Config, rounds: int, warmup: int, profile: tuple[str, ...] = ()) -> dict[str, Any]:
+def rank_main(
+    rank: int, cfg: Config, rounds: int, warmup: int, profile: tuple[str, ...] = (), autocast: bool = False
+) -> dict[str, Any]:
     device = torch.device("cpu")
     groups = build_groups(ParallelDims.from_world_size(cfg.ranks, ep=cfg.ep_size), rank)
     full = replace(cfg, tokens=cfg.tokens * cfg.microbatches, microbatches=1)
@@ -204,6 +208,11 @@ def rank_main(rank: int, cfg: Config, rounds: int, warmup: int, profile: tuple[s
     first_loss: dict[str, float] = {}
 
     def run(mode: str, step: int, plain: bool = False) -> tuple[float, float]:
+        # --autocast: the whole step under bfloat16 autocast, both models alike (the engine's lanes inherit it)
+        with torch.autocast("cpu", dtype=torch.bfloat16) if autocast else contextlib.nullcontext():
+            return run_step(mode, step, plain)
+
+    def run_step(mode: str, step: int, plain: bool) -> tuple[float, float]:
         if mode in ours and plain:
             trainer, c, which = ours[mode]
             record = accumulation_step(trainer, c, groups, batch[which])
@@ -242,7 +251,7 @@ def first_step_loss(net: nn.Module, cfg: Config, batch: tuple[Tensor, Tensor]) -
 
 
 def rank_entry(
-    rank: int, cfg: Config, rounds: int, warmup: int, profile: tuple[str, ...], port: int, queue: Any
+    rank: int, cfg: Config, rounds: int, warmup: int, profile: tuple[str, ...], autocast: bool, port: int, queue: Any
 ) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(cfg.threads)
@@ -250,7 +259,7 @@ def rank_entry(
     warnings.filterwarnings("ignore", message="In CPU autocast, but the target dtype is not supported")
     try:
         dist.init_process_group("gloo", rank=rank, world_size=cfg.ranks, timeout=timedelta(seconds=600))
-        queue.put((rank, True, rank_main(rank, cfg, rounds, warmup, profile)))
+        queue.put((rank, True, rank_main(rank, cfg, rounds, warmup, profile, autocast)))
     except BaseException:  # noqa: BLE001 - reported by the launcher
         queue.put((rank, False, traceback.format_exc()))
     finally:
@@ -258,13 +267,15 @@ def rank_entry(
             dist.destroy_process_group()
 
 
-def launch(cfg: Config, rounds: int, warmup: int, profile: tuple[str, ...] = ()) -> list[dict[str, Any]]:
+def launch(
+    cfg: Config, rounds: int, warmup: int, profile: tuple[str, ...] = (), autocast: bool = False
+) -> list[dict[str, Any]]:
     """Spawn one process per rank and collect their results (index = rank)."""
-    return spawn_ranks(cfg.ranks, rank_entry, cfg, rounds, warmup, profile)
+    return spawn_ranks(cfg.ranks, rank_entry, cfg, rounds, warmup, profile, autocast)
 
 
 # -- summary ---------------------------------------------------------------------------------------------------------
-def summarise(results: list[dict[str, Any]], cfg: Config, rounds: int) -> dict[str, Any]:
+def summarise(results: list[dict[str, Any]], cfg: Config, rounds: int, autocast: bool = False) -> dict[str, Any]:
     """Per round the slowest rank's step; per mode the median step and the median of its per-round ratios."""
     steps = {mode: [max(r["records"][mode][i][0] for r in results) for i in range(rounds)] for mode in MODES}
     cpu = {mode: [statistics.fmean(r["records"][mode][i][1] for r in results) for i in range(rounds)] for mode in MODES}
@@ -277,6 +288,7 @@ def summarise(results: list[dict[str, Any]], cfg: Config, rounds: int) -> dict[s
     return {
         "config": asdict(cfg),
         "rounds": rounds,
+        "autocast": "bfloat16" if autocast else None,
         "torch": torch.__version__,
         "torchtitan": importlib.metadata.version("torchtitan"),
         "modes": {
@@ -305,7 +317,8 @@ def print_summary(s: dict[str, Any]) -> None:
     print(
         f"ranks={cfg['ranks']} ep={cfg['ep'] or cfg['ranks']} layers={cfg['layers']} hidden={cfg['hidden']} "
         f"ffn={cfg['ffn']} experts={cfg['experts']} top_k={cfg['top_k']} tokens={cfg['tokens']} "
-        f"microbatches={cfg['microbatches']} torch={s['torch']} torchtitan={s['torchtitan']}; "
+        f"microbatches={cfg['microbatches']} autocast={s['autocast'] or 'off'} torch={s['torch']} "
+        f"torchtitan={s['torchtitan']}; "
         f"medians of {s['rounds']} interleaved rounds"
     )
     print(f"{'mode':<14} {'step ms':>8} {'ratio':>6} {'CPU ms':>8} {'CPU ratio':>9}")
@@ -320,7 +333,7 @@ def print_summary(s: dict[str, Any]) -> None:
     print("loss relative difference: " + ", ".join(f"{k} {v:.1e}" for k, v in s["loss_rel_diff"].items()))
 
 
-def parse_args(argv: list[str] | None = None) -> tuple[Config, int, int, tuple[str, ...], bool]:
+def parse_args(argv: list[str] | None = None) -> tuple[Config, int, int, tuple[str, ...], bool, bool]:
     defaults = Config()
     parser = argparse.ArgumentParser(
         description=__doc__.splitlines()[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
@@ -333,25 +346,30 @@ def parse_args(argv: list[str] | None = None) -> tuple[Config, int, int, tuple[s
     parser.add_argument("--warmup", type=int, default=2, help="unmeasured rounds first")
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
     parser.add_argument(
+        "--autocast", action="store_true",
+        help="run every step under torch.autocast('cpu', bfloat16), both models alike: all GEMMs in bfloat16 "
+        "(without it torchtitan's expert GEMMs still run in bfloat16, ours in float32)",
+    )
+    parser.add_argument(
         "--profile", nargs="*", default=[], choices=MODES, metavar="MODE",
         help=f"after the rounds, profile one step of each MODE ({', '.join(MODES)}) and print rank 0's top ops",
     )
     args = vars(parser.parse_args(argv))
-    rounds, warmup, as_json = args.pop("rounds"), args.pop("warmup"), args.pop("json")
+    rounds, warmup, as_json, autocast = args.pop("rounds"), args.pop("warmup"), args.pop("json"), args.pop("autocast")
     profile = tuple(args.pop("profile"))
-    return Config(**args), rounds, warmup, profile, as_json
+    return Config(**args), rounds, warmup, profile, as_json, autocast
 
 
 def main(argv: list[str] | None = None) -> None:
-    cfg, rounds, warmup, profile, as_json = parse_args(argv)
+    cfg, rounds, warmup, profile, as_json, autocast = parse_args(argv)
     problem = check_torchtitan()
     if problem:
         sys.exit(problem)
     warning = busy_warning()
     if warning:
         print(warning, file=sys.stderr)
-    results = launch(cfg, rounds, warmup, profile)
-    summary = summarise(results, cfg, rounds)
+    results = launch(cfg, rounds, warmup, profile, autocast)
+    summary = summarise(results, cfg, rounds, autocast)
     if as_json:
         print(json.dumps(summary, indent=2))
     else:

@@ -30,7 +30,7 @@ from lightning_moe_overlap.moe.dispatch import (
 )
 from lightning_moe_overlap.moe.ep import ExpertParallelExperts, ExpertShard
 from lightning_moe_overlap.moe.experts import Experts
-from lightning_moe_overlap.moe.grouped import GroupedLinear, grouped_linear, grouped_mlp
+from lightning_moe_overlap.moe.grouped import GroupedLinear, RowSplits, grouped_linear, grouped_mlp
 from lightning_moe_overlap.moe.layer import GatedMLP, MoELayer
 from lightning_moe_overlap.moe.layout import ExpertsLayout
 from lightning_moe_overlap.moe.router import TopKRouter
@@ -50,6 +50,7 @@ __all__ = [
     "GatedMLP",
     "GroupedLinear",
     "MoELayer",
+    "RowSplits",
     "TokenDispatcher",
     "TopKRouter",
     "adapter_for",

@@ -206,7 +206,7 @@ class ExpertParallelExperts(nn.Module):
     def _run_fc1(self, x_RD: Tensor, splits: RowSplits) -> Tensor:
         layout = self.layout
         if self.te_experts is not None:
-            return self.te_experts.gate_up(x_RD, splits.host_sizes(), self.runtime)
+            return self.te_experts.gate_up(x_RD, splits.sorted_rows().host_sizes(), self.runtime)
         return self._project(x_RD, splits, layout.up_name, layout.up_bias_name)
 
     def _run_act(self, h_RF2: Tensor) -> Tensor:
@@ -215,7 +215,7 @@ class ExpertParallelExperts(nn.Module):
     def _run_fc2(self, h_RF: Tensor, splits: RowSplits) -> Tensor:
         layout = self.layout
         if self.te_experts is not None:
-            return self.te_experts.down(h_RF, splits.host_sizes(), self.runtime)
+            return self.te_experts.down(h_RF, splits.sorted_rows().host_sizes(), self.runtime)
         return self._project(h_RF, splits, layout.down_name, layout.down_bias_name)
 
     def _project(self, x_RI: Tensor, splits: RowSplits, weight_name: str, bias_name: str | None) -> Tensor:

@@ -77,14 +77,20 @@ class RowSplits:
 
     Built once per :func:`grouped_mlp` call from a host list or a device tensor of counts, and shared by the
     forward, dgrad and wgrad GEMMs of both projections: each form is derived once, on first use, and kept.
+
+    Segments: :meth:`from_segments` describes rows that are not sorted by expert but come in segments, each of one
+    expert, experts repeating (the all-to-all's receive layout, source rank by source rank). Only the loop kernels
+    run them, one matmul per segment on a view of its expert's weight, so no permutation of the rows is needed; the
+    weight gradient of an expert sums its segments' products.
     """
 
-    __slots__ = ("num_experts", "_sizes", "_counts", "_offsets")
+    __slots__ = ("num_experts", "_sizes", "_counts", "_offsets", "_segments")
 
     def __init__(self, tokens_per_expert: Sequence[int] | Tensor) -> None:
         self._sizes: tuple[int, ...] | None = None
         self._counts: Tensor | None = None
         self._offsets: Tensor | None = None
+        self._segments: tuple[tuple[int, int], ...] | None = None  # (expert, rows) in row order; None: sorted
         if isinstance(tokens_per_expert, Tensor):
             self._counts = tokens_per_expert.reshape(-1)
             self.num_experts = self._counts.numel()
@@ -92,20 +98,56 @@ class RowSplits:
             self._sizes = tuple(int(n) for n in tokens_per_expert)
             self.num_experts = len(self._sizes)
 
+    @classmethod
+    def from_segments(cls, experts: Sequence[int], sizes: Sequence[int], num_experts: int) -> RowSplits:
+        """Rows in segments: ``sizes[i]`` rows of expert ``experts[i]``, in this order (experts may repeat)."""
+        if len(experts) != len(sizes) or any(not 0 <= e < num_experts for e in experts):
+            raise ValueError(
+                f"RowSplits.from_segments: experts {list(experts)} and sizes {list(sizes)} with {num_experts} experts; "
+                f"the rule is one expert in [0, {num_experts}) per segment size. Pass lists of the same length."
+            )
+        totals = [0] * num_experts
+        for e, n in zip(experts, sizes):
+            totals[e] += n
+        splits = cls(totals)
+        splits._segments = tuple((int(e), int(n)) for e, n in zip(experts, sizes) if n)
+        return splits
+
+    @property
+    def sorted(self) -> bool:
+        """Whether the rows are sorted by expert (else they come in segments: the loop kernels only)."""
+        return self._segments is None
+
     @property
     def on_host(self) -> bool:
         """Whether the sizes were given on the host (then they can be validated without a sync)."""
         return self._sizes is not None
 
     def host_sizes(self) -> tuple[int, ...]:
-        """The sizes on the host (the loop path)."""
+        """The rows of each expert, on the host: its row count in the sorted layout, its total over segments."""
         if self._sizes is None:
             assert self._counts is not None
             self._sizes = tuple(self._counts.tolist())  # NOTE: D2H sync (loop path only: the reference)
         return self._sizes
 
+    def segments(self) -> tuple[tuple[int, int], ...]:
+        """``(expert, rows)`` of each run of rows of one expert, in row order, empty runs left out."""
+        if self._segments is None:
+            self._segments = tuple((e, n) for e, n in enumerate(self.host_sizes()) if n)
+        return self._segments
+
+    def sorted_rows(self) -> RowSplits:
+        """These splits, required to be sorted by expert (a kernel that reads per-expert sizes or offsets)."""
+        if self._segments is not None and any(e != i for i, (e, _) in enumerate(self._segments)):
+            raise ValueError(
+                f"RowSplits: the rows come in segments of experts {[e for e, _ in self._segments]}, not sorted by "
+                "expert, and this kernel needs them sorted. Pass rows sorted by expert (the all-to-all dispatcher "
+                "sorts them on CUDA), or use expert_backend='torch', whose kernels read segments."
+            )
+        return self
+
     def device_offsets(self, device: torch.device) -> Tensor:
-        """int32 end offsets ``cumsum(counts)`` on ``device``, as ``torch._grouped_mm`` reads them."""
+        """int32 end offsets ``cumsum(counts)`` on ``device``, as ``torch._grouped_mm`` reads them (sorted rows)."""
         if self._offsets is None:
             if self._counts is not None:  # on the device already: no host round trip
                 self._offsets = torch.cumsum(self._counts, 0, dtype=torch.int32)
@@ -120,6 +162,16 @@ class RowSplits:
             self._counts = torch.tensor(self._sizes, dtype=torch.int64).to(device, non_blocking=True)
         return self._counts.to(torch.int64)
 
+    def bias_rows(self, bias_eO: Tensor, num_rows: int) -> Tensor:
+        """Each row's expert bias: ``[R, O]`` from ``[e, O]``."""
+        if self._segments is None:
+            repeats = self.counts_on(bias_eO.device)
+            return torch.repeat_interleave(bias_eO, repeats, dim=0, output_size=num_rows)
+        experts, sizes = zip(*self._segments) if self._segments else ((), ())
+        index = torch.tensor(experts, dtype=torch.int64).to(bias_eO.device, non_blocking=True)
+        repeats = torch.tensor(sizes, dtype=torch.int64).to(bias_eO.device, non_blocking=True)
+        return torch.repeat_interleave(bias_eO.index_select(0, index), repeats, dim=0, output_size=num_rows)
+
 
 def autocast_dtype(t: Tensor) -> torch.dtype | None:
     """The dtype autocast would cast ``t`` to for a matmul here, or None (autocast off, or not eligible)."""
@@ -133,8 +185,18 @@ def _cast(t: Tensor, dtype: torch.dtype | None) -> Tensor:
     return t if dtype is None or t.dtype == dtype else t.to(dtype)
 
 
-def _use_grouped_mm(impl: str, x_RI: Tensor, weight: Tensor) -> bool:
-    return impl != "loop" and grouped_mm_supported(x_RI, weight)
+def _use_grouped_mm(impl: str, x_RI: Tensor, weight: Tensor, splits: RowSplits) -> bool:
+    return impl != "loop" and splits.sorted and grouped_mm_supported(x_RI, weight)
+
+
+def _loop_mm(x_RI: Tensor, w_eIO: Tensor, splits: RowSplits) -> Tensor:
+    """``y_s = x_s @ w[e_s]`` per segment ``s``, written in place into one ``[R, O]`` output (no concatenation)."""
+    out = x_RI.new_empty(x_RI.shape[0], w_eIO.shape[-1])
+    start = 0
+    for e, n in splits.segments():
+        torch.mm(x_RI[start : start + n], w_eIO[e], out=out[start : start + n])
+        start += n
+    return out
 
 
 def _forward(x_RI: Tensor, weight: Tensor, splits: RowSplits, transposed: bool, grouped: bool) -> Tensor:
@@ -142,25 +204,37 @@ def _forward(x_RI: Tensor, weight: Tensor, splits: RowSplits, transposed: bool, 
     w = weight if transposed else weight.transpose(-2, -1)  # [e, I, O]
     if grouped:
         return torch_compat.grouped_mm(x_RI, w, offs=splits.device_offsets(x_RI.device))
-    pieces = [x_e @ w_e for x_e, w_e in zip(x_RI.split(list(splits.host_sizes())), w)]
-    return torch.cat(pieces) if pieces else x_RI.new_zeros(0, w.shape[-1])
+    return _loop_mm(x_RI, w, splits)
 
 
 def _dgrad(g_RO: Tensor, weight: Tensor, splits: RowSplits, transposed: bool, grouped: bool) -> Tensor:
     w = weight.transpose(-2, -1) if transposed else weight  # [e, O, I]
     if grouped:
         return torch_compat.grouped_mm(g_RO, w, offs=splits.device_offsets(g_RO.device))
-    pieces = [g_e @ w_e for g_e, w_e in zip(g_RO.split(list(splits.host_sizes())), w)]
-    return torch.cat(pieces) if pieces else g_RO.new_zeros(0, w.shape[-1])
+    return _loop_mm(g_RO, w, splits)
 
 
 def _wgrad(x_RI: Tensor, g_RO: Tensor, splits: RowSplits, transposed: bool, grouped: bool) -> Tensor:
-    """``dW_e = g_e^T x_e`` (``[e, O, I]``) or ``x_e^T g_e`` (``[e, I, O]``); zero for experts with no rows."""
+    """``dW_e = g_e^T x_e`` (``[e, O, I]``) or ``x_e^T g_e`` (``[e, I, O]``); zero for experts with no rows.
+
+    The loop sums an expert's segments in row order (its first product written, the others added)."""
     a, b = (x_RI, g_RO) if transposed else (g_RO, x_RI)
     if grouped:
         return torch_compat.grouped_mm(a.t(), b, offs=splits.device_offsets(a.device))
-    sizes = list(splits.host_sizes())
-    return torch.stack([a_e.t() @ b_e for a_e, b_e in zip(a.split(sizes), b.split(sizes))])
+    dw = a.new_empty(splits.num_experts, a.shape[-1], b.shape[-1])
+    written = [False] * splits.num_experts
+    start = 0
+    for e, n in splits.segments():
+        a_s, b_s = a[start : start + n], b[start : start + n]
+        if written[e]:
+            dw[e].addmm_(a_s.t(), b_s)
+        else:
+            torch.mm(a_s.t(), b_s, out=dw[e])
+            written[e] = True
+        start += n
+    for e in (e for e, done in enumerate(written) if not done):
+        dw[e].zero_()
+    return dw
 
 
 class GroupedLinear(torch.autograd.Function):
@@ -178,7 +252,7 @@ class GroupedLinear(torch.autograd.Function):
     ) -> Tensor:
         dtype = autocast_dtype(x_RI)  # the compute dtype under autocast; None keeps the inputs' dtypes
         x_RI, w = _cast(x_RI, dtype), _cast(weight, dtype)
-        grouped = _use_grouped_mm(impl, x_RI, w)
+        grouped = _use_grouped_mm(impl, x_RI, w, splits)
         if grouped:
             x_RI = _aligned(x_RI)
         # The full-precision weight is saved (backward recasts it): no second copy of the experts per micro-batch.
@@ -228,25 +302,24 @@ class GroupedLinear(torch.autograd.Function):
 def grouped_linear(
     x_RI: Tensor,
     weight: Tensor,
-    tokens_per_expert: Sequence[int] | Tensor,
+    tokens_per_expert: Sequence[int] | Tensor | RowSplits,
     *,
     transposed: bool = False,
     runtime: CommRuntime | None = None,
     impl: GemmImpl = "auto",
 ) -> Tensor:
-    """Apply expert ``e``'s weight to its ``tokens_per_expert[e]`` rows (a host list or a device tensor)."""
-    return GroupedLinear.apply(x_RI, weight, RowSplits(tokens_per_expert), transposed, impl, runtime)
+    """Apply expert ``e``'s weight to its ``tokens_per_expert[e]`` rows (a host list, a device tensor, or the
+    :class:`RowSplits` of rows in segments)."""
+    splits = tokens_per_expert if isinstance(tokens_per_expert, RowSplits) else RowSplits(tokens_per_expert)
+    return GroupedLinear.apply(x_RI, weight, splits, transposed, impl, runtime)
 
 
-def _rows_bias(bias_eO: Tensor, splits: RowSplits, num_rows: int) -> Tensor:
-    repeats = splits.counts_on(bias_eO.device)
-    return torch.repeat_interleave(bias_eO, repeats, dim=0, output_size=num_rows)
-
-
-def row_splits(tokens_per_expert: Sequence[int] | Tensor, num_experts: int, num_rows: int, owner: str) -> RowSplits:
+def row_splits(
+    tokens_per_expert: Sequence[int] | Tensor | RowSplits, num_experts: int, num_rows: int, owner: str
+) -> RowSplits:
     """The rows per expert of one call, checked against the weights' experts and the rows (a device tensor is not
-    summed: no host sync)."""
-    splits = RowSplits(tokens_per_expert)
+    summed: no host sync). A :class:`RowSplits` (e.g. a dispatcher's segments) is checked and passed through."""
+    splits = tokens_per_expert if isinstance(tokens_per_expert, RowSplits) else RowSplits(tokens_per_expert)
     total = sum(splits.host_sizes()) if splits.on_host else None
     if splits.num_experts != num_experts or total not in (None, num_rows):
         summing = "" if total is None else f" summing to {total}"
@@ -272,7 +345,7 @@ def grouped_projection(
     ``[e, O]`` per-expert bias."""
     y_RO = GroupedLinear.apply(x_RI, weight, splits, transposed, impl, runtime)
     if bias is not None:
-        y_RO = y_RO + _rows_bias(bias, splits, x_RI.shape[0])
+        y_RO = y_RO + splits.bias_rows(bias, x_RI.shape[0])
     return y_RO
 
 
@@ -316,7 +389,7 @@ def expert_activation(
 
 def grouped_mlp(
     x_RD: Tensor,
-    tokens_per_expert: Sequence[int],
+    tokens_per_expert: Sequence[int] | Tensor | RowSplits,
     gate_up_eFD: Tensor,
     down_eDF: Tensor,
     act_fn: Callable[[Tensor], Tensor] | None,
@@ -330,12 +403,13 @@ def grouped_mlp(
     impl: GemmImpl = "auto",
     backward_handoffs: int = 0,
 ) -> Tensor:
-    """Expert MLP ``down(act(gate) * up)`` over rows already sorted by (local) expert.
+    """Expert MLP ``down(act(gate) * up)`` over rows sorted by (local) expert, or in segments of one expert each.
 
     Args:
-        x_RD: rows sorted by expert.
+        x_RD: rows sorted by expert (or in the segments of a :class:`RowSplits`).
         tokens_per_expert: row count per expert (``sum == R``), one entry per weight slice: a host list, or an
-            integer tensor on the rows' device (the grouped kernel then needs no host sync; the sum is not checked).
+            integer tensor on the rows' device (the grouped kernel then needs no host sync; the sum is not checked);
+            or a :class:`RowSplits`, e.g. a dispatcher's rows in segments (:meth:`RowSplits.from_segments`).
         gate_up_eFD: fused gate/up weights ``[e, 2F, D]`` (or ``[e, D, 2F]`` with ``transposed``); with
             ``gated=False`` the plain up projection ``[e, F, D]``.
         down_eDF: down projection ``[e, D, F]`` (or ``[e, F, D]`` with ``transposed``).

@@ -5,6 +5,13 @@ weights and local expert indices, and comes back once per rank, already summed o
 (``dedup.py``); with ``dedup=False`` (the default) each (token, choice) row travels on its own and the weights stay on the
 source rank. The experts see the same rows in the same order either way.
 
+Row layout for the experts: on CUDA the received rows are regrouped by local expert (one permutation each way),
+as the grouped GEMM kernels read them. On CPU they stay in the receive layout, source rank by source rank, and
+the experts get a :class:`~lightning_moe_overlap.moe.grouped.RowSplits` of segments (one per source rank and
+local expert): CPU GEMMs are a loop of one matmul per group either way, so running it per segment on views of the
+weights costs a few more small matmuls and saves four row permutations per layer and micro-batch (two in forward,
+two in backward), each a pass over ``[R, D]`` into fresh memory (``docs/dispatchers.md``).
+
 Per call, two comm points on the way in (the token counts, then the tokens) and one on the way out; the
 backward mirrors the last two (the combine's backward is a dispatch-shaped all-to-all and vice versa), and the
 experts' backward hands over once more in place of the counts (``backward_handoffs``). Routing weights
@@ -18,7 +25,8 @@ Shape legend:
     T: tokens on this rank   K: top-k   D: hidden size   E: global experts   e: local experts   G: ep ranks
     A: rows sent by this rank (kept assignments, sorted by global expert)
     U: (dedup) rows sent, one per (destination rank, token), destination-major
-    M: rows received, grouped by source rank then local expert    R: the same rows grouped by local expert
+    M: rows received, grouped by source rank then local expert
+    R: the rows the experts get: grouped by local expert, or on CPU the ``M`` rows in their segments
 """
 
 from __future__ import annotations
@@ -41,6 +49,7 @@ from lightning_moe_overlap.moe.dispatch.dedup import (
     unpack_choices,
 )
 from lightning_moe_overlap.moe.dispatch.host import host_ints
+from lightning_moe_overlap.moe.grouped import RowSplits
 from lightning_moe_overlap.overlap.runtime import CommRuntime
 from lightning_moe_overlap.moe.permute import (
     chunk_permutation,
@@ -63,7 +72,8 @@ class AllToAllHandle:
         out_dtype: dtype of the combined output (that of the input tokens).
         input_splits: rows sent to each ep rank.
         output_splits: rows received from each ep rank.
-        perm_R: receive layout (source-major) -> expert-major rows; ``None`` when there is one source.
+        perm_R: receive layout (source-major) -> expert-major rows; ``None`` when there is one source or the
+            experts take the receive layout's segments (CPU).
     """
 
     assign_A: Tensor
@@ -131,8 +141,12 @@ class AllToAllDispatcher(DispatcherBase):
     # -- dispatch ----------------------------------------------------------------------------------------------
     def dispatch(
         self, x_TD: Tensor, indices_TK: Tensor, weights_TK: Tensor
-    ) -> tuple[Tensor, list[int], AllToAllHandle]:
-        """Send rows to their experts' ranks; returns ``(x_RD, tokens_per_local_expert, handle)``."""
+    ) -> tuple[Tensor, list[int] | RowSplits, AllToAllHandle | DedupHandle]:
+        """Send rows to their experts' ranks; returns ``(x_RD, tokens_per_local_expert, handle)``.
+
+        ``tokens_per_local_expert`` is a list of row counts (rows sorted by local expert) or, on CPU with more
+        than one rank, the :class:`RowSplits` of the receive layout's segments (see the module docstring).
+        """
         if self.dedup and self._worth_deduplicating(indices_TK.shape[-1]):
             return self._dispatch_dedup(x_TD, indices_TK, weights_TK)
         order_TK, counts_E = self._dispatch_preprocess(indices_TK)
@@ -144,8 +158,12 @@ class AllToAllDispatcher(DispatcherBase):
         )
         output_splits = tuple(sum(row) for row in recv_SE)
         x_MD = self._token_dispatch(x_AD, input_splits, output_splits)
-        x_RD, perm_R = self._dispatch_postprocess(x_MD, recv_GE)
-        tokens_per_local_expert = [sum(row[e] for row in recv_SE) for e in range(self.num_local_experts)]
+        tokens_per_local_expert: list[int] | RowSplits
+        if self._segments(x_MD):
+            x_RD, perm_R, tokens_per_local_expert = x_MD, None, self._receive_segments(recv_SE)
+        else:
+            x_RD, perm_R = self._dispatch_postprocess(x_MD, recv_GE)
+            tokens_per_local_expert = [sum(row[e] for row in recv_SE) for e in range(self.num_local_experts)]
         handle = AllToAllHandle(
             assign_A=assign_A,
             weights_TK=weights_TK,
@@ -157,6 +175,17 @@ class AllToAllDispatcher(DispatcherBase):
         )
         return x_RD, tokens_per_local_expert, handle
 
+    def _segments(self, x_MD: Tensor) -> bool:
+        """Whether the experts take the received rows in their segments rather than regrouped (CPU, several
+        sources: see the module docstring)."""
+        return self.ep_size > 1 and x_MD.device.type == "cpu"
+
+    def _receive_segments(self, recv_SE: list[list[int]]) -> RowSplits:
+        """The segments of the receive layout: source rank by source rank, local expert by local expert."""
+        local = self.num_local_experts
+        experts = [e for _ in range(self.ep_size) for e in range(local)]
+        return RowSplits.from_segments(experts, [n for row in recv_SE for n in row[:local]], local)
+
     def _worth_deduplicating(self, top_k: int) -> bool:
         """Whether a deduplicated dispatch can save anything: two or more choices per token, and rows that leave
         the process (more than one rank, or a loopback standing for them). Otherwise both paths give bitwise the
@@ -166,7 +195,7 @@ class AllToAllDispatcher(DispatcherBase):
 
     def _dispatch_dedup(
         self, x_TD: Tensor, indices_TK: Tensor, weights_TK: Tensor
-    ) -> tuple[Tensor, list[int], DedupHandle]:
+    ) -> tuple[Tensor, list[int] | RowSplits, DedupHandle]:
         """The deduplicated dispatch: the same stages, one row per (token, destination rank)."""
         num_tokens, top_k, local = x_TD.shape[0], indices_TK.shape[-1], self.num_local_experts
         # Preprocess (no comm): rows per expert, and which (destination, token) pairs carry a row.
@@ -189,9 +218,22 @@ class AllToAllDispatcher(DispatcherBase):
             (x_TD.index_select(0, token_U), *choices), output_splits, input_splits, self.ep_group, self.runtime
         )
         weights_MK, local_MK = unpack_choices(tuple(received), top_k)
-        # Postprocess (no comm): one row per (received row, local expert), grouped by local expert.
-        tokens_per_local_expert = [sum(row[e] for row in recv_SC) for e in range(local)]
-        assign_R = sort_by_expert(local_MK, local)[0][: sum(tokens_per_local_expert)]
+        # Postprocess (no comm): one row per (received row, local expert), grouped by local expert, or on CPU by
+        # source rank then local expert (the segments the plain path gives: the same rows in the same order).
+        tokens_per_local_expert: list[int] | RowSplits = [sum(row[e] for row in recv_SC) for e in range(local)]
+        num_rows = sum(tokens_per_local_expert)
+        if self._segments(x_MD):
+            source_M = torch.repeat_interleave(
+                torch.arange(self.ep_size, device=x_MD.device),
+                torch.tensor(output_splits, device=x_MD.device),
+                output_size=x_MD.shape[0],
+            )
+            here_MK = (local_MK >= 0) & (local_MK < local)
+            key_MK = torch.where(here_MK, source_M.unsqueeze(-1) * local + local_MK, self.ep_size * local)
+            assign_R = sort_by_expert(key_MK, self.ep_size * local)[0][:num_rows]
+            tokens_per_local_expert = self._receive_segments(recv_SC)
+        else:
+            assign_R = sort_by_expert(local_MK, local)[0][:num_rows]
         handle = DedupHandle(
             token_U=token_U,
             assign_R=assign_R,

@@ -3,8 +3,11 @@
 A dispatcher moves routed tokens to the ranks that own their experts and brings the expert outputs back::
 
     x_RD, tokens_per_local_expert, handle = dispatcher.dispatch(x_TD, indices_TK, weights_TK)
-    y_RD = experts(x_RD, tokens_per_local_expert)           # rows sorted by local expert
+    y_RD = experts(x_RD, tokens_per_local_expert)           # rows sorted by local expert (*)
     out_TD = dispatcher.combine(y_RD, handle)
+
+(*) or, from the all-to-all dispatcher on CPU, in segments of one local expert each: ``tokens_per_local_expert``
+is then a :class:`~lightning_moe_overlap.moe.grouped.RowSplits` that the grouped kernels read as it is.
 
 Inside, each direction runs in stages, and only the middle one communicates::
 
@@ -19,12 +22,12 @@ Experts are split in contiguous blocks: ep rank ``r`` owns global experts ``[r *
 Indices outside ``[0, E)`` mark dropped (token, choice) pairs; they are not sent and contribute zero.
 
 Shape legend:
-    T: tokens on this rank    K: top-k    D: hidden size    R: rows received here, sorted by local expert
+    T: tokens on this rank    K: top-k    D: hidden size    R: rows received here, sorted by local expert (*)
 """
 
 from __future__ import annotations
 
-from typing import Any, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 from torch import Tensor
 from torch.distributed import ProcessGroup
@@ -32,6 +35,9 @@ from torch.distributed import ProcessGroup
 from lightning_moe_overlap._checks import divisors, is_positive_int
 from lightning_moe_overlap.moe.dispatch.comm import group_rank, group_size
 from lightning_moe_overlap.overlap.runtime import CommRuntime
+
+if TYPE_CHECKING:  # grouped.py imports this package: a runtime import would be circular
+    from lightning_moe_overlap.moe.grouped import RowSplits
 
 
 @runtime_checkable
@@ -42,7 +48,9 @@ class TokenDispatcher(Protocol):
     num_local_experts: int
     first_expert: int
 
-    def dispatch(self, x_TD: Tensor, indices_TK: Tensor, weights_TK: Tensor) -> tuple[Tensor, list[int], Any]: ...
+    def dispatch(
+        self, x_TD: Tensor, indices_TK: Tensor, weights_TK: Tensor
+    ) -> tuple[Tensor, list[int] | RowSplits, Any]: ...
 
     def combine(self, y_RD: Tensor, handle: Any) -> Tensor: ...
 
