@@ -1,6 +1,7 @@
 """Grouped expert GEMMs with a weight-gradient that can be deferred to a comm point.
 
-Rows arrive sorted by expert (``tokens_per_expert[e]`` rows for expert ``e``, in order). Each projection is one
+Rows arrive sorted by expert (``tokens_per_expert[e]`` rows for expert ``e``, in order), or in segments of one
+expert each (:meth:`RowSplits.from_segments`, the loop kernels). Each projection is one
 autograd function, :class:`GroupedLinear`, whose backward computes the input gradient (dgrad) at once and hands
 the weight gradient (wgrad) to ``runtime.defer_wgrad``. When the runtime defers it, the closure runs later, at
 a comm point while an all-to-all is in flight, and accumulates into ``weight.grad`` itself; otherwise backward
@@ -9,7 +10,8 @@ bitwise equal.
 
 Kernels: ``torch._grouped_mm`` where this torch build supports it (CPU: torch >= 2.9, float32/bfloat16/float16;
 CUDA: bfloat16 on compute capability >= 8.0 with torch >= 2.9, Hopper before), with 16-byte aligned rows;
-otherwise a loop of one matmul per expert (the reference, and the float64 path).
+otherwise a loop of one matmul per expert, or per segment (the reference, the float64 path, and rows in
+segments).
 
 Row counts: a host list or a device tensor ``counts_e`` (:class:`RowSplits`). The grouped kernel reads int32
 end offsets on the device (``cumsum`` of the counts), built once per :func:`grouped_mlp` call and shared by the

@@ -91,7 +91,8 @@ class DedupHandle:
 
     Attributes:
         token_U: the token of each row sent (destination-major, token order inside a destination).
-        assign_R: flat (received row, choice) ids of the rows handed to the experts, sorted by local expert.
+        assign_R: flat (received row, choice) ids of the rows handed to the experts, sorted by local expert (on
+            CPU by source rank, then local expert: the plain path's segments).
         weights_MK: the routing weights received with the rows, applied here (the expert side) at combine.
         num_tokens: ``T``.
         out_dtype: dtype of the combined output (that of the input tokens).
