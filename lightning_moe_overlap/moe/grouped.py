@@ -106,7 +106,8 @@ class RowSplits:
         if len(experts) != len(sizes) or any(not 0 <= e < num_experts for e in experts):
             raise ValueError(
                 f"RowSplits.from_segments: experts {list(experts)} and sizes {list(sizes)} with {num_experts} experts; "
-                f"the rule is one expert in [0, {num_experts}) per segment size. Pass lists of the same length."
+                f"the rule is one expert in [0, {num_experts}) per segment size. Pass an expert index in that range "
+                "for each size."
             )
         totals = [0] * num_experts
         for e, n in zip(experts, sizes):
@@ -140,9 +141,10 @@ class RowSplits:
 
     def sorted_rows(self) -> RowSplits:
         """These splits, required to be sorted by expert (a kernel that reads per-expert sizes or offsets)."""
-        if self._segments is not None and any(e != i for i, (e, _) in enumerate(self._segments)):
+        experts = [e for e, _ in self._segments or ()]
+        if any(a >= b for a, b in zip(experts, experts[1:])):  # each expert at most once, in increasing order
             raise ValueError(
-                f"RowSplits: the rows come in segments of experts {[e for e, _ in self._segments]}, not sorted by "
+                f"RowSplits: the rows come in segments of experts {experts}, not sorted by "
                 "expert, and this kernel needs them sorted. Pass rows sorted by expert (the all-to-all dispatcher "
                 "sorts them on CUDA), or use expert_backend='torch', whose kernels read segments."
             )

@@ -90,6 +90,8 @@ def test_a_kernel_that_needs_sorted_rows_refuses_segments() -> None:
         splits.sorted_rows()
     in_order = RowSplits.from_segments([0, 1, 0, 1], [2, 1, 0, 0], 2)
     assert in_order.sorted_rows() is in_order  # one run per expert, in expert order: sorted after all
+    gap = RowSplits.from_segments([0, 1, 2, 0, 1, 2], [2, 0, 3, 0, 0, 0], 3)
+    assert gap.sorted_rows().host_sizes() == (2, 0, 3)  # an empty expert between two runs: still sorted
 
 
 def test_a_mismatched_segment_list_is_refused() -> None:

@@ -8,9 +8,10 @@ before sending one row per (token, rank) back, where the source adds up one row 
 the same.
 
 The rows the experts see are exactly those of the plain path (same rows, same order: grouped by local expert,
-then by source rank, then in token order; on CPU by source rank, then local expert), and every sum runs in the same order (a token's experts in increasing
-global index: first inside a rank, then over ranks), so results are bitwise equal to the plain path where the
-index additions run in index order (CPU), and equal up to float rounding where they do not (CUDA atomics).
+then by source rank, then in token order; on CPU by source rank, then local expert), and every sum runs in the
+same order (a token's experts in increasing global index: first inside a rank, then over ranks), so results are
+bitwise equal to the plain path where the index additions run in index order (CPU), and equal up to float
+rounding where they do not (CUDA atomics).
 
 Shape legend:
     T: tokens on this rank   K: top-k   D: hidden size   G: ep ranks   e: local experts per rank
