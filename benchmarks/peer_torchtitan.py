@@ -1,15 +1,17 @@
 """Our MoE layer against torchtitan's at the same shape: step times side by side, as ratios per round.
 
 Launches ``--ranks`` gloo processes on CPU (expert parallel over all of them) and trains the model of
-``overlap.py`` (``x + MoE(x + MLP(x))`` blocks, same defaults) five ways in the same run, one step of each mode
-per round, modes interleaved so that drift affects all alike:
+``overlap.py`` (``x + MoE(x + MLP(x))`` blocks, same defaults) five ways in the same run, and times their
+communication alone two ways; one step of each mode per round, modes interleaved so that drift affects all alike:
 
 - ``ours_seq``: our :class:`MoELayer` with the engine, sequential, ``--microbatches`` micro-batches;
 - ``ours_overlap``: the same, overlapped (forward of micro-batch ``i+1`` paired with the backward of ``i``);
 - ``tt_accum``: torchtitan's ``MoE`` with its own expert parallelism (``AllToAllTokenDispatcher``,
   ``spmd_backend="partial_dtensor"``), the same micro-batches by gradient accumulation;
 - ``ours_full``: ours, the whole batch in one call (one micro-batch of ``tokens * microbatches`` tokens);
-- ``tt_full``: torchtitan, the whole batch in one call.
+- ``tt_full``: torchtitan, the whole batch in one call;
+- ``comm_micro`` / ``comm_full``: the collectives of a step alone, no compute, at either schedule
+  (:func:`comm_step`): the communication floor both models share. The sequential ratios are also printed net of it.
 
 Both models start from the same weights (torchtitan's experts are copied from ours: ``w1``/``w3`` are the gate and
 up halves of ``gate_up_proj``, ``w2`` is ``down_proj``) and see the same data; dense layers, loss, gradient
@@ -46,6 +48,8 @@ from torch import Tensor, nn
 from overlap import Config, Net, align, build_trainer, busy_warning, make_batch, spawn_ranks, train_step
 
 from lightning_moe_overlap.grads import sync_gradients
+from lightning_moe_overlap.moe.dispatch.comm import all_to_all_raw, exchange_counts
+from lightning_moe_overlap.overlap.runtime import CommRuntime, CommTraffic
 from lightning_moe_overlap.parallel import ParallelDims, ParallelGroups, build_groups
 
 TORCHTITAN_VERSION = "0.3.0"
@@ -53,10 +57,15 @@ INSTALL_HINT = (
     f"pip install 'lightning-moe-overlap[peer]' (or: pip install torchtitan=={TORCHTITAN_VERSION} --no-deps "
     "spmd_types==0.2.3 tyro einops triton)"
 )
-MODES = ("ours_seq", "ours_overlap", "tt_accum", "ours_full", "tt_full")
+MODEL_MODES = ("ours_seq", "ours_overlap", "tt_accum", "ours_full", "tt_full")
+COMM_MODES = {"comm_micro": "micro", "comm_full": "full"}  # the collectives alone, per schedule (`comm_step`)
+MODES = (*MODEL_MODES, *COMM_MODES)
 BASELINE = "ours_seq"
 # The ratios docs/benchmarks.md reports:
 PAIRS = (("tt_full", "ours_full"), ("tt_accum", "ours_seq"), ("ours_overlap", "tt_full"))
+# The same ratios net of the communication floor both sides share (sequential schedules only: the overlap hides
+# part of its communication, so subtracting all of it would not be a floor):
+NET_PAIRS = (("tt_full", "ours_full", "comm_full"), ("tt_accum", "ours_seq", "comm_micro"))
 
 
 def check_torchtitan() -> str | None:
@@ -188,6 +197,71 @@ def accumulation_step(t: Any, cfg: Config, groups: ParallelGroups, batch: tuple[
     return {"step_s": end - start, "cpu_s": time.process_time() - cpu_start, "loss": float(torch.stack(losses).mean())}
 
 
+# -- the collectives alone ------------------------------------------------------------------------------------------
+@dataclass
+class CommFloor:
+    """The collectives of one step of ``cfg`` without its compute, through our comm path (`comm_step`)."""
+
+    cfg: Config
+    groups: ParallelGroups
+    runtime: CommRuntime
+    counts: Tensor  # [experts] int64: the token-count exchange
+    rows: Tensor  # [tokens * top_k, hidden] float32: the rows of one dispatch
+    dense: list[nn.Parameter]  # zeros shaped like the model's parameters, for the gradient synchronisation
+    expert: list[nn.Parameter]
+
+
+def comm_floor(cfg: Config, groups: ParallelGroups, dense: list[nn.Parameter], expert: list[nn.Parameter]) -> CommFloor:
+    """What :func:`comm_step` sends for the model of ``cfg`` whose parameters are ``dense`` and ``expert``."""
+    def zeros(params: list[nn.Parameter]) -> list[nn.Parameter]:
+        return [nn.Parameter(torch.zeros_like(p)) for p in params]
+
+    runtime = CommRuntime()
+    runtime.traffic = CommTraffic()
+    g = torch.Generator().manual_seed(cfg.seed)
+    rows = torch.randn(cfg.tokens * cfg.top_k, cfg.hidden, generator=g)
+    counts = torch.zeros(cfg.experts, dtype=torch.long)
+    return CommFloor(cfg, groups, runtime, counts, rows, zeros(dense), zeros(expert))
+
+
+def even_splits(rows: int, ranks: int) -> list[int]:
+    """``rows`` split over ``ranks`` as evenly as integers allow (the first ones one row more)."""
+    return [rows // ranks + (r < rows % ranks) for r in range(ranks)]
+
+
+def comm_step(floor: CommFloor) -> dict[str, float]:
+    """One step's collectives with no compute: the communication floor both models share at this schedule.
+
+    Per micro-batch, block by block as the all-to-all dispatcher issues them: forward the token-count exchange,
+    the dispatch and the combine; backward, blocks in reverse, the combine's gradient and the dispatch's. Then the
+    gradient synchronisation, as :func:`train_step`. Every data all-to-all carries ``tokens * top_k`` float32 rows
+    from each rank, the rows of a dropless top-k dispatch, split evenly over the ep ranks (the models' routing
+    splits them unevenly, which only lengthens the slowest transfer: a floor, not a replay). A dropless
+    all-to-all MoE issues no fewer collectives at this schedule; torchtitan issues the same (240 all-to-alls per
+    step at the default shape).
+    """
+    cfg, groups, runtime = floor.cfg, floor.groups, floor.runtime
+    ep = groups.ep
+    ranks, me = dist.get_world_size(ep), dist.get_rank(ep)
+    send = even_splits(floor.rows.shape[0], ranks)  # rows to each rank
+    recv = [send[me]] * ranks  # every rank sends this rank its share
+    counts = floor.counts.view(ranks, -1)
+    cpu_start = time.process_time()
+    start = time.perf_counter()
+    for _ in range(cfg.microbatches):
+        for _ in range(cfg.layers):  # forward
+            exchange_counts(counts, ep, runtime)
+            received = all_to_all_raw(floor.rows, recv, send, ep, runtime)
+            all_to_all_raw(received, send, recv, ep, runtime)
+        for _ in range(cfg.layers):  # backward: the combine's gradient out, the dispatch's gradient back
+            received = all_to_all_raw(floor.rows, recv, send, ep, runtime)
+            all_to_all_raw(received, send, recv, ep, runtime)
+    sync_gradients(floor.dense, floor.expert, dp_cp_group=groups.dp_cp, edp_group=groups.edp,
+                   dp_cp_size=dist.get_world_size(groups.dp_cp))
+    end = time.perf_counter()
+    return {"step_s": end - start, "cpu_s": time.process_time() - cpu_start}
+
+
 # -- one rank --------------------------------------------------------------------------------------------------------
 def rank_main(
     rank: int, cfg: Config, rounds: int, warmup: int, profile: tuple[str, ...] = (), autocast: bool = False
@@ -204,6 +278,9 @@ def rank_main(
         "ours_full": (build_trainer(full, "sequential", groups, device), full, "full"),
     }
     titan = {"tt_accum": (build_titan(cfg, dims), cfg, "micro"), "tt_full": (build_titan(full, dims), full, "full")}
+    model = ours["ours_seq"][0]
+    floors = {mode: comm_floor({"micro": cfg, "full": full}[which], groups, model.dense, model.expert)
+              for mode, which in COMM_MODES.items()}
     records: dict[str, list[tuple[float, float]]] = {mode: [] for mode in MODES}  # (wall, CPU) seconds per step
     first_loss: dict[str, float] = {}
 
@@ -213,7 +290,9 @@ def rank_main(
             return run_step(mode, step, plain)
 
     def run_step(mode: str, step: int, plain: bool) -> tuple[float, float]:
-        if mode in ours and plain:
+        if mode in floors:
+            record = comm_step(floors[mode])
+        elif mode in ours and plain:
             trainer, c, which = ours[mode]
             record = accumulation_step(trainer, c, groups, batch[which])
         elif mode in ours:
@@ -284,7 +363,11 @@ def summarise(results: list[dict[str, Any]], cfg: Config, rounds: int, autocast:
         per_round = [x / y for x, y in zip(times[a], times[b])]
         return {"median": statistics.median(per_round), "min": min(per_round), "max": max(per_round)}
 
-    losses = {mode: statistics.fmean(r["first_loss"][mode] for r in results) for mode in MODES}
+    def net_ratio(a: str, b: str, floor: str, times: dict[str, list[float]] = steps) -> dict[str, Any]:
+        per_round = [(x - f) / (y - f) for x, y, f in zip(times[a], times[b], times[floor])]
+        return {"median": statistics.median(per_round), "min": min(per_round), "max": max(per_round)}
+
+    losses = {mode: statistics.fmean(r["first_loss"][mode] for r in results) for mode in MODEL_MODES}
     return {
         "config": asdict(cfg),
         "rounds": rounds,
@@ -303,6 +386,8 @@ def summarise(results: list[dict[str, Any]], cfg: Config, rounds: int, autocast:
         },
         **{f"{a}/{b}": ratio(a, b) for a, b in PAIRS},
         **{f"{a}/{b} cpu": ratio(a, b, cpu) for a, b in PAIRS},
+        **{f"{a}/{b} net of {f}": net_ratio(a, b, f) for a, b, f in NET_PAIRS},
+        **{f"{a}/{b} net of {f} cpu": net_ratio(a, b, f, cpu) for a, b, f in NET_PAIRS},
         "first_loss": losses,
         "loss_rel_diff": {
             "tt_accum vs ours_seq": abs(losses["tt_accum"] / losses["ours_seq"] - 1),
@@ -329,6 +414,10 @@ def print_summary(s: dict[str, Any]) -> None:
         r, c = s[f"{a}/{b}"], s[f"{a}/{b} cpu"]
         print(f"{a}/{b:<12} step median {r['median']:.3f} (rounds {r['min']:.3f}-{r['max']:.3f}); "
               f"CPU time median {c['median']:.3f}")
+    for a, b, f in NET_PAIRS:
+        r, c = s[f"{a}/{b} net of {f}"], s[f"{a}/{b} net of {f} cpu"]
+        print(f"{a}/{b} net of {f}: step median {r['median']:.3f} (rounds {r['min']:.3f}-{r['max']:.3f}); "
+              f"CPU time median {c['median']:.3f}")
     print("first-step loss: " + ", ".join(f"{m} {v:.6f}" for m, v in s["first_loss"].items()))
     print("loss relative difference: " + ", ".join(f"{k} {v:.1e}" for k, v in s["loss_rel_diff"].items()))
 
@@ -351,8 +440,9 @@ def parse_args(argv: list[str] | None = None) -> tuple[Config, int, int, tuple[s
         "(without it torchtitan's expert GEMMs still run in bfloat16, ours in float32)",
     )
     parser.add_argument(
-        "--profile", nargs="*", default=[], choices=MODES, metavar="MODE",
-        help=f"after the rounds, profile one step of each MODE ({', '.join(MODES)}) and print rank 0's top ops",
+        "--profile", nargs="*", default=[], choices=MODEL_MODES, metavar="MODE",
+        help=f"after the rounds, profile one step of each MODE ({', '.join(MODEL_MODES)}) and print rank 0's top "
+        "ops",
     )
     args = vars(parser.parse_args(argv))
     rounds, warmup, as_json, autocast = args.pop("rounds"), args.pop("warmup"), args.pop("json"), args.pop("autocast")
