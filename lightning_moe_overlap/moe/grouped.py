@@ -101,6 +101,12 @@ class RowSplits:
             self.num_experts = len(self._sizes)
 
     @classmethod
+    def of(cls, tokens_per_expert: Sequence[int] | Tensor | RowSplits) -> RowSplits:
+        """``tokens_per_expert`` itself when it is a :class:`RowSplits` (e.g. a dispatcher's segments), else its
+        splits."""
+        return tokens_per_expert if isinstance(tokens_per_expert, RowSplits) else cls(tokens_per_expert)
+
+    @classmethod
     def from_segments(cls, experts: Sequence[int], sizes: Sequence[int], num_experts: int) -> RowSplits:
         """Rows in segments: ``sizes[i]`` rows of expert ``experts[i]``, in this order (experts may repeat)."""
         if len(experts) != len(sizes) or any(not 0 <= e < num_experts for e in experts):
@@ -314,8 +320,7 @@ def grouped_linear(
 ) -> Tensor:
     """Apply expert ``e``'s weight to its ``tokens_per_expert[e]`` rows (a host list, a device tensor, or the
     :class:`RowSplits` of rows in segments)."""
-    splits = tokens_per_expert if isinstance(tokens_per_expert, RowSplits) else RowSplits(tokens_per_expert)
-    return GroupedLinear.apply(x_RI, weight, splits, transposed, impl, runtime)
+    return GroupedLinear.apply(x_RI, weight, RowSplits.of(tokens_per_expert), transposed, impl, runtime)
 
 
 def row_splits(
@@ -323,7 +328,7 @@ def row_splits(
 ) -> RowSplits:
     """The rows per expert of one call, checked against the weights' experts and the rows (a device tensor is not
     summed: no host sync). A :class:`RowSplits` (e.g. a dispatcher's segments) is checked and passed through."""
-    splits = tokens_per_expert if isinstance(tokens_per_expert, RowSplits) else RowSplits(tokens_per_expert)
+    splits = RowSplits.of(tokens_per_expert)
     total = sum(splits.host_sizes()) if splits.on_host else None
     if splits.num_experts != num_experts or total not in (None, num_rows):
         summing = "" if total is None else f" summing to {total}"
