@@ -8,6 +8,7 @@ Shape legend: B batch, S sequence, D hidden, H heads, V vocabulary.
 from __future__ import annotations
 
 from dataclasses import replace
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -16,6 +17,7 @@ from torch import Tensor, nn
 from torch.utils.data import DataLoader, Dataset
 
 from lightning_moe_overlap.moe.layer import MoELayer
+from lightning_moe_overlap.pipeline.batches import token_ids
 from lightning_moe_overlap.pipeline.layout import PipelineLayout
 from lightning_moe_overlap.pipeline.split import PipelineChunks
 
@@ -118,15 +120,25 @@ class MoEGPT(LightningModule):
             x_BSD = layer(x_BSD)
         return self.head(self.norm(x_BSD))
 
-    def _loss(self, tokens_BS: Tensor) -> Tensor:
+    def _loss(self, batch: Any) -> Tensor:
+        """Next-token loss of a batch of token ids ``[B, S]`` (a tensor, or a tuple / list holding one, as a
+        ``TensorDataset`` loader yields; the same batches as at ``pp > 1``)."""
+        tokens_BS = token_ids(batch, type(self).__name__)
         logits_BSV = self(tokens_BS[:, :-1])
         return F.cross_entropy(logits_BSV.reshape(-1, logits_BSV.shape[-1]).float(), tokens_BS[:, 1:].reshape(-1))
 
-    def training_step(self, batch: Tensor, batch_idx: int) -> Tensor:
+    def training_step(self, batch: Any, batch_idx: int) -> Tensor:
         return log_loss(self, self._loss(batch))
 
     def validation_step(self, batch: Tensor, batch_idx: int) -> None:
         log_loss(self, self._loss(batch))
+
+    def test_step(self, batch: Tensor, batch_idx: int) -> None:
+        log_loss(self, self._loss(batch))
+
+    def predict_step(self, batch: Tensor, batch_idx: int) -> Tensor:
+        """The most likely next token after each position: ``[B, S]`` token ids."""
+        return self(token_ids(batch, type(self).__name__)).argmax(dim=-1)
 
     def configure_pipeline(self, layout: PipelineLayout) -> PipelineChunks:
         """The pipeline chunks at ``pp > 1`` (docs/pipeline.md): the built-in split, its loss logged as
@@ -140,7 +152,8 @@ class MoEGPT(LightningModule):
 
 
 def log_loss(module: LightningModule, loss: Tensor) -> Tensor:
-    """Log ``train_loss`` while training, ``val_loss`` while validating (when a Trainer runs ``module``)."""
+    """Log ``train_loss`` while training, ``val_loss`` while validating, ``test_loss`` while testing (when a Trainer
+    runs ``module``)."""
     try:
         trainer = module.trainer
     except RuntimeError:  # not attached to a Trainer (the model used on its own)
@@ -149,6 +162,8 @@ def log_loss(module: LightningModule, loss: Tensor) -> Tensor:
         module.log("train_loss", loss, prog_bar=True)
     elif trainer.validating or trainer.sanity_checking:
         module.log("val_loss", loss, sync_dist=True)
+    elif trainer.testing:
+        module.log("test_loss", loss, sync_dist=True)
     return loss
 
 
@@ -201,6 +216,15 @@ class SyntheticTokens(LightningDataModule):
         return DataLoader(data, batch_size=h.batch_size, shuffle=True, drop_last=True)
 
     def val_dataloader(self) -> DataLoader:
+        return self._held_out(seed_offset=1)
+
+    def test_dataloader(self) -> DataLoader:
+        return self._held_out(seed_offset=2)
+
+    def predict_dataloader(self) -> DataLoader:
+        return self._held_out(seed_offset=3)
+
+    def _held_out(self, seed_offset: int) -> DataLoader:
         h = self.hparams
-        data = _PatternTokens(max(h.batch_size * 4, 32), h.seq_len, h.vocab_size, h.seed + 1)
+        data = _PatternTokens(max(h.batch_size * 4, 32), h.seq_len, h.vocab_size, h.seed + seed_offset)
         return DataLoader(data, batch_size=h.batch_size, drop_last=True)

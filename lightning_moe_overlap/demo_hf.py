@@ -15,6 +15,7 @@ from torch import Tensor
 
 from lightning_moe_overlap._install import install_hint
 from lightning_moe_overlap.demo import log_loss, with_logged_loss
+from lightning_moe_overlap.pipeline.batches import lm_batch
 from lightning_moe_overlap.pipeline.layout import PipelineLayout
 from lightning_moe_overlap.pipeline.split import PipelineChunks
 from lightning_moe_overlap.pipeline.splitters import split_hf_decoder
@@ -76,11 +77,26 @@ class HFMoECausalLM(LightningModule):
         torch.manual_seed(seed)
         self.model = build_hf_model(model_type, **(config_overrides or {}))
 
-    def training_step(self, batch: Tensor, batch_idx: int) -> Tensor:
-        return log_loss(self, self.model(input_ids=batch, labels=batch).loss)
+    def training_step(self, batch: Any, batch_idx: int) -> Tensor:
+        return log_loss(self, self._hf_loss(batch))
 
-    def validation_step(self, batch: Tensor, batch_idx: int) -> None:
-        log_loss(self, self.model(input_ids=batch, labels=batch).loss)
+    def validation_step(self, batch: Any, batch_idx: int) -> None:
+        log_loss(self, self._hf_loss(batch))
+
+    def test_step(self, batch: Any, batch_idx: int) -> None:
+        log_loss(self, self._hf_loss(batch))
+
+    def predict_step(self, batch: Any, batch_idx: int) -> Tensor:
+        """The most likely next token after each position: ``[B, S]`` token ids."""
+        kwargs = lm_batch(batch, type(self.model).__name__).model_kwargs()
+        kwargs.pop("labels", None)
+        return self.model(**kwargs).logits.argmax(dim=-1)
+
+    def _hf_loss(self, batch: Any) -> Tensor:
+        """HF's own loss of a batch as the pipeline takes it (docs/pipeline.md, "Batches"): token ids ``[B, S]`` (a
+        tensor, or a tuple / list holding one) or a dict with ``input_ids`` and optionally ``labels`` (-100: no
+        loss), ``attention_mask``, ``position_ids``; without labels the loss is next-token on ``input_ids``."""
+        return self.model(**lm_batch(batch, type(self.model).__name__).model_kwargs()).loss
 
     def configure_pipeline(self, layout: PipelineLayout) -> PipelineChunks:
         """The pipeline chunks at ``pp > 1``: the built-in split of the HF decoder, its loss logged as the steps

@@ -166,3 +166,27 @@ def clip_grad_norm(
     for (grad_device, dtype), grads in _by_device_and_dtype(_present_grads(params)).items():
         torch_compat.foreach_mul_(grads, coef.to(grad_device, dtype))
     return norm
+
+
+# -- loss scaling: one verdict on an overflow for the whole world ------------------------------------------------
+def agree_found_inf(flags: Sequence[Tensor], *, group: ProcessGroup | None = None) -> None:
+    """Set each of ``flags`` (a ``GradScaler``'s found-inf flags of one optimizer, one per device) to the largest
+    flag of any rank of ``group`` (default: the world). Collective: every rank calls it once per optimizer step.
+
+    ``GradScaler`` checks each rank's local gradient shards; on ``DTensor`` s torch reduces the flag only over the
+    mesh of the first gradient, and never across pp stages. An overflow in one rank's experts would then skip the
+    step on that rank only, and replicated weights and loss scales would drift apart. After this every rank skips
+    together. No host sync (``GradScaler.step`` reads the flag itself).
+    """
+    if not dist.is_initialized() or dist.get_world_size(group) == 1:
+        return
+    if flags:
+        device = flags[0].device
+    else:  # nothing was checked here (no gradient on this rank): still take part in the reduction
+        device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(group) == "nccl" else None
+    any_inf = torch.zeros((), dtype=torch.float32, device=device)
+    for flag in flags:
+        any_inf = torch.maximum(any_inf, flag.detach().reshape(()).to(any_inf.device, torch.float32))
+    dist.all_reduce(any_inf, op=dist.ReduceOp.MAX, group=group)
+    for flag in flags:
+        flag.copy_(any_inf.reshape(flag.shape))

@@ -9,7 +9,7 @@ hooks from itself and installs the step.
 A step, as phases::
 
     hooks.zero_grad(batch_idx)                    # on_before_zero_grad, optimizer_zero_grad
-    micro = split_batch(batch, M)                 # every tensor split evenly along dim 0
+    micro = split_batch(batch, M, short=True)     # every tensor split evenly along dim 0 (a short batch: nearly)
     with hooks.capture_logs() as logs:            # self.log calls of the M training steps
         losses = executor.run(forward, backward, M)
     hooks.sync_gradients()                        # once, after the last backward
@@ -17,7 +17,9 @@ A step, as phases::
     return mean loss (+ the last micro-batch's extra outputs)
 
 where ``forward(i) = loss of hooks.forward(micro[i], batch_idx, ...)`` and
-``backward(i, loss) = hooks.backward(loss / M)``.
+``backward(i, loss) = hooks.backward(loss / M)``. A short batch (an epoch's last one, ``N`` rows that ``M`` does not
+divide) runs as ``min(N, M)`` parts of ``n_i`` rows, each loss weighted by ``n_i / N`` (the routers' auxiliary
+losses too, through ``hooks.aux_loss_scale``), so its gradient is that of the mean loss over the batch.
 
 The executor contract (``run(forward, backward, count) -> losses``):
 
@@ -69,6 +71,8 @@ class StepHooks:
             (fires ``on_before_backward`` / ``on_after_backward``).
         sync_gradients: ``()``: once after the last backward: average gradients over the data-parallel groups.
         capture_logs: ``()`` -> a fresh :class:`~lightning_moe_overlap.step_logs.MicroBatchLogs` for the step.
+        aux_loss_scale: ``(scale)``: the weight of the routers' auxiliary losses in the next forwards (``1 / M``
+            for ``M`` equal micro-batches; a short batch's parts are weighted by their rows); None: not needed.
     """
 
     zero_grad: Callable[[int], None]
@@ -76,6 +80,7 @@ class StepHooks:
     backward: Callable[[Tensor], None]
     sync_gradients: Callable[[], None]
     capture_logs: Callable[[], MicroBatchLogs]
+    aux_loss_scale: Callable[[float], None] | None = None
 
 
 class MicroBatchLoop:
@@ -88,27 +93,41 @@ class MicroBatchLoop:
         self.num_microbatches = num_microbatches
 
     def step(self, batch: Any, batch_idx: int, *rest: Any) -> Any:
-        hooks, count = self.hooks, self.num_microbatches
+        hooks = self.hooks
         hooks.zero_grad(batch_idx)
-        micro = split_batch(batch, count)
+        micro = split_batch(batch, self.num_microbatches, short=True)
+        count = len(micro)
+        # A full batch: M equal parts, each loss / M. A short one (an epoch's last batch): parts weighted by rows.
+        weights = _row_weights(micro)
+        rescale = hooks.aux_loss_scale if (weights is not None or count != self.num_microbatches) else None
         outputs: list[Any] = [None] * count
 
         def forward(i: int) -> Tensor:
+            if rescale is not None:
+                rescale(1.0 / count if weights is None else weights[i])
             outputs[i] = hooks.forward(micro[i], batch_idx, *rest)
             return _loss_of(outputs[i])
 
         def backward(i: int, loss: Tensor) -> None:
-            hooks.backward(loss / count)
+            hooks.backward(loss / count if weights is None else loss * weights[i])
 
-        with hooks.capture_logs() as logs:
-            losses = self.executor.run(forward, backward, count)
+        try:
+            with hooks.capture_logs() as logs:
+                losses = self.executor.run(forward, backward, count)
+        finally:
+            if rescale is not None:
+                rescale(1.0 / self.num_microbatches)
         hooks.sync_gradients()
         logs.replay()
-        return _step_output(outputs, losses)
+        return _step_output(outputs, losses, weights)
 
 
-def split_batch(batch: Any, num_microbatches: int) -> list[Any]:
+def split_batch(batch: Any, num_microbatches: int, *, short: bool = False) -> list[Any]:
     """Split every tensor of ``batch`` evenly along dim 0; other leaves are shared by all micro-batches.
+
+    With ``short=True`` a batch of ``N`` rows that ``num_microbatches`` does not divide (an epoch's last batch
+    without ``drop_last``) is split as ``torch.tensor_split`` does: ``min(N, M)`` parts whose rows differ by at most
+    one (every tensor must then have the same ``N``).
 
     Raises:
         ValueError: no tensor has a batch dimension, or a batch dimension is not a multiple of the count.
@@ -123,6 +142,9 @@ def split_batch(batch: Any, num_microbatches: int) -> list[Any]:
             "dimension to split. Return tensors from the dataloader, or set `num_microbatches=1`."
         )
     bad = sorted(n for n in sizes if n % num_microbatches)
+    if bad and short and len(sizes) == 1 and bad[0] > 0:
+        parts = min(bad[0], num_microbatches)
+        return [apply_to_collection(batch, Tensor, lambda t, i=i: _part(t, parts, i)) for i in range(parts)]
     if bad:
         raise ValueError(
             f"`MoEOverlapStrategy`: a batch dimension of {bad[0]} does not split into "
@@ -143,6 +165,26 @@ def split_batch(batch: Any, num_microbatches: int) -> list[Any]:
     return [part(i) for i in range(num_microbatches)]
 
 
+def _part(t: Tensor, parts: int, i: int) -> Tensor:
+    return t if t.dim() == 0 else torch.tensor_split(t, parts)[i]
+
+
+def _rows(part: Any) -> int:
+    rows: list[int] = []
+    apply_to_collection(part, Tensor, lambda t: rows.append(t.shape[0]) if t.dim() > 0 else None)
+    return rows[0] if rows else 0
+
+
+def _row_weights(micro: list[Any]) -> list[float] | None:
+    """Each part's share of the batch's rows, or None when the parts are equal (then each loss is divided by the
+    count, as a mean over equal parts is)."""
+    rows = [_rows(part) for part in micro]
+    if len(set(rows)) <= 1:
+        return None
+    total = sum(rows)
+    return [n / total for n in rows]
+
+
 def _loss_of(output: Any) -> Tensor:
     loss = output.get("loss") if isinstance(output, Mapping) else output
     if not isinstance(loss, Tensor):
@@ -153,9 +195,11 @@ def _loss_of(output: Any) -> Tensor:
     return loss
 
 
-def _step_output(outputs: list[Any], losses: list[Tensor]) -> Any:
-    """What Lightning sees: the mean loss (detached: backward already ran) plus the last micro-batch's extras."""
-    loss = torch.stack([l.detach().float() for l in losses]).mean()
+def _step_output(outputs: list[Any], losses: list[Tensor], weights: list[float] | None = None) -> Any:
+    """What Lightning sees: the mean loss (weighted by rows for a short batch; detached: backward already ran) plus
+    the last micro-batch's extras."""
+    stacked = torch.stack([l.detach().float() for l in losses])
+    loss = stacked.mean() if weights is None else (stacked * torch.tensor(weights)).sum()
     last = outputs[-1]
     if isinstance(last, Mapping):
         extras = {k: (v.detach() if isinstance(v, Tensor) else v) for k, v in last.items() if k != "loss"}

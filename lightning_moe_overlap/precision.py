@@ -13,7 +13,11 @@ Trainer; a subclass would have to rebuild every plugin type, or swap the instanc
 
 - ``clip_gradients`` with the ``"norm"`` algorithm clips by the global norm (``grads.clip_grad_norm``); with
   ``"value"`` the wrapped plugin clips (element-wise clipping is the same on every layout);
-- the wrapped plugin's own ``optimizer_step`` runs as it is (a ``GradScaler`` unscales before the clip, as always);
+- the wrapped plugin's own ``optimizer_step`` runs as it is (a ``GradScaler`` unscales before the clip, as always),
+  except that with a ``GradScaler`` (``16-mixed``) the overflow flag its ``unscale_`` found is reduced (max) over
+  every rank before the step (``agree_found_inf``): each rank checks only its own gradient shards, so without it an
+  overflow in one rank's experts would skip the step on that rank alone and the replicas would drift apart. An
+  optimizer that unscales inside its own ``step`` (a fused one) is refused under ``16-mixed`` on several ranks;
 - its checkpoint state is stored under its own class name (``"MixedPrecision"``), as without this strategy.
 
 ``isinstance(trainer.precision_plugin, MixedPrecision)`` is False under this strategy; the wrapped plugin is
@@ -22,17 +26,23 @@ Trainer; a subclass would have to rebuild every plugin type, or swap the instanc
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Generator, Sequence
+from contextlib import contextmanager
 from typing import Any
 
+import torch.distributed as dist
 from lightning.pytorch.plugins.precision import MixedPrecision, Precision
 from lightning.pytorch.utilities import GradClipAlgorithmType
+from torch import Tensor
 from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_moe_overlap._compat import lightning as pl_compat
+from lightning_moe_overlap._compat import torch as torch_compat
+from lightning_moe_overlap.grads import agree_found_inf
 
 ClipByNorm = Callable[[Optimizer, float], None]
+AgreeFoundInf = Callable[[Sequence[Tensor]], None]
 
 
 def _forwarded(name: str) -> Callable[..., Any]:
@@ -52,9 +62,12 @@ class ExpertParallelPrecision(Precision):
     Args:
         wrapped: the precision plugin Lightning built from ``precision=`` / ``plugins=``.
         clip_grad_by_norm: clips every gradient the optimizer steps by the norm over all ranks.
+        agree_found_inf: sets a ``GradScaler``'s found-inf flags to their max over all ranks (collective).
     """
 
-    def __init__(self, wrapped: Precision, clip_grad_by_norm: ClipByNorm) -> None:
+    def __init__(
+        self, wrapped: Precision, clip_grad_by_norm: ClipByNorm, agree_found_inf: AgreeFoundInf = agree_found_inf
+    ) -> None:
         if isinstance(wrapped, ExpertParallelPrecision):
             raise TypeError(
                 "`ExpertParallelPrecision` got an `ExpertParallelPrecision` to wrap; pass the plugin it wraps "
@@ -63,6 +76,7 @@ class ExpertParallelPrecision(Precision):
         self.wrapped = wrapped
         self.precision = wrapped.precision
         self.clip_by_norm = clip_grad_by_norm
+        self.agree_found_inf = agree_found_inf
 
     # -- the clip: the only hook answered here -----------------------------------------------------------------
     @override
@@ -93,6 +107,22 @@ class ExpertParallelPrecision(Precision):
     @override
     def clip_grad_by_value(self, optimizer: Optimizer, clip_val: int | float) -> None:
         self.wrapped.clip_grad_by_value(optimizer, clip_val)
+
+    # -- the step: with a GradScaler, every rank skips an overflowing step together -------------------------------
+    @override
+    def optimizer_step(self, optimizer: Any, model: Any, closure: Callable[[], Any], **kwargs: Any) -> Any:
+        scaler = getattr(self.wrapped, "scaler", None)
+        if scaler is None or not scaler.is_enabled():
+            return self.wrapped.optimizer_step(optimizer, model=model, closure=closure, **kwargs)
+        if pl_compat.optimizer_handles_unscaling(optimizer) and dist.is_initialized() and dist.get_world_size() > 1:
+            raise NotImplementedError(
+                f"`MoEOverlapStrategy`: `{type(optimizer).__qualname__}` unscales gradients inside its own `step` (a "
+                f"fused optimizer) under `precision={self.precision!r}` on {dist.get_world_size()} ranks: it checks "
+                "for overflows on this rank's gradient shards only, so ranks could disagree on skipping a step. "
+                "Use a non-fused optimizer (`fused=False`), or `precision='bf16-mixed'` (no loss scaling)."
+            )
+        with _found_inf_agreed(scaler, self.agree_found_inf):
+            return self.wrapped.optimizer_step(optimizer, model=model, closure=closure, **kwargs)
 
     # -- checkpoints: the wrapped plugin's state under its own class name ------------------------------------------
     @override
@@ -133,10 +163,26 @@ class ExpertParallelPrecision(Precision):
     pre_backward = _forwarded("pre_backward")
     backward = _forwarded("backward")
     post_backward = _forwarded("post_backward")
-    optimizer_step = _forwarded("optimizer_step")  # its clip comes back to `clip_gradients` (trainer.precision_plugin)
     main_params = _forwarded("main_params")
     unscale_gradients = _forwarded("unscale_gradients")
     teardown = _forwarded("teardown")
+
+
+@contextmanager
+def _found_inf_agreed(scaler: Any, agree: AgreeFoundInf) -> Generator[None, None, None]:
+    """While open, ``scaler.unscale_(optimizer)`` (called by the plugin, or by ``scaler.step``) ends by passing the
+    flags it recorded to ``agree``, so ``scaler.step`` reads the flag of the whole world."""
+    unscale = scaler.unscale_
+
+    def unscale_and_agree(optimizer: Optimizer) -> None:
+        unscale(optimizer)
+        agree(torch_compat.grad_scaler_found_inf(scaler, optimizer))
+
+    scaler.unscale_ = unscale_and_agree
+    try:
+        yield
+    finally:
+        del scaler.unscale_  # the class's method again
 
 
 def with_global_norm_clip(plugin: Precision, clip_grad_by_norm: ClipByNorm) -> ExpertParallelPrecision:

@@ -15,6 +15,9 @@ overlapped schedule: they are serialised by the schedule's baton, and the order 
 
 from __future__ import annotations
 
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
 from numbers import Number
 from typing import Any
 
@@ -37,6 +40,8 @@ class MicroBatchLogs:
         del self.module.log
 
     def _capture(self, name: str, value: Any, *args: Any, **kwargs: Any) -> None:
+        if _PAUSED.depth:  # a forward that is not a micro-batch's (torch's pipeline metadata inference)
+            return
         self.calls.setdefault(name, []).append((value, args, kwargs))
 
     def summary(self) -> list[tuple[str, Any, tuple, dict]]:
@@ -54,6 +59,27 @@ class MicroBatchLogs:
         entries of ``summary``, e.g. another rank's)."""
         for name, value, args, kwargs in self.summary() if summary is None else summary:
             self.module.log(name, value, *args, **kwargs)
+
+
+class _PausedState(threading.local):
+    """Per thread, i.e. per execution context: the open :func:`logs_paused` scopes."""
+
+    depth = 0
+
+
+_PAUSED = _PausedState()
+
+
+@contextmanager
+def logs_paused() -> Iterator[None]:
+    """``self.log`` calls made inside, on this thread, are dropped by the capture: at the first step (and after each
+    switch between evaluation and training) torch's pipeline schedules run every stage's forward and the loss
+    function once more to infer shapes, on uninitialised tensors after stage 0; that loss is no micro-batch's."""
+    _PAUSED.depth += 1
+    try:
+        yield
+    finally:
+        _PAUSED.depth -= 1
 
 
 def mean_of(values: list[Any]) -> Any:

@@ -42,6 +42,7 @@ from lightning_moe_overlap.config import (
 from lightning_moe_overlap.grads import clip_grad_norm, global_grad_norm
 from lightning_moe_overlap.launcher import ExpertParallelScriptLauncher, ExpertParallelSpawnLauncher
 from lightning_moe_overlap.loop import MicroBatchLoop, StepHooks
+from lightning_moe_overlap.moe.adapters import expert_parallel_modules
 from lightning_moe_overlap.overlap.engine import OverlapEngine
 from lightning_moe_overlap.overlap.failures import default_nccl_error_handling, safety_nets
 from lightning_moe_overlap.overlap.runtime import CommRuntime
@@ -51,6 +52,7 @@ from lightning_moe_overlap.parallel.sharding import ShardedModel, replicate_mesh
 from lightning_moe_overlap.parallel.shutdown import destroy_process_groups_at_exit
 from lightning_moe_overlap.pipeline.pipelined import PipelinedModel
 from lightning_moe_overlap.precision import ExpertParallelPrecision, with_global_norm_clip
+from lightning_moe_overlap.prepared import PreparedModel, check_same_layout, record, recorded
 from lightning_moe_overlap.step_logs import MicroBatchLogs
 from lightning_moe_overlap.validation import (
     build_dims,
@@ -58,6 +60,7 @@ from lightning_moe_overlap.validation import (
     check_flex,
     check_machine,
     check_model,
+    check_train_loaders,
     check_trainer,
     check_world,
     raise_problems,
@@ -348,12 +351,30 @@ class MoEOverlapStrategy(ParallelStrategy):
     @contextmanager
     @override
     def model_sharded_context(self) -> Generator[None, None, None]:
-        """At ``pp > 1`` ``configure_model`` builds on the meta device: each rank then allocates only its own chunks."""
-        if self.config.pp > 1:
+        """At ``pp > 1`` ``configure_model`` builds on the meta device: each rank then allocates only its own chunks.
+
+        A LightningModule with ``pipeline_build_on_meta = False`` builds with real tensors instead (e.g. HF's
+        ``from_pretrained``, which refuses the meta device); each rank then keeps its own chunks' values and frees
+        the others' (docs/pipeline.md, "Pretrained weights at pp > 1").
+        """
+        module = self.lightning_module
+        if self.config.pp == 1 or not getattr(module, "pipeline_build_on_meta", True):
+            yield
+            return
+        try:
             with torch.device("meta"):
                 yield
-        else:
-            yield
+        except RuntimeError as err:
+            if "from_pretrained" not in str(err) or "meta device" not in str(err):
+                raise
+            raise RuntimeError(
+                f"`MoEOverlapStrategy(pp={self.config.pp})`: `{type(module).__name__}.configure_model` runs under the "
+                "meta device at pp > 1 (each rank allocates only its own chunks), and Hugging Face's "
+                "`from_pretrained` refuses to load weights there. Rule: a model loaded in configure_model at "
+                "pp > 1 opts out of the meta device. Fix: set `pipeline_build_on_meta = False` on the "
+                "LightningModule (every rank loads the whole checkpoint into host memory, then keeps only its "
+                "chunks), or load the model in `__init__` (a model built with values keeps them at pp > 1)."
+            ) from err
 
     @override
     def setup(self, trainer: Trainer) -> None:
@@ -368,9 +389,11 @@ class MoEOverlapStrategy(ParallelStrategy):
                     automatic_optimization=self.lightning_module.automatic_optimization,
                 )
             )
+        self._adopt_prepared()
         if self._mesh is None:
             self._mesh = build_mesh(self.dims, self.root_device.type)
-        if self._ep_model is None:
+        wrapping = self._ep_model is None
+        if wrapping:
             self._ep_model = MoEModelHandle(self.model)
             dp_cp = self.dims.dp * self.dims.cp
             raise_problems(check_model(self.config, self._ep_model.experts_per_block(), dp_cp))
@@ -386,7 +409,8 @@ class MoEOverlapStrategy(ParallelStrategy):
             self._ep_model.set_aux_loss_scale(1.0 if held is not None else 1.0 / self.config.num_microbatches)
         self.precision_plugin.convert_module(self.model)
         self.model_to_device()
-        self._ep_model.broadcast_replicas(self.parallel_groups)
+        if wrapping:  # a model set up before keeps its replicas equal: every replica took the same updates
+            self._ep_model.broadcast_replicas(self.parallel_groups)
         if self._sharded is None:  # before the optimizers: they hold what `fully_shard` made of the parameters
             if self.config.shard == "none":
                 roots = [self.model] if self._pipeline is None else self._pipeline.held_chunks
@@ -398,6 +422,8 @@ class MoEOverlapStrategy(ParallelStrategy):
                     self.model, self._ep_model.expert_modules(), self.parallel_mesh, mode,
                     mp_policy=self._fsdp_mp_policy,
                 )  # fmt: skip
+            record(self.model, PreparedModel(self.config, self.dims, self.parallel_groups, self.parallel_mesh,
+                                             self.runtime, self._ep_model, self._pipeline, self._sharded))  # fmt: skip
         if fitting:
             self.setup_optimizers(trainer)
         self.setup_precision_plugin()
@@ -412,6 +438,39 @@ class MoEOverlapStrategy(ParallelStrategy):
             self._loop = MicroBatchLoop(self._step_hooks(trainer), engine, self.config.num_microbatches)
             pl_compat.set_skip_backward(trainer, True)
             self._loop_trainer = trainer
+
+    def _adopt_prepared(self) -> None:
+        """Take what an earlier ``setup`` built for this model (``prepared.py``): ``fit`` -> ``validate`` / ``test`` /
+        ``predict`` / ``fit`` set the strategy up again, with the same Trainer or a new one."""
+        assert self.model is not None
+        prepared = recorded(self.model)
+        if prepared is None:
+            if self._ep_model is not None:  # set up for another model before: this one is set up afresh
+                self._ep_model = self._pipeline = self._sharded = None
+            wrapped = expert_parallel_modules(self.model)
+            if wrapped:
+                raise RuntimeError(
+                    f"`{type(self).__name__}`: `{type(self.model).__name__}` already has expert-parallel experts "
+                    f"({', '.join(wrapped[:3])}{', ...' if len(wrapped) > 3 else ''}) that this strategy did not "
+                    "build (`apply_expert_parallel` ran on it); the strategy makes a model expert-parallel itself, "
+                    "once. Pass the model as built, before `apply_expert_parallel`."
+                )
+            return
+        if prepared.ep_model is self._ep_model:
+            return
+        check_same_layout(prepared, self.config, self.dims, owner=f"`{type(self).__name__}`")
+        self._groups, self._mesh, self.runtime = prepared.groups, prepared.mesh, prepared.runtime
+        self._ep_model, self._pipeline, self._sharded = prepared.ep_model, prepared.pipeline, prepared.sharded
+        self.lightning_module.parallel_groups = prepared.groups  # the groups its layers communicate over
+        if self._pipeline is None:  # this run's micro-batch count
+            self._ep_model.set_aux_loss_scale(1.0 / self.config.num_microbatches)
+
+    @override
+    def on_train_start(self) -> None:
+        """The training dataloader's rules (``validation.check_train_loaders``), once the Trainer has prepared it
+        and before the first step: a short last batch at pp > 1 is refused now, not at the end of the epoch."""
+        super().on_train_start()
+        raise_problems(check_train_loaders(self.config, self.lightning_module.trainer.train_dataloader))
 
     def _step_hooks(self, trainer: Trainer) -> StepHooks:
         """What the micro-batch loop needs of the strategy and Lightning, as callables (``loop.py``)."""
@@ -435,6 +494,7 @@ class MoEOverlapStrategy(ParallelStrategy):
             backward=backward,
             sync_gradients=self.sync_gradients,
             capture_logs=lambda: MicroBatchLogs(module),
+            aux_loss_scale=self._ep_model.set_aux_loss_scale if self._ep_model is not None else None,
         )
 
     @override
@@ -585,14 +645,19 @@ class MoEOverlapStrategy(ParallelStrategy):
     def load_checkpoint(self, checkpoint_path: str | os.PathLike, weights_only: bool | None = None) -> dict[str, Any]:
         """This rank's part of a sharded directory or consolidated file, in the layout it holds now (any layout).
 
-        ``weights_only`` is not used: checkpoints are trusted input (their metadata is unpickled).
+        ``weights_only`` (``None`` means ``True``, as in ``torch.load``): every file is read without running code
+        from it, and one that needs more is refused with its name; ``False`` unpickles without restriction, for
+        checkpoints from a trusted source only. Lightning 2.6 passes ``None`` here whatever ``trainer.fit`` was
+        given (this strategy restores after setup); with the Trainer, opt out with
+        ``TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD=1`` (docs/checkpoints.md).
         """
         module = self.lightning_module
         assert module is not None
         trainer = pl_compat.attached_trainer(module)
         fitting = trainer is not None and trainer.state.fn == TrainerFn.FITTING
         return checkpointer.load(
-            checkpoint_path, module, self.optimizers, strict=module.strict_loading, restore_rng_state=fitting
+            checkpoint_path, module, self.optimizers, strict=module.strict_loading, restore_rng_state=fitting,
+            weights_only=weights_only,
         )
 
     @override

@@ -17,6 +17,8 @@ from typing import Any
 
 import torch
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
+from lightning_utilities.core.apply_func import apply_to_collection
+from torch.utils.data import DataLoader
 
 from lightning_moe_overlap._checks import divisors, is_positive_int, is_positive_number
 from lightning_moe_overlap._install import install_hint
@@ -175,33 +177,8 @@ def rule_pipeline(cfg: OverlapConfig) -> list[Problem]:
             "split the model into pipeline stages, or remove it.",
             error=None,
         )
-    if cfg.pipeline_layout is not None:
-        from lightning_moe_overlap.pipeline.layout import parse_layout
-
-        try:
-            chunks = len(parse_layout(cfg.pipeline_layout))
-        except (TypeError, ValueError) as err:
-            return [Problem("pipeline-layout", f"{OWNER}: {err}", type(err))]
-        expected = cfg.pp * cfg.vpp if cfg.vpp is not None else None
-        if chunks % cfg.pp or (expected is not None and chunks != expected):
-            rule = f"pp * vpp = {expected}" if expected is not None else f"a multiple of pp={cfg.pp}"
-            return [
-                Problem(
-                    "pipeline-layout",
-                    f"{OWNER}: `pipeline_layout={cfg.pipeline_layout!r}` has {chunks} chunks; it needs {rule} "
-                    "(one per virtual stage). Add or remove '|' separators, or change `vpp`.",
-                )
-            ]
-    from lightning_moe_overlap.pipeline.schedules import validate_schedule
-
-    try:
-        validate_schedule(
-            cfg.resolved_schedule, pp=cfg.pp, vpp=cfg.resolved_vpp, num_microbatches=cfg.num_microbatches,
-            overlap=cfg.overlap,
-        )  # fmt: skip
-    except (ValueError, NotImplementedError) as err:
-        return [Problem("pipeline-schedule", f"{OWNER}: {err}", type(err))]
-    return _when(
+    layout, parsed = _layout_problems(cfg)
+    return layout + (_schedule_problems(cfg) if parsed else []) + _when(
         cfg.delay_wgrad,
         "pipeline-delay-wgrad",
         f"`delay_wgrad=True` with `pp={cfg.pp}`: torch's pipeline stages run each backward to its end, so there is "
@@ -209,6 +186,41 @@ def rule_pipeline(cfg: OverlapConfig) -> list[Problem]:
         "`delay_wgrad=False`, or `pp=1`.",
         NotImplementedError,
     )
+
+
+def _layout_problems(cfg: OverlapConfig) -> tuple[list[Problem], bool]:
+    """The problems of ``pipeline_layout`` (it parses, and has one chunk per virtual stage), and whether it parses
+    (the schedule's rules need its chunk count)."""
+    if cfg.pipeline_layout is None:
+        return [], True
+    from lightning_moe_overlap.pipeline.layout import parse_layout
+
+    try:
+        chunks = len(parse_layout(cfg.pipeline_layout))
+    except (TypeError, ValueError) as err:
+        return [Problem("pipeline-layout", f"{OWNER}: {err}", type(err))], False
+    expected = cfg.pp * cfg.vpp if cfg.vpp is not None else None
+    if chunks % cfg.pp or (expected is not None and chunks != expected):
+        rule = f"pp * vpp = {expected}" if expected is not None else f"a multiple of pp={cfg.pp}"
+        return [
+            Problem(
+                "pipeline-layout",
+                f"{OWNER}: `pipeline_layout={cfg.pipeline_layout!r}` has {chunks} chunks; it needs {rule} "
+                "(one per virtual stage). Add or remove '|' separators, or change `vpp`.",
+            )
+        ], True
+    return [], True
+
+
+def _schedule_problems(cfg: OverlapConfig) -> list[Problem]:
+    """Every rule of the schedule in effect that these sizes break (``pipeline/schedules.py``), all at once."""
+    from lightning_moe_overlap.pipeline.schedules import schedule_problems
+
+    found = schedule_problems(
+        cfg.resolved_schedule, pp=cfg.pp, vpp=cfg.resolved_vpp, num_microbatches=cfg.num_microbatches,
+        overlap=bool(cfg.overlap),
+    )  # fmt: skip
+    return [Problem("pipeline-schedule", f"{OWNER}: {err}", type(err)) for err in found]
 
 
 def rule_overlap_needs_microbatches(cfg: OverlapConfig) -> list[Problem]:
@@ -376,7 +388,23 @@ def check_machine(cfg: OverlapConfig, device_type: str, cuda_available: bool | N
                 f"{device_type!r}. Use 'gloo' on CPU, or leave it None to pick the default for the device.",
             )
         )
-    return out
+    return out + rule_overlap_pp_max_connections(cfg, device_type)
+
+
+def rule_overlap_pp_max_connections(cfg: OverlapConfig, device_type: str) -> list[Problem]:
+    """With one CUDA hardware queue, the pipeline's and the experts' communicators' kernels run in issue order,
+    which the overlap at ``pp > 1`` does not keep the same across ranks: refuse it (a hang, not a slowdown)."""
+    value = os.environ.get("CUDA_DEVICE_MAX_CONNECTIONS", "").strip()
+    return _when(
+        device_type == "cuda" and bool(cfg.overlap) and cfg.pp > 1 and value == "1",
+        "overlap-pp-max-connections",
+        f"overlap=True at pp={cfg.pp} with CUDA_DEVICE_MAX_CONNECTIONS=1: one hardware queue runs the kernels of the "
+        "pipeline's and the experts' NCCL communicators in the order each rank issues them, and the overlap can "
+        "issue them in different orders on different ranks, so the collectives wait on each other until the "
+        "process-group timeout. Set CUDA_DEVICE_MAX_CONNECTIONS=32 (or unset it) before CUDA starts, or use "
+        "overlap=False at pp > 1.",
+        NotImplementedError,
+    )
 
 
 # -- rules on DeepEP (dispatcher="flex") ----------------------------------------------------------------------
@@ -563,6 +591,59 @@ def check_launch(cfg: OverlapConfig, batch_size: int | None = None, ckpt_path: A
                 )
             )
     return out
+
+
+def check_train_loaders(cfg: OverlapConfig, loaders: Any) -> list[Problem]:
+    """:func:`check_loader` on each ``DataLoader`` in ``loaders`` (``trainer.train_dataloader``: one loader or a
+    collection of them); a loader without a ``batch_size`` (its own batch sampler) or a length is not checked."""
+    found: list[DataLoader] = []
+    apply_to_collection(loaders, DataLoader, found.append)
+    out: list[Problem] = []
+    for loader in found:
+        try:
+            samples: int | None = len(loader.sampler)  # this rank's samples (a DistributedSampler's share)
+        except TypeError:  # an iterable dataset: no length
+            samples = None
+        out += check_loader(cfg, loader.batch_size, samples, loader.drop_last)
+    return out
+
+
+def check_loader(
+    cfg: OverlapConfig, batch_size: int | None, samples: int | None = None, drop_last: bool = False
+) -> list[Problem]:
+    """Rules on the training dataloader as the Trainer prepared it (at the start of training, before the first
+    step): its ``batch_size``, and at ``pp > 1`` the epoch's last batch (``samples`` per rank, ``drop_last``).
+
+    At ``pp = 1`` a short last batch runs as fewer or nearly equal micro-batches (``loop.py``); torch's pipeline
+    schedules fix the micro-batches' shapes at the first step (their stages exchange buffers of those shapes), so
+    at ``pp > 1`` any short last batch is refused here, not at the epoch's end."""
+    m = cfg.num_microbatches
+    if batch_size is None or not is_positive_int(m):
+        return []
+    if batch_size % m:
+        fits = [d for d in divisors(batch_size) if d > 1] or [1]
+        return [
+            Problem(
+                "batch-size-microbatches",
+                f"{OWNER}: the training dataloader's batch_size={batch_size} does not split into "
+                f"`num_microbatches={m}` equal micro-batches; the batch size must be a multiple of "
+                f"num_microbatches. Use a batch size that is a multiple of {m}, or pick num_microbatches among "
+                f"{fits}.",
+            )
+        ]
+    last = samples % batch_size if samples is not None and not drop_last else 0
+    if cfg.pp > 1 and last:
+        return [
+            Problem(
+                "short-last-batch-pipeline",
+                f"{OWNER}(pp={cfg.pp}): the epoch's last batch would hold {last} of batch_size={batch_size} rows "
+                f"({samples} samples per data-parallel rank, drop_last=False). Rule `short-last-batch-pipeline`: "
+                "at pp > 1 every batch is full, since torch's pipeline schedules fix the micro-batches' shapes at "
+                "the first step. Set `drop_last=True` on the training DataLoader, or use a number of samples per "
+                f"rank that is a multiple of {batch_size}.",
+            )
+        ]
+    return []
 
 
 # -- raising ---------------------------------------------------------------------------------------------------

@@ -7,12 +7,14 @@ every rank of a ``dp_cp`` group (they share the pp coordinate).
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping, Sequence
 
 import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor
 
 from lightning_moe_overlap.config import OverlapConfig
 from lightning_moe_overlap.grads import sync_expert_gradients
@@ -90,13 +92,16 @@ class MoEModelHandle:
 
     def broadcast_replicas(self, groups: ParallelGroups) -> None:
         """Make replicas equal, as DDP does at start: dense state from the first rank of each dp*cp group,
-        expert state from the first rank of each edp group."""
+        expert state from the first rank of each edp group.
+
+        ``DTensor`` s broadcast their local tensor, and only where it is a replica over that group: a dense tensor
+        in one shard (``fully_shard`` over a size-1 dimension), an expert in its ep shards; one sharded over the
+        group itself (``shard="optimizer"`` / ``"full"``) holds no replica to make equal and is left alone."""
         expert = [t for m in self._ep_modules for t in _state_tensors(m)]
         expert_ids = {id(t) for t in expert}
         dense = [t for t in _state_tensors(self.model) if id(t) not in expert_ids and not t.is_meta]
-        expert = [local(t) for t in expert]
-        _broadcast_from_first(dense, groups.dp_cp)
-        _broadcast_from_first(expert, groups.edp)
+        _broadcast_from_first([local(t) for t in dense if _shards(t) == 1], groups.dp_cp)
+        _broadcast_from_first([local(t) for t in expert if _shards(t) in (1, groups.dims.ep)], groups.edp)
 
     def sync_expert_gradients(self, groups: ParallelGroups) -> None:
         """Average the expert gradients over ``edp`` (the dense ones go through ``fully_shard``)."""
@@ -110,6 +115,14 @@ def _is_meta(module: nn.Module) -> bool:
 
 def _state_tensors(module: nn.Module) -> list[torch.Tensor]:
     return [*module.parameters(), *module.buffers()]
+
+
+def _shards(tensor: torch.Tensor) -> int:
+    """Into how many distinct pieces a ``DTensor`` is split over its mesh (1 for a plain tensor)."""
+    if not isinstance(tensor, DTensor):
+        return 1
+    mesh = tensor.device_mesh
+    return math.prod(mesh.size(i) for i, placement in enumerate(tensor.placements) if placement.is_shard())
 
 
 def _broadcast_from_first(tensors: list[torch.Tensor], group: dist.ProcessGroup) -> None:

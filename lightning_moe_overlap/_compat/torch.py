@@ -69,6 +69,13 @@ def default_store() -> dist.Store:
     return distributed_c10d._get_default_store()
 
 
+def grad_scaler_found_inf(scaler: Any, optimizer: Any) -> list[Tensor]:
+    """``GradScaler._per_optimizer_states[id(optimizer)]["found_inf_per_device"]``: the flags ``unscale_`` recorded
+    for ``optimizer`` (one per device; 1.0 where a gradient was inf/NaN), which ``step`` reads to skip; [] if none."""
+    state = scaler._per_optimizer_states.get(id(optimizer), {})
+    return list(state.get("found_inf_per_device", {}).values())
+
+
 def flatten_mesh(mesh: Any, name: str) -> Any:
     """``DeviceMesh._flatten``: a 1-D view of the dimensions of ``mesh`` (a slice of a root mesh), registered on the
     root under ``name`` so that ``root[name]`` returns it; the ranks keep their row-major order."""
@@ -213,3 +220,27 @@ def count_pipeline_backward(schedule: Any, stage_index: int) -> bool:
     step's last one."""
     schedule.backward_counter[stage_index] += 1
     return schedule.backward_counter[stage_index] == pipeline_microbatches(schedule)
+
+
+STAGE_INIT_METHODS = ("_initialize_pp_stages", "_initialize_stages", "_initialize_stage")  # newest torch first
+
+
+def wrap_pipeline_stage_init(schedule: Any, context: Callable[[], Any]) -> None:
+    """Run the schedule's stage initialisation inside ``context()``: at the first step torch infers the stages'
+    metadata by running each local stage's forward (and backward) on the first micro-batch (stage 0) or on
+    uninitialised tensors of the received shapes (later stages). That is ``_initialize_pp_stages`` (torch >= 2.11),
+    else ``_initialize_stages`` (multi-stage) / ``_initialize_stage`` (single-stage)."""
+    name = next((n for n in STAGE_INIT_METHODS if callable(getattr(schedule, n, None))), None)
+    if name is None:
+        raise RuntimeError(
+            f"{type(schedule).__name__} (torch {torch.__version__}) has none of {STAGE_INIT_METHODS}, the stage "
+            "initialisation whose metadata inference must not count as a training forward. Use a torch version "
+            "this package supports (pyproject.toml)."
+        )
+    initialize = getattr(schedule, name)
+
+    def wrapped(*args: Any, **kwargs: Any) -> Any:
+        with context():
+            return initialize(*args, **kwargs)
+
+    setattr(schedule, name, wrapped)

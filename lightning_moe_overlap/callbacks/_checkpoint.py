@@ -7,10 +7,14 @@ What :func:`checkpointed` adds to a plain ``checkpoint(fn, *args, use_reentrant=
   rank stopped before it and another did not, their collectives would no longer match. So early stop is off for
   these checkpoints (``early_stop=False``; on a torch without that argument the segment's outputs pass through an
   identity that saves a 0-element tensor, which the recomputation must reach).
-- **no side effects twice.** A recomputed router would count its tokens for the expert-bias update again; the
-  counters of the routers inside are restored after each recomputation.
-- **the KV cache is updated once.** An HF attention or layer called with ``past_key_values`` appends its keys
-  and values to the cache; a recomputation would append them again. The forward uses the real cache; the
+- **no side effects twice.** A recomputed router would count its tokens for the expert-bias update (and the
+  routing statistics) again: a recomputation runs inside :func:`~lightning_moe_overlap.moe.router.not_counted`,
+  which pauses counting on its own thread only. The counters are never snapshotted and restored: the overlap
+  engine's other context may route a forward through the same router while a recomputation waits at a comm
+  point, and those counts stay.
+- **the KV cache is updated once.** An HF attention or layer called with a cache (``cache`` in recent
+  transformers, ``past_key_values`` earlier) appends its keys and values to it; a recomputation would append them
+  again. The forward uses the real cache; the
   recomputation gets a stand-in that repeats what the update of an empty cache returns (training starts every
   forward with an empty cache), so the recomputed tensors are the forward's, bit for bit.
 - **accounting:** the inputs a checkpoint keeps alive are reported to an active
@@ -31,7 +35,7 @@ from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
 from lightning_moe_overlap.callbacks.meter import report_held
-from lightning_moe_overlap.moe.router import TopKRouter
+from lightning_moe_overlap.moe.router import TopKRouter, not_counted
 
 _EARLY_STOP_ARG = "early_stop" in inspect.signature(checkpoint).parameters
 
@@ -82,14 +86,12 @@ def routers_in(modules: Sequence[nn.Module]) -> list[TopKRouter]:
 
 @contextmanager
 def counters_restored(routers: Sequence[TopKRouter]) -> Iterator[None]:
-    """Undo what a recomputation adds to the routers' token counters."""
-    saved = [r.local_tokens_per_expert.clone() for r in routers]  # type: ignore[union-attr]
-    try:
+    """A recomputation through ``routers``: it leaves their token counters as they were, by not counting on this
+    thread (:func:`~lightning_moe_overlap.moe.router.not_counted`), while the other context's forwards through the
+    same routers still count."""
+    del routers  # every counter in the recomputation is paused, these routers' and any other
+    with not_counted():
         yield
-    finally:
-        with torch.no_grad():
-            for router, counts in zip(routers, saved):
-                router.local_tokens_per_expert.copy_(counts)  # type: ignore[union-attr]
 
 
 class RecomputeCache:
@@ -100,11 +102,16 @@ class RecomputeCache:
         return torch.cat([empty, key_states], dim=-2), torch.cat([empty, value_states], dim=-2)
 
 
+CACHE_KWARGS = ("cache", "past_key_values", "past_key_value")  # transformers 5.x renamed past_key_values to cache
+
+
 def for_recompute(kwargs: dict[str, Any]) -> dict[str, Any]:
-    """``kwargs`` of a recomputation: an HF KV cache replaced by :class:`RecomputeCache`."""
-    if kwargs.get("past_key_values") is None:
+    """``kwargs`` of a recomputation: an HF KV cache (under any of :data:`CACHE_KWARGS`) replaced by
+    :class:`RecomputeCache`."""
+    caches = [name for name in CACHE_KWARGS if kwargs.get(name) is not None]
+    if not caches:
         return kwargs
-    return {**kwargs, "past_key_values": RecomputeCache()}
+    return {**kwargs, **{name: RecomputeCache() for name in caches}}
 
 
 def checkpointed(modules: Sequence[nn.Module] = ()) -> Callable[[Callable[..., Any]], Callable[..., Any]]:

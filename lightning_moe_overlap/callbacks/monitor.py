@@ -13,6 +13,7 @@ them with one device-to-host copy and logs, through ``LightningModule.log``:
 - per step, averaged over the interval and the ranks: ``moe/a2a_exposed_ms`` (the all-to-all time nothing hid),
   ``moe/a2a_total_ms`` (in flight), ``moe/a2a_hidden_fraction`` (``1 - exposed / total``),
   ``moe/microbatches``, ``moe/tokens_per_s`` (all ranks' tokens over the training-step time);
+- at ``pp > 1`` the block sums and bias norms are also summed over the pp group: every rank logs every block;
 - a tokens-per-expert histogram per block to loggers whose ``experiment`` has ``add_histogram_raw`` /
   ``add_histogram`` (TensorBoard), on global rank 0.
 
@@ -132,8 +133,14 @@ class MoEMonitor(Callback):
             reduced = torch.cat([packed, timing])
             dist.all_reduce(reduced, group=group)  # one collective per logging interval
             packed, timing = reduced[: packed.numel()], reduced[packed.numel() :]
+        norms = self.stats.bias_norms(device)
+        stages = _stage_group(trainer)
+        if stages is not None:  # pp > 1: each block's sums and bias are on the stage that holds it, zeros elsewhere
+            reduced = torch.cat([packed, norms])
+            dist.all_reduce(reduced, group=stages)  # a second collective per logging interval, at pp > 1 only
+            packed, norms = reduced[: packed.numel()], reduced[packed.numel() :]
         names = [b.name for b in self.stats.blocks]
-        summary = summarize(names, packed, layout, self.stats.bias_norms(device), steps=self._steps)
+        summary = summarize(names, packed, layout, norms, steps=self._steps)
         step_s, blocked_s, in_flight_s, ranks = timing.tolist()  # NOTE: D2H sync (once per logging interval)
         steps = max(self._steps, 1)
         metrics = summary.metrics
@@ -160,6 +167,14 @@ def _token_group(trainer: Trainer) -> Any:
         return False
     strategy = trainer.strategy
     return strategy.parallel_groups.dp_cp if isinstance(strategy, MoEOverlapStrategy) else None
+
+
+def _stage_group(trainer: Trainer) -> Any:
+    """The pp group of this package's strategy at ``pp > 1`` (its ranks hold different MoE blocks), else None."""
+    strategy = trainer.strategy
+    if not isinstance(strategy, MoEOverlapStrategy) or strategy.dims.pp == 1:
+        return None
+    return strategy.parallel_groups.pp
 
 
 def _num_microbatches(trainer: Trainer) -> int:

@@ -16,6 +16,7 @@ from typing import Any
 
 import torch.distributed as dist
 from lightning.pytorch import Callback, LightningModule, Trainer
+from lightning.pytorch.utilities import rank_zero_info
 from typing_extensions import override
 
 from lightning_moe_overlap.overlap.runtime import CommRuntime
@@ -46,6 +47,7 @@ class OverlapTimeline(Callback):
         self.step = step
         self.dirpath = dirpath
         self.png = has_matplotlib if png is None else png
+        self._png_requested = png
         self.written: list[Path] = []  # on global rank 0, once the step ran
         self._runtime: CommRuntime | None = None
         self._recorder: TimelineRecorder | None = None
@@ -79,8 +81,18 @@ class OverlapTimeline(Callback):
             if self.png:
                 title = f"Step {self.step}: {DEFAULT_TITLE}"
                 self.written.append(plot_timelines(timelines, folder / f"step{self.step}.png", title=title))
+            rank_zero_info(self._written_message())
         else:
             self.written.append(Path())
+
+    def _written_message(self) -> str:
+        """What was written, and why the PNG was not when it was left out."""
+        message = f"`OverlapTimeline(step={self.step})`: wrote {', '.join(str(p) for p in self.written)}"
+        if self.png:
+            return message + "."
+        if self._png_requested is False:
+            return message + " (the PNG was not asked for: `png=False`)."
+        return message + f"; the PNG is skipped because matplotlib is not installed. {PLOT_HINT}"
 
     @override
     def on_fit_end(self, trainer: Trainer, pl_module: LightningModule) -> None:

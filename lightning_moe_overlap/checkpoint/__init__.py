@@ -10,6 +10,7 @@
 - :mod:`.legacy`: reading and converting directories of format version 1 (per-expert keys).
 - :mod:`.atomic`: staging names, the commit marker, the rename.
 - :mod:`.rng`: each rank's random generators.
+- :mod:`.safe_load`: every file read without running code from it (``weights_only``, the default).
 - :mod:`.checkpointer`: what the strategy's checkpoint hooks do.
 """
 

@@ -21,10 +21,10 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from lightning_moe_overlap.checkpoint import atomic, legacy, state
+from lightning_moe_overlap.checkpoint import atomic, checks, legacy, safe_load, state
 from lightning_moe_overlap.checkpoint.consolidated import gather_full, read_consolidated, write_file
 from lightning_moe_overlap.checkpoint.optimizer import merge_param_groups, named_groups
-from lightning_moe_overlap.checkpoint.rng import capture_rng, restore_rng
+from lightning_moe_overlap.checkpoint.rng import capture_rng, read_rng, restore_rng
 from lightning_moe_overlap.checkpoint.sharded import VERSION, read_sharded, write_sharded
 from lightning_moe_overlap.config import CHECKPOINT_FORMATS, CheckpointFormat
 from lightning_moe_overlap.parallel import ParallelGroups
@@ -92,18 +92,23 @@ def load(
     *,
     strict: bool = True,
     restore_rng_state: bool = False,
+    weights_only: bool | None = None,
 ) -> dict[str, Any]:
     """This rank's part of a checkpoint in the live layout (every rank calls it); restores this rank's RNG state.
 
-    A sharded checkpoint is read straight into the live parameters and optimizer state.
+    A sharded checkpoint is read straight into the live parameters and optimizer state. ``weights_only`` (``None``
+    means ``True``, as in ``torch.load``): every file is read without running code from it (:mod:`.safe_load`);
+    ``False`` unpickles them without restriction, for checkpoints from a trusted source only.
 
     Raises:
         FileNotFoundError: nothing at ``path``.
         RuntimeError: an incomplete checkpoint (no commit marker, staging name, truncated file).
-        ValueError: a checkpoint that does not fit the model (the message says which rule and how to fix it), or a
-            version-1 directory (the message names the converter).
+        ValueError: a checkpoint that does not fit the model (the message says which rule and how to fix it), a
+            version-1 directory (the message names the converter), or, with ``weights_only``, a file that needs
+            more than plain data (the message names the file and the opt-out).
     """
     src = atomic.local_path(path, f"{_OWNER}.load_checkpoint")
+    safe = safe_load.resolve(weights_only)
     rank, world_size = _rank_world()
     optimizers = [state.unwrapped(o) for o in optimizers]
     if src.is_dir():
@@ -111,16 +116,30 @@ def load(
         if legacy.is_legacy(marker):
             legacy.refuse(src)
         same_world = marker.get("world_size") == world_size
-        checkpoint, rng_state = read_sharded(src, module, optimizers, rank=rank, same_world=same_world, strict=strict)
+        checkpoint, rng_state = read_sharded(
+            src, module, optimizers, rank=rank, same_world=same_world, strict=strict, weights_only=safe
+        )
     elif src.exists():
         checkpoint, rng_state = read_consolidated(
-            src, module, optimizers, rank=rank, world_size=world_size, strict=strict
+            src, module, optimizers, rank=rank, world_size=world_size, strict=strict, weights_only=safe
         )
     else:
         raise FileNotFoundError(f"{_OWNER}.load_checkpoint: no checkpoint at {src}. Check the path.")
-    if restore_rng_state and rng_state is not None:
-        restore_rng(rng_state)
+    if restore_rng_state:
+        _restore_rng(rng_state, f"the RNG state of rank {rank} in {src}", weights_only=safe)
     return checkpoint
+
+
+def _restore_rng(blob: bytes | None, where: str, *, weights_only: bool) -> None:
+    """Restore this rank's generators from ``blob`` (if any); every rank raises the first refusal (collective)."""
+    states, error = None, None
+    try:
+        states = None if blob is None else read_rng(blob, where, weights_only=weights_only)
+    except ValueError as err:
+        error = err
+    checks.agree(error)
+    if states is not None:
+        restore_rng(states)
 
 
 def load_module_state(module: nn.Module, checkpoint: dict[str, Any], *, strict: bool) -> None:

@@ -15,6 +15,7 @@ part of every unsharded tensor (``distribute_tensor`` of the file's value in the
 from __future__ import annotations
 
 import os
+import pickle
 from pathlib import Path
 from typing import Any
 
@@ -22,7 +23,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from lightning_moe_overlap.checkpoint import checks
+from lightning_moe_overlap.checkpoint import checks, safe_load
 from lightning_moe_overlap.checkpoint.atomic import check_not_staging, local_path, publish, read_marker, staging_path
 from lightning_moe_overlap.checkpoint.optimizer import (
     flat_to_named,
@@ -153,12 +154,17 @@ def write_file(checkpoint: dict[str, Any], path: Path, token: str) -> None:
     publish(staging, path, token)
 
 
-def read_file(path: Path) -> dict[str, Any]:
-    """A consolidated checkpoint file, memory-mapped (only the parts a rank takes are paged in)."""
+def read_file(path: Path, *, weights_only: bool = True) -> dict[str, Any]:
+    """A consolidated checkpoint file, memory-mapped (only the parts a rank takes are paged in).
+
+    Raises:
+        RuntimeError: the file is truncated or no torch checkpoint.
+        ValueError: ``weights_only`` and the file needs more than plain data (:mod:`.safe_load`).
+    """
     check_not_staging(path)
     try:
-        return torch.load(path, map_location="cpu", mmap=True, weights_only=False)
-    except (RuntimeError, OSError, EOFError) as err:
+        return safe_load.load(path, f"the checkpoint file {path}", weights_only=weights_only, mmap=True)
+    except (RuntimeError, OSError, EOFError, pickle.UnpicklingError) as err:
         raise RuntimeError(
             f"`MoEOverlapStrategy`: the checkpoint file {path} cannot be read ({err}); it is truncated or not a "
             "torch checkpoint. Load a complete checkpoint: a committed sharded directory or a consolidated file."
@@ -167,20 +173,21 @@ def read_file(path: Path) -> dict[str, Any]:
 
 def read_consolidated(
     path: Path, module: nn.Module, optimizers: list[torch.optim.Optimizer], *, rank: int, world_size: int,
-    strict: bool,
+    strict: bool, weights_only: bool = True,
 ) -> tuple[dict[str, Any], bytes | None]:
     """This rank's part of a consolidated file, in the live tensors' layouts, and its RNG state (same world size).
 
     Collective (every rank calls it): the checks agree across ranks.
 
     Raises:
-        ValueError: the checkpoint does not fit the model (expert count, keys, shapes, optimizer parameters).
+        ValueError: the checkpoint does not fit the model (expert count, keys, shapes, optimizer parameters), or
+            ``weights_only`` and the file needs more than plain data.
     """
     error: Exception | None = None
     out: dict[str, Any] = {}
     info: dict[str, Any] = {}
     try:
-        full = read_file(path)
+        full = read_file(path, weights_only=weights_only)
         saved = {k: global_shape(v) for k, v in full["state_dict"].items()}
         checks.check_expert_counts(saved, expert_counts(module), str(path))
         template = model_state(module)
@@ -219,33 +226,37 @@ def _optimizer_part(
 
 
 # -- offline ---------------------------------------------------------------------------------------------------
-def consolidate_checkpoint(source: str | os.PathLike, destination: str | os.PathLike) -> Path:
+def consolidate_checkpoint(
+    source: str | os.PathLike, destination: str | os.PathLike, *, weights_only: bool = True
+) -> Path:
     """Convert a sharded checkpoint directory into one consolidated file, in this process (no process group).
 
     Reads every tensor, so it needs the memory of the whole checkpoint (model and optimizer state). A directory
-    of format version 1 (per-expert keys) is read too.
+    of format version 1 (per-expert keys) is read too. ``weights_only``: read every file without running code
+    from it (:mod:`.safe_load`); ``False`` only for a checkpoint from a trusted source.
 
     Returns:
         The path of the written file.
 
     Raises:
         RuntimeError: ``source`` is incomplete (no commit marker).
+        ValueError: ``weights_only`` and a file of ``source`` needs more than plain data.
     """
     src = local_path(source, "`consolidate_checkpoint`")
     dst = local_path(destination, "`consolidate_checkpoint`")
-    write_file(read_unsharded(src), dst, token=f"{os.getpid()}")
+    write_file(read_unsharded(src, weights_only=weights_only), dst, token=f"{os.getpid()}")
     return dst
 
 
-def read_unsharded(src: Path) -> dict[str, Any]:
+def read_unsharded(src: Path, *, weights_only: bool = True) -> dict[str, Any]:
     """The consolidated checkpoint dict of a sharded directory (any version), read in this process."""
     from lightning_moe_overlap.checkpoint import legacy
     from lightning_moe_overlap.checkpoint.sharded import MODEL, RNG, optimizer_key, read_all
 
     marker = read_marker(src)
     if legacy.is_legacy(marker):
-        return legacy.read_unsharded(src)
-    state, meta = read_all(src)
+        return legacy.read_unsharded(src, weights_only=weights_only)
+    state, meta = read_all(src, weights_only=weights_only)
     checkpoint = {k: v for k, v in meta.items() if k != "optimizer_states"}
     checkpoint["state_dict"] = in_order(state[MODEL], list(marker.get("keys", ())))
     info: dict[str, Any] = {"format": "consolidated", "world_size": marker.get("world_size")}
@@ -262,14 +273,21 @@ def read_unsharded(src: Path) -> dict[str, Any]:
     return checkpoint
 
 
-def load_consolidated_state_dict(path: str | os.PathLike, prefix: str = "") -> dict[str, Tensor]:
+def load_consolidated_state_dict(
+    path: str | os.PathLike, prefix: str = "", *, weights_only: bool = True
+) -> dict[str, Tensor]:
     """The unsharded model state dict of a checkpoint (a consolidated file or a sharded directory).
 
     Args:
         path: the checkpoint.
         prefix: keep only keys starting with it, with it removed: ``"model."`` turns the keys of
             :class:`~lightning_moe_overlap.demo_hf.HFMoECausalLM` into those of the Hugging Face model it wraps.
+        weights_only: read every file without running code from it (:mod:`.safe_load`); ``False`` only for a
+            checkpoint from a trusted source.
     """
     src = local_path(path, "`load_consolidated_state_dict`")
-    state = read_unsharded(src)["state_dict"] if src.is_dir() else read_file(src)["state_dict"]
+    if src.is_dir():
+        state = read_unsharded(src, weights_only=weights_only)["state_dict"]
+    else:
+        state = read_file(src, weights_only=weights_only)["state_dict"]
     return {k[len(prefix) :]: v for k, v in state.items() if k.startswith(prefix)}

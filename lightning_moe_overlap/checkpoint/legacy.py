@@ -11,19 +11,27 @@ from __future__ import annotations
 
 import json
 import os
-import pickle
 import re
+import sys
 import uuid
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-from lightning_moe_overlap.checkpoint import atomic
+from lightning_moe_overlap.checkpoint import atomic, safe_load
 from lightning_moe_overlap.checkpoint.optimizer import to_indexed
-from lightning_moe_overlap.checkpoint.sharded import META_FILE, MODEL, RNG, VERSION, optimizer_key, single_process_quiet
+from lightning_moe_overlap.checkpoint.sharded import (
+    META_FILE,
+    MODEL,
+    RNG,
+    VERSION,
+    load_everything,
+    optimizer_key,
+    read_meta,
+    single_process_quiet,
+)
 from lightning_moe_overlap.checkpoint.state import GROUPS, STATE
 
 _EXPERT = re.compile(r"^(?P<name>.+)\[(?P<expert>\d+)\]$")
@@ -70,15 +78,17 @@ def _stack(entries: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def read_all(src: Path) -> tuple[dict[str, Any], dict[str, Any], dict[str, Any], dict[str, Any]]:
+def read_all(
+    src: Path, *, weights_only: bool = True
+) -> tuple[dict[str, Any], dict[str, Any], dict[str, Any], dict[str, Any]]:
     """Every entry of a version-1 directory: (model ``[E, ...]``, ``{i: {name: state}}``, rng by rank, meta.pt)."""
-    metadata = dcp.FileSystemReader(src).read_metadata().state_dict_metadata
-    flat = {k: (torch.empty(m.size, dtype=m.properties.dtype) if isinstance(m, TensorStorageMetadata) else None)
-            for k, m in metadata.items()}
-    with single_process_quiet():
-        dcp.load(flat, checkpoint_id=src, no_dist=True)
+    flat = load_everything(src, weights_only=weights_only)
     # version 1 pickled every value that is not a tensor, except the RNG states (bytes already)
-    unpack = {k: (pickle.loads(v) if isinstance(v, bytes) and not k.startswith(_RNG) else v) for k, v in flat.items()}
+    unpack = {
+        k: (safe_load.plain_loads(v, f"the entry `{k}` of {src}", weights_only=weights_only)
+            if isinstance(v, bytes) and not k.startswith(_RNG) else v)
+        for k, v in flat.items()
+    }
     model = _stack({k[len(_MODEL) :]: v for k, v in unpack.items() if k.startswith(_MODEL)})
     optimizers: dict[int, dict[str, dict[str, Any]]] = {}
     for key, value in unpack.items():
@@ -101,16 +111,15 @@ def read_all(src: Path) -> tuple[dict[str, Any], dict[str, Any], dict[str, Any],
                 merged.setdefault(name, {})[state_name] = stacked[name]
         states[i] = merged
     rng = {int(k[len(_RNG) :]): v for k, v in unpack.items() if k.startswith(_RNG)}
-    meta = torch.load(src / META_FILE, map_location="cpu", weights_only=False)
-    return model, states, rng, meta
+    return model, states, rng, read_meta(src, weights_only=weights_only)
 
 
-def read_unsharded(src: Path) -> dict[str, Any]:
+def read_unsharded(src: Path, *, weights_only: bool = True) -> dict[str, Any]:
     """The consolidated checkpoint dict (:mod:`.consolidated`) of a version-1 directory."""
     from lightning_moe_overlap.checkpoint.consolidated import INFO_KEY, in_order
 
     marker = atomic.read_marker(src)
-    model, states, rng, meta = read_all(src)
+    model, states, rng, meta = read_all(src, weights_only=weights_only)
     checkpoint = {k: v for k, v in meta.items() if k != "optimizer_states"}
     checkpoint["state_dict"] = in_order(model, list(marker.get("keys", ())))
     info: dict[str, Any] = {"format": "consolidated", "world_size": marker.get("world_size"), "param_names": []}
@@ -125,25 +134,46 @@ def read_unsharded(src: Path) -> dict[str, Any]:
     return checkpoint
 
 
-def convert_legacy_checkpoint(source: str | os.PathLike, destination: str | os.PathLike) -> Path:
+def _check_paths(src: Path, dst: Path) -> None:
+    """Refuse a source that is a file and a destination that exists (the conversion would replace it)."""
+    if src.is_file():
+        raise ValueError(
+            f"`convert_legacy_checkpoint`: {src} is a file, not a version-1 sharded checkpoint directory; a file is "
+            "a consolidated checkpoint, which loads directly. Only version-1 directories need converting."
+        )
+    if dst.exists() or dst.is_symlink():
+        raise ValueError(
+            f"`convert_legacy_checkpoint`: the destination {dst} exists; the conversion writes a new directory and "
+            "replaces nothing. Pass a path that does not exist yet, or delete it first."
+        )
+
+
+def convert_legacy_checkpoint(
+    source: str | os.PathLike, destination: str | os.PathLike, *, weights_only: bool = True
+) -> Path:
     """Convert a version-1 sharded directory into a version-2 one at ``destination`` (one process, no group).
 
     Needs the memory of the whole checkpoint. The result is committed atomically like any save.
+    ``weights_only``: read every file without running code from it (:mod:`.safe_load`); ``False`` only for a
+    checkpoint from a trusted source.
 
     Raises:
+        FileNotFoundError: nothing at ``source``.
         RuntimeError: ``source`` is incomplete (no commit marker).
-        ValueError: ``source`` is not a version-1 sharded directory.
+        ValueError: ``source`` is not a version-1 sharded directory, ``destination`` exists, or ``weights_only``
+            and one of its files needs more than plain data.
     """
     src = atomic.local_path(source, "`convert_legacy_checkpoint`")
     dst = atomic.local_path(destination, "`convert_legacy_checkpoint`")
+    _check_paths(src, dst)
     marker = atomic.read_marker(src)
-    if not src.is_dir() or not is_legacy(marker):
+    if not is_legacy(marker):
         raise ValueError(
             f"`convert_legacy_checkpoint`: {src} is not a version-1 sharded checkpoint (its COMMIT marker says "
             f"format {marker.get('format')!r}, version {marker.get('version')!r}). Only version-1 directories need "
             "converting; load this one directly."
         )
-    model, states, rng, meta = read_all(src)
+    model, states, rng, meta = read_all(src, weights_only=weights_only)
     state: dict[str, Any] = {MODEL: model, RNG: {f"rank_{r}": v for r, v in rng.items()}}
     for i, saved in enumerate(meta.get("optimizer_states", [])):
         flat: dict[str, Any] = {}
@@ -165,17 +195,30 @@ def convert_legacy_checkpoint(source: str | os.PathLike, destination: str | os.P
 
 
 def main(argv: list[str]) -> int:
-    """``convert-checkpoint SRC DST``: the command-line form of :func:`convert_legacy_checkpoint`."""
+    """``convert-checkpoint SRC DST``: the command-line form of :func:`convert_legacy_checkpoint`.
+
+    Returns 0 when converted; 1 with the error's message on stderr (no traceback) when the source cannot be
+    converted. Bad arguments exit with argparse's usage message (status 2).
+    """
     import argparse
 
+    prog = "lightning-moe-overlap convert-checkpoint"
     parser = argparse.ArgumentParser(
-        prog="lightning-moe-overlap convert-checkpoint",
+        prog=prog,
         description="Convert a sharded checkpoint of format version 1 (per-expert keys) into version 2, in one "
         "process (needs the memory of the whole checkpoint).",
     )
     parser.add_argument("source", help="the version-1 checkpoint directory")
     parser.add_argument("destination", help="where to write the version-2 directory")
+    parser.add_argument(
+        "--no-weights-only", dest="weights_only", action="store_false",
+        help="unpickle the checkpoint's files without restriction (runs code they name: trusted sources only)",
+    )
     args = parser.parse_args(argv)
-    out = convert_legacy_checkpoint(args.source, args.destination)
+    try:
+        out = convert_legacy_checkpoint(args.source, args.destination, weights_only=args.weights_only)
+    except (OSError, ValueError, TypeError, RuntimeError, NotImplementedError) as err:
+        print(f"{prog}: error: {err}", file=sys.stderr)
+        return 1
     print(json.dumps({"converted": str(args.source), "to": str(out)}))
     return 0

@@ -37,7 +37,7 @@ import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-from lightning_moe_overlap.checkpoint import checks
+from lightning_moe_overlap.checkpoint import checks, safe_load
 from lightning_moe_overlap.checkpoint.atomic import read_marker
 from lightning_moe_overlap.checkpoint.state import (
     GROUPS,
@@ -96,38 +96,41 @@ def write_sharded(staging: Path, checkpoint: dict[str, Any], groups: list[Any], 
             os.fsync(f.fileno())
 
 
-def saved_entries(path: Path) -> dict[str, Any]:
+def saved_entries(path: Path, *, weights_only: bool = True) -> dict[str, Any]:
     """``{flat DCP key: global shape or None}`` of a sharded checkpoint directory."""
-    metadata = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
+    metadata = safe_load.read_dcp_metadata(path, weights_only=weights_only).state_dict_metadata
     return {k: (m.size if isinstance(m, TensorStorageMetadata) else None) for k, m in metadata.items()}
 
 
 def read_sharded(
     path: Path, module: nn.Module, optimizers: list[torch.optim.Optimizer], *, rank: int, same_world: bool,
-    strict: bool,
+    strict: bool, weights_only: bool = True,
 ) -> tuple[dict[str, Any], bytes | None]:
     """Read this rank's part of a committed sharded checkpoint straight into the live tensors.
 
     Collective: every rank calls it. The checks run before any tensor is read, and every rank raises the first
     rank's error. Returns Lightning's checkpoint (``state_dict``: the loaded model entries, ``optimizer_states``:
-    flat optimizer states) and this rank's RNG state when ``same_world``.
+    flat optimizer states) and this rank's RNG state when ``same_world``. ``weights_only``: every file is read
+    without running code from it (:mod:`.safe_load`).
 
     Raises:
-        ValueError: the checkpoint does not fit the model (expert count, keys, shapes, optimizer parameters).
+        ValueError: the checkpoint does not fit the model (expert count, keys, shapes, optimizer parameters), or
+            ``weights_only`` and a file needs more than plain data.
     """
     error: Exception | None = None
     request: dict[str, Any] = {}
     meta: dict[str, Any] = {}
     try:
-        meta = torch.load(path / META_FILE, map_location="cpu", weights_only=False)
-        request = _request(path, module, optimizers, meta, strict=strict)
+        meta = read_meta(path, weights_only=weights_only)
+        request = _request(path, module, optimizers, meta, strict=strict, weights_only=weights_only)
     except (ValueError, NotImplementedError) as err:
         error = err
     checks.agree(error)
     if same_world:
         request[RNG] = {_rank_key(rank): None}
     with single_process_quiet():
-        dcp.load(request, checkpoint_id=path, no_dist=_no_dist())
+        refused = safe_load.dcp_load(request, path, weights_only=weights_only, no_dist=_no_dist())
+    checks.agree(refused)
     checkpoint = {k: v for k, v in meta.items() if k != "optimizer_states"}
     checkpoint["state_dict"] = request[MODEL]
     count = min(len(optimizers), len(meta.get("optimizer_states", [])))
@@ -137,10 +140,11 @@ def read_sharded(
 
 
 def _request(
-    path: Path, module: nn.Module, optimizers: list[torch.optim.Optimizer], meta: dict[str, Any], *, strict: bool
+    path: Path, module: nn.Module, optimizers: list[torch.optim.Optimizer], meta: dict[str, Any], *, strict: bool,
+    weights_only: bool,
 ) -> dict[str, Any]:
     """The entries this rank reads, each the live tensor to read into (after checking they fit the model)."""
-    entries = saved_entries(path)
+    entries = saved_entries(path, weights_only=weights_only)
     saved = _under(entries, MODEL)
     checks.check_expert_counts(saved, expert_counts(module), str(path))
     template = model_state(module)
@@ -167,23 +171,36 @@ def _under(entries: dict[str, Any], prefix: str) -> dict[str, Any]:
     return {k[len(dot) :]: v for k, v in entries.items() if k.startswith(dot)}
 
 
-def read_all(path: Path) -> tuple[dict[str, Any], dict[str, Any]]:
+def read_meta(path: Path, *, weights_only: bool) -> dict[str, Any]:
+    """``meta.pt`` of a sharded checkpoint directory (:mod:`.safe_load` when ``weights_only``)."""
+    return safe_load.load(path / META_FILE, f"the checkpoint file {path / META_FILE}", weights_only=weights_only)
+
+
+def load_everything(path: Path, *, weights_only: bool) -> dict[str, Any]:
+    """Every DCP entry of ``path`` in one process, no process group: ``{flat key: full tensor or value}``."""
+    metadata = safe_load.read_dcp_metadata(path, weights_only=weights_only).state_dict_metadata
+    flat = {k: (torch.empty(m.size, dtype=m.properties.dtype) if isinstance(m, TensorStorageMetadata) else None)
+            for k, m in metadata.items()}
+    with single_process_quiet():
+        refused = safe_load.dcp_load(flat, path, weights_only=weights_only, no_dist=True)
+    if refused is not None:
+        raise refused
+    return flat
+
+
+def read_all(path: Path, *, weights_only: bool = True) -> tuple[dict[str, Any], dict[str, Any]]:
     """Every entry of a committed sharded checkpoint in one process, no process group (offline consolidation).
 
     Returns ``({"model": ..., "optimizer": ..., "rng": ...}`` with full tensors, ``meta.pt``'s content).
     """
     read_marker(path)
-    metadata = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
-    flat = {k: (torch.empty(m.size, dtype=m.properties.dtype) if isinstance(m, TensorStorageMetadata) else None)
-            for k, m in metadata.items()}
-    with single_process_quiet():
-        dcp.load(flat, checkpoint_id=path, no_dist=True)
+    flat = load_everything(path, weights_only=weights_only)
     state: dict[str, Any] = {}
     for key, value in flat.items():
         top, _, rest = key.partition(".")
         state.setdefault(top, {})[rest] = value
-    return state, torch.load(path / META_FILE, map_location="cpu", weights_only=False)
+    return state, read_meta(path, weights_only=weights_only)
 
 
-__all__ = ["META_FILE", "MODEL", "RNG", "VERSION", "optimizer_key", "read_all", "read_sharded", "saved_entries",
-           "write_sharded"]
+__all__ = ["META_FILE", "MODEL", "RNG", "VERSION", "load_everything", "optimizer_key", "read_all", "read_meta",
+           "read_sharded", "saved_entries", "write_sharded"]

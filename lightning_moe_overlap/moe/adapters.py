@@ -230,6 +230,12 @@ def find_moe_blocks(model: nn.Module) -> dict[str, int]:
     return {name: f.num_experts for name, f in find_experts(model).items()}
 
 
+def expert_parallel_modules(model: nn.Module) -> list[str]:
+    """The names of the experts modules of ``model`` that are already expert-parallel (``apply_expert_parallel`` ran
+    on it): :func:`find_experts` does not list them, so a second wrap would find no MoE block."""
+    return [name for name, module in model.named_modules() if isinstance(module, ExpertParallelExperts)]
+
+
 # -- wrapping --------------------------------------------------------------------------------------------------
 def _ep_group_of(groups_or_ep_group: Any) -> ProcessGroup | None:
     if groups_or_ep_group is None or isinstance(groups_or_ep_group, ProcessGroup):
@@ -345,6 +351,7 @@ __all__ = [
     "FoundExperts",
     "adapter_for",
     "apply_expert_parallel",
+    "expert_parallel_modules",
     "find_experts",
     "find_moe_blocks",
     "layout_of",

@@ -7,7 +7,8 @@ only experts ``[ep_rank * E / ep, (ep_rank + 1) * E / ep)``, as new parameters u
 :class:`ExpertShard` saying which global experts those are. Given the ep ``DeviceMesh``, each parameter is a
 ``DTensor`` sharded ``Shard(0)`` over it: global shape ``[E, ...]``, local shard ``[E / ep, ...]`` (torchtitan's
 layout), so the state-dict API and ``torch.distributed.checkpoint`` see whole experts and reshard them across ep;
-the experts compute on the local shard.
+the experts compute on the local shard, and a delayed weight gradient (``delay_wgrad``) accumulates into the
+``DTensor``'s local gradient (``grad_target`` of :func:`~lightning_moe_overlap.moe.grouped.grouped_projection`).
 
 Forward: capacity drop (optional, on local tokens) -> ``dispatcher.dispatch`` -> grouped MLP of the local
 experts -> ``dispatcher.combine``. On each rank the result equals the unsharded module's on that rank's tokens.
@@ -219,14 +220,16 @@ class ExpertParallelExperts(nn.Module):
         return self._project(h_RF, splits, layout.down_name, layout.down_bias_name)
 
     def _project(self, x_RI: Tensor, splits: RowSplits, weight_name: str, bias_name: str | None) -> Tensor:
+        weight = getattr(self, weight_name)  # a DTensor over the ep mesh: the kernels run on its local shard
         return grouped_projection(
             x_RI,
-            local(getattr(self, weight_name)),
+            local(weight),
             splits,
             bias=local(getattr(self, bias_name)) if bias_name else None,
             transposed=self.layout.transposed,
             runtime=self.runtime,
             impl=self.impl,
+            grad_target=weight,  # a deferred weight gradient lands in the DTensor's local gradient
         )
 
     def extra_repr(self) -> str:

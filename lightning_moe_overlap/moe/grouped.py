@@ -4,9 +4,11 @@ Rows arrive sorted by expert (``tokens_per_expert[e]`` rows for expert ``e``, in
 expert each (:meth:`RowSplits.from_segments`, the loop kernels). Each projection is one
 autograd function, :class:`GroupedLinear`, whose backward computes the input gradient (dgrad) at once and hands
 the weight gradient (wgrad) to ``runtime.defer_wgrad``. When the runtime defers it, the closure runs later, at
-a comm point while an all-to-all is in flight, and accumulates into ``weight.grad`` itself; otherwise backward
-returns it and autograd accumulates it. Both paths run the same kernels in the same order, so ``.grad`` is
-bitwise equal.
+a comm point while an all-to-all is in flight, and accumulates into the parameter's ``.grad`` itself; otherwise
+backward returns it and autograd accumulates it. Both paths run the same kernels in the same order, so ``.grad``
+is bitwise equal. The parameter is the weight when it is a leaf, or the ``grad_target`` the caller names when the
+kernel runs on a view of it: the expert-parallel experts pass the local shard of a ``DTensor`` parameter
+(``to_local()``, not a leaf) and the ``DTensor`` itself, whose local gradient then receives the deferred sum.
 
 Kernels: ``torch._grouped_mm`` where this torch build supports it (CPU: torch >= 2.9, float32/bfloat16/float16;
 CUDA: bfloat16 on compute capability >= 8.0 with torch >= 2.9, Hopper before), with 16-byte aligned rows;
@@ -41,6 +43,7 @@ from torch import Tensor
 from lightning_moe_overlap._compat import torch as torch_compat
 from lightning_moe_overlap.moe.dispatch.comm import backward_handoff
 from lightning_moe_overlap.overlap.runtime import CommRuntime
+from lightning_moe_overlap.parallel.dtensors import like, local
 
 GemmImpl = Literal["auto", "grouped_mm", "loop"]
 GEMM_IMPLS: tuple[str, ...] = ("auto", "grouped_mm", "loop")
@@ -259,6 +262,7 @@ class GroupedLinear(torch.autograd.Function):
         transposed: bool,
         impl: str,
         runtime: CommRuntime | None,
+        grad_target: tuple[Tensor, ...] = (),
     ) -> Tensor:
         dtype = autocast_dtype(x_RI)  # the compute dtype under autocast; None keeps the inputs' dtypes
         x_RI, w = _cast(x_RI, dtype), _cast(weight, dtype)
@@ -270,7 +274,7 @@ class GroupedLinear(torch.autograd.Function):
         ctx.splits, ctx.transposed, ctx.grouped, ctx.runtime, ctx.dtype = splits, transposed, grouped, runtime, dtype
         # The accumulation target of a deferred wgrad. Not taken from `saved_tensors`: under non-reentrant
         # checkpointing those are detached recomputed aliases, whose `.grad` is not the parameter's.
-        ctx.leaf_weight = weight if weight.is_leaf and weight.requires_grad else None
+        ctx.leaf_weight = _leaf_target(weight, grad_target)
         with torch.autocast(x_RI.device.type, enabled=False):
             return _forward(x_RI, w, splits, transposed, grouped)
 
@@ -286,7 +290,7 @@ class GroupedLinear(torch.autograd.Function):
             with torch.autocast(device_type, enabled=False):
                 dx = _dgrad(g_RO, _cast(weight, ctx.dtype), splits, transposed, grouped)
         if not ctx.needs_input_grad[1]:
-            return dx, None, None, None, None, None
+            return dx, None, None, None, None, None, None
 
         target: Tensor | None = ctx.leaf_weight
         weight_dtype = weight.dtype
@@ -296,17 +300,37 @@ class GroupedLinear(torch.autograd.Function):
             with torch.autocast(device_type, enabled=False):
                 dw = _wgrad(x_RI, g_RO, splits, transposed, grouped).to(weight_dtype)
             if target.grad is None:
-                target.grad = dw
+                target.grad = like(target, dw)  # a DTensor parameter's gradient is a DTensor of the same layout
             else:
-                target.grad.add_(dw)
+                local(target.grad).add_(dw)
 
-        # Only a leaf weight has a `.grad` the closure may write; a non-leaf (a view, a cast) takes the inline path.
+        # Only a leaf parameter has a `.grad` the closure may write; without one (a view or a cast of a weight that
+        # names no `grad_target`) the wgrad takes the inline path.
         runtime: CommRuntime | None = ctx.runtime
         if target is not None and runtime is not None and runtime.defer_wgrad(accumulate):
-            return dx, None, None, None, None, None
+            return dx, None, None, None, None, None, None
         with torch.autocast(device_type, enabled=False):
             dw = _wgrad(x_RI, g_RO, splits, transposed, grouped).to(weight_dtype)
-        return dx, dw, None, None, None, None
+        return dx, dw, None, None, None, None, None
+
+
+def _leaf_target(weight: Tensor, grad_target: tuple[Tensor, ...]) -> Tensor | None:
+    """The leaf whose ``.grad`` a deferred wgrad of ``weight`` accumulates into, or None (the inline path).
+
+    ``grad_target`` is ``()`` (the weight itself) or ``(parameter,)`` where ``weight`` is ``local(parameter)``: a
+    ``DTensor``'s ``to_local()`` is not a leaf, but its parameter is.
+    """
+    target = grad_target[0] if grad_target else weight
+    if not (target.is_leaf and target.requires_grad):
+        return None
+    shard = local(target)
+    if shard.shape != weight.shape or shard.dtype != weight.dtype:
+        raise ValueError(
+            f"`GroupedLinear`: grad_target has a local shard of shape {tuple(shard.shape)} and dtype {shard.dtype}, "
+            f"but the weight is {tuple(weight.shape)} {weight.dtype}; the rule is weight == local(grad_target). "
+            "Pass the parameter whose local shard the kernel runs on, or no grad_target."
+        )
+    return target
 
 
 def grouped_linear(
@@ -349,10 +373,13 @@ def grouped_projection(
     transposed: bool = False,
     runtime: CommRuntime | None = None,
     impl: GemmImpl = "auto",
+    grad_target: Tensor | None = None,
 ) -> Tensor:
     """One projection of every expert (the first, ``fc1``, or the down projection, ``fc2``), plus its optional
-    ``[e, O]`` per-expert bias."""
-    y_RO = GroupedLinear.apply(x_RI, weight, splits, transposed, impl, runtime)
+    ``[e, O]`` per-expert bias. ``grad_target``: the parameter whose local shard ``weight`` is (a ``DTensor``), where
+    a deferred weight gradient accumulates; ``None`` when ``weight`` is the parameter itself."""
+    target = () if grad_target is None else (grad_target,)  # in a tuple: not an input of the autograd function
+    y_RO = GroupedLinear.apply(x_RI, weight, splits, transposed, impl, runtime, target)
     if bias is not None:
         y_RO = y_RO + splits.bias_rows(bias, x_RI.shape[0])
     return y_RO

@@ -17,7 +17,9 @@ load-balancing loss rides on the weights, the z-loss on the logits. ``aux_loss_s
 Aux-loss-free balancing (DeepSeek-V3): with ``enable_expert_bias`` the router counts tokens per expert in
 ``local_tokens_per_expert`` during training forwards; after each optimizer step the strategy calls
 :meth:`TopKRouter.update_expert_bias` (with the data-parallel group) to nudge ``expert_bias`` by
-``± expert_bias_update_rate`` towards balance.
+``± expert_bias_update_rate`` towards balance. Training forwards are those of the training step itself: not a
+checkpoint's recomputation in backward, nor forwards run inside :func:`not_counted` (torch's pipeline metadata
+inference); the rule holds per thread, so the overlap engine's two contexts never undo each other's counts.
 
 Shape legend:
     T: tokens    D: hidden size    E: experts    K: top-k
@@ -25,7 +27,10 @@ Shape legend:
 
 from __future__ import annotations
 
+import threading
 import warnings
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any, Literal
 
 import torch
@@ -63,11 +68,32 @@ class AuxLossScaler(torch.autograd.Function):
         return grad_output, torch.full_like(aux_loss, ctx.scale), None
 
 
+class _CountingState(threading.local):
+    """Per thread, i.e. per execution context of the overlap engine: the open :func:`not_counted` scopes."""
+
+    paused = 0
+
+
+_COUNTING = _CountingState()  # thread-local like torch's grad mode: one context's scope never pauses another's
+
+
+@contextmanager
+def not_counted() -> Iterator[None]:
+    """Forwards run inside, on this thread only, are not counted by the token counters (``TopKRouter``'s expert-bias
+    counts, ``e_score_correction_bias`` balancers, ``RoutingStats``): a checkpoint's recomputation, torch's
+    pipeline metadata inference. The overlap engine's other context keeps counting its forwards meanwhile."""
+    _COUNTING.paused += 1
+    try:
+        yield
+    finally:
+        _COUNTING.paused -= 1
+
+
 def _in_training_forward() -> bool:
-    """False inside a backward pass, where a checkpoint's recompute runs the router again: counting its tokens
-    there would double the counts of the expert-bias update. (Grad mode is no guide: reentrant checkpointing runs
-    the first forward under ``no_grad``.)"""
-    return torch_compat.current_graph_task_id() == -1
+    """False inside a backward pass, where a checkpoint's recompute runs the router again (counting its tokens
+    there would double the counts of the expert-bias update), and inside :func:`not_counted`. Both are per thread.
+    (Grad mode is no guide: reentrant checkpointing runs the first forward under ``no_grad``.)"""
+    return torch_compat.current_graph_task_id() == -1 and _COUNTING.paused == 0
 
 
 class TopKRouter(torch_compat.Float32Buffers):

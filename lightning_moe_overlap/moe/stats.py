@@ -12,7 +12,10 @@ only (not in eval, not in a checkpoint's recompute inside backward), adds up on 
 - the router's load-balancing and z losses (``TopKRouter.metrics``), summed over forwards.
 
 Nothing is read back to the host here: :meth:`RoutingStats.pack` returns one float64 vector (reduce it over the
-ranks with one collective) and :func:`summarize` turns it into numbers with a single device-to-host copy.
+ranks with one collective) and :func:`summarize` turns it into numbers with a single device-to-host copy. At
+``pp > 1`` a block's sums are on the ranks of the stage that holds it, zeros elsewhere: sum them over the pp group
+too. Training forwards are counted as the expert-bias counters count them (``moe/router.py``): not in backward,
+not inside ``not_counted`` (a recomputation, torch's pipeline metadata inference), per thread.
 
 Shape legend: T tokens of one call, K top-k, E experts, L MoE blocks.
 """
@@ -162,13 +165,18 @@ class RoutingStats:
         return torch.cat(parts), layout
 
     def bias_norms(self, device: torch.device) -> Tensor:
-        """The L2 norm of each block's expert bias (NaN for blocks without one), ``[L]`` float64 on ``device``."""
-        norms = [
-            torch.linalg.vector_norm(b.bias().detach().to(device, torch.float64))
-            if b.bias() is not None
-            else torch.full((), math.nan, dtype=torch.float64, device=device)
-            for b in self.blocks
-        ]
+        """The L2 norm of each block's expert bias, ``[L]`` float64 on ``device``: NaN for blocks without one, 0 for
+        blocks another pipeline stage holds (their bias is on the meta device), so that a sum over the pp group
+        gives every block's norm."""
+        norms = []
+        for b in self.blocks:
+            bias = b.bias()
+            if bias is None:
+                norms.append(torch.full((), math.nan, dtype=torch.float64, device=device))
+            elif bias.is_meta:
+                norms.append(torch.zeros((), dtype=torch.float64, device=device))
+            else:
+                norms.append(torch.linalg.vector_norm(bias.detach().to(device, torch.float64)))
         return torch.stack(norms) if norms else torch.zeros(0, dtype=torch.float64, device=device)
 
 

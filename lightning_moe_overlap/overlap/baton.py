@@ -10,6 +10,10 @@ The holder is identified by the baton, not by the calling thread: only the holde
 calls :meth:`Baton.handoff` is the holder. This matters on CUDA, where autograd runs backward functions (and their
 comm points) on the autograd engine's device thread rather than on the thread that called ``.backward()``.
 
+Autograd inside a context: :meth:`Baton.autograd_stuck` reports a holder that entered ``torch.autograd.grad`` or
+``backward`` while the other context waits at a comm point on a thread that is not its own (CUDA autograd's device
+thread, which the holder's autograd call then waits for: a deadlock the engine turns into an error).
+
 Errors: an exception in a context stops the phase. The other context is woken and raises :class:`BatonAborted`
 at its next hand-over (or when it would start), so it issues no further collective. Every wait has a timeout,
 a safety net against a partner that is stuck for good; hitting it raises ``RuntimeError`` naming the phase.
@@ -17,11 +21,17 @@ a safety net against a partner that is stuck for good; hitting it raises ``Runti
 
 from __future__ import annotations
 
+import sys
 import threading
 from collections.abc import Callable, Sequence
 
+import torch
+
 from lightning_moe_overlap.overlap.rng import RngSource, RngState
 from lightning_moe_overlap.overlap.schedule import Role
+
+
+_AUTOGRAD_ENTRIES = frozenset({torch.autograd.grad.__code__, torch.autograd.backward.__code__})
 
 
 class BatonAborted(BaseException):
@@ -58,6 +68,8 @@ class Baton:
         self._errors: list[BaseException] = []
         self._progress = 0
         self._done = threading.Event()
+        self._threads: dict[Role, int] = {}  # the thread each context started on (its lane)
+        self._parked: dict[Role, int] = {}  # the thread each waiting context called `handoff` from
         # Random streams per context, only where two contexts interleave (see rng.py).
         self._rng_source = RngSource.of_current_thread() if rng is None else rng
         start = self._rng_source.capture() if len(roles) == 2 else None
@@ -68,6 +80,7 @@ class Baton:
         """Run ``fn`` as the ``role`` context: wait for the baton, run, hand it over for good. Never raises."""
         try:
             with self._cond:
+                self._threads[role] = threading.get_ident()
                 self._wait_for(role)
             fn()
         except BatonAborted:
@@ -89,7 +102,11 @@ class Baton:
             self._swap_out(me)
             self._holder = me.partner
             self._cond.notify_all()
-            self._wait_for(me)
+            self._parked[me] = threading.get_ident()
+            try:
+                self._wait_for(me)
+            finally:
+                self._parked.pop(me, None)
 
     # -- the engine's side -----------------------------------------------------------------------------------------
     def abort(self) -> None:
@@ -97,6 +114,27 @@ class Baton:
         with self._cond:
             self._stopped = True
             self._cond.notify_all()
+
+    def fail(self, err: BaseException) -> None:
+        """Stop the phase with ``err`` (raised by the engine); the contexts raise :class:`BatonAborted`."""
+        self._fail(err)
+
+    def autograd_stuck(self) -> Role | None:
+        """The holder, when it is inside ``torch.autograd.grad``/``backward`` while the other context waits at a
+        comm point called from a thread other than its own (on CUDA, autograd's one device thread: the holder's
+        autograd call needs that thread, which waits for the baton). None otherwise."""
+        with self._cond:
+            holder = self._holder
+            waiting = self._parked.get(holder.partner)
+            if waiting is None or waiting == self._threads.get(holder.partner):
+                return None
+            thread = self._threads.get(holder)
+        frame = sys._current_frames().get(thread) if thread is not None else None
+        while frame is not None:
+            if frame.f_code in _AUTOGRAD_ENTRIES:
+                return holder
+            frame = frame.f_back
+        return None
 
     def wait_done(self, timeout_s: float) -> bool:
         """Wait until every context has finished; False on timeout."""
@@ -112,6 +150,10 @@ class Baton:
     def errors(self) -> list[BaseException]:
         """Exceptions raised by the contexts, first one first (aborts excluded)."""
         return list(self._errors)
+
+    @property
+    def phase(self) -> str:
+        return self._phase
 
     @property
     def stopped(self) -> bool:

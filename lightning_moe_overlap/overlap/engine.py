@@ -161,14 +161,20 @@ class OverlapEngine:
         """Wait until the phase's contexts finished (True); stop them when another rank failed; return False when
         the phase made no progress for ``stall_timeout_s``."""
         progress, since = baton.progress, time.monotonic()
+        suspect = False  # the holder was in autograd at the last poll, with no hand-over since
         while not baton.wait_done(min(self.failure_poll_s, self.timeout_s)):
             if watch.poll() is not None:
                 baton.abort()
             now = time.monotonic()
             if baton.progress != progress:
-                progress, since = baton.progress, now
+                progress, since, suspect = baton.progress, now, False
             elif now - since > self.stall_timeout_s:
                 return False
+            else:
+                stuck = baton.autograd_stuck()
+                if stuck is not None and suspect and not baton.stopped:
+                    baton.fail(_autograd_in_context_error(baton.phase, stuck))
+                suspect = stuck is not None
         return True
 
     # -- helpers -----------------------------------------------------------------------------------------------------
@@ -182,6 +188,17 @@ class OverlapEngine:
         message = device_max_connections_warning() if self.overlap else None
         if message is not None:
             warnings.warn(message, RuntimeWarning, stacklevel=stacklevel)
+
+
+def _autograd_in_context_error(phase: str, role: Role) -> RuntimeError:
+    return RuntimeError(
+        f"Phase {phase}: the {role.value} context called torch.autograd.grad/backward (e.g. a gradient penalty) "
+        f"while the {role.partner.value} context waits at a comm point inside autograd's device thread. On CUDA "
+        "autograd runs every backward function of a device on that one thread, so the call waits for it, and it "
+        "waits for the baton: both would hang until the process-group timeout. A forward the overlap pairs with a "
+        "backward must not run autograd itself. Set `overlap=False` for this model (each task then runs alone), "
+        "or move the autograd call out of the micro-batch's forward."
+    )
 
 
 def run_schedule(

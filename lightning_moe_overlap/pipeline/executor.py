@@ -70,21 +70,22 @@ class PipelineExecutor:
     def overlap(self) -> bool:
         return self.engine is not None and self.engine.overlap
 
-    def step(self, *args: Any, target: Any = None, losses: list | None = None) -> Any:
-        """One optimizer step: ``schedule.step(*args, target=..., losses=...)`` (inputs on the rank holding the
-        first stage, targets on the one holding the last; ``losses`` receives the per-micro-batch losses there).
+    def step(self, *args: Any, target: Any = None, losses: list | None = None, **kwargs: Any) -> Any:
+        """One optimizer step: ``schedule.step(*args, target=..., losses=..., **kwargs)`` (inputs on the rank holding
+        the first stage, targets on the one holding the last, ``kwargs`` to every stage; ``losses`` receives the
+        per-micro-batch losses there).
 
         Raises:
             As :meth:`OverlapEngine.run`: a failed task's own exception, or :class:`PeerFailure` when another rank
             failed first.
         """
         if not self.overlap:
-            return self.schedule.step(*args, target=target, losses=losses)
+            return self.schedule.step(*args, target=target, losses=losses, **kwargs)
         assert self.engine is not None  # noqa: S101 - implied by self.overlap
         with self.engine.step() as engine_step:
             self._step = engine_step
             try:
-                output = self.schedule.step(*args, target=target, losses=losses)
+                output = self.schedule.step(*args, target=target, losses=losses, **kwargs)
                 while self._works:
                     self._works.pop(0).wait()
                 return output

@@ -49,9 +49,9 @@ class _InContext(nn.Module):
         self.chunk = chunk
         self.context: ContextFactory = nullcontext
 
-    def forward(self, *args: Any) -> Any:
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
         with self.context():
-            return self.chunk(*args)
+            return self.chunk(*args, **kwargs)
 
 
 class PipelinedModel:
@@ -133,10 +133,10 @@ class PipelinedModel:
         logged, the same on every rank of the pipeline."""
         if self._train is None:
             raise RuntimeError("PipelinedModel.train_step before build_schedule(); the strategy builds it in setup.")
-        args, target = self._inputs(batch)
+        args, target, kwargs = self._inputs(batch)
         losses: list[Tensor] = []
         with _forward_context(self._wrapped, context), logs:
-            self._train.step(*args, target=target, losses=losses)
+            self._train.step(*args, target=target, losses=losses, **kwargs)
         return self._share(losses, logs)
 
     def eval_step(self, batch: Any, logs: MicroBatchLogs, context: ContextFactory, device: torch.device) -> StepResult:
@@ -144,17 +144,19 @@ class PipelinedModel:
         plain schedule over separate stage objects (torch's ``eval``; the training schedule's pairs need backwards)."""
         if self._eval is None:
             self._eval = self._schedule(device, overlap=False)
-        args, target = self._inputs(batch)
+        args, target, kwargs = self._inputs(batch)
         losses: list[Tensor] = []
         with _forward_context(self._wrapped, context), logs:
-            self._eval.eval(*args, target=target, losses=losses)
+            self._eval.eval(*args, target=target, losses=losses, **kwargs)
         return self._share(losses, logs)
 
-    def _inputs(self, batch: Any) -> tuple[tuple[Tensor, ...], Tensor | None]:
-        """The first chunk's inputs (on the rank holding it) and the loss target (on the rank holding the last)."""
-        args, target = self.split.prepare_batch(batch)
-        split_batch((args, target), self.config.num_microbatches)  # the micro-batch rule, with its message
-        return (tuple(args) if self.holds_first else ()), (target if self.holds_last else None)
+    def _inputs(self, batch: Any) -> tuple[tuple[Tensor, ...], Tensor | None, dict[str, Tensor]]:
+        """The first chunk's inputs (on the rank holding it), the loss target (on the rank holding the last) and
+        the keyword tensors every chunk takes (on every rank). Every pp rank reads the same batch, so a batch the
+        splitter refuses raises on all of them, before any stage runs."""
+        args, target, kwargs = self.split.step_inputs(batch)
+        split_batch((args, target, kwargs), self.config.num_microbatches)  # the micro-batch rule, with its message
+        return (args if self.holds_first else ()), (target if self.holds_last else None), kwargs
 
     def _share(self, losses: list[Tensor], logs: MicroBatchLogs) -> StepResult:
         """The step's mean loss and the values logged on the last stage, sent to every rank of the pp group."""

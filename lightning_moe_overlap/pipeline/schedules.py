@@ -22,7 +22,8 @@ the same order, so gradients accumulate in the same order as in the plain schedu
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from typing import Any
 
 from torch import nn
@@ -38,6 +39,9 @@ from torch.distributed.pipelining import (
 from lightning_moe_overlap._compat import torch as torch_compat
 from lightning_moe_overlap.config import PIPELINE_SCHEDULES as SCHEDULES
 from lightning_moe_overlap.config import default_schedule
+from lightning_moe_overlap.moe.router import not_counted
+from lightning_moe_overlap.step_logs import logs_paused
+
 _CLASSES = {
     "1f1b": Schedule1F1B,
     "interleaved_1f1b": ScheduleInterleaved1F1B,
@@ -54,56 +58,78 @@ def validate_schedule(name: str, *, pp: int, vpp: int, num_microbatches: int, ov
         ValueError: unknown name; ``vpp`` or ``M`` that the schedule cannot run.
         NotImplementedError: overlap with a schedule that has no pair of a forward and a full backward.
     """
+    problems = schedule_problems(name, pp=pp, vpp=vpp, num_microbatches=num_microbatches, overlap=overlap)
+    if problems:
+        raise problems[0]
+
+
+def schedule_problems(name: str, *, pp: int, vpp: int, num_microbatches: int, overlap: bool) -> list[Exception]:
+    """Every rule of :func:`validate_schedule` that the sizes break, each as the error it raises (none: ``[]``)."""
     if name not in SCHEDULES:
-        raise ValueError(
+        return [ValueError(
             f"Unknown `pipeline_schedule={name!r}`: the schedules are {', '.join(SCHEDULES)}. Pick one of them "
             f"(`{default_schedule(vpp)}` is the default at vpp={vpp})."
-        )
-    for label, value in (("pp", pp), ("vpp", vpp), ("num_microbatches", num_microbatches)):
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise ValueError(f"`{label}={value!r}`: must be an int >= 1.")
+        )]  # fmt: skip
+    bad = [
+        ValueError(f"`{label}={value!r}`: must be an int >= 1.")
+        for label, value in (("pp", pp), ("vpp", vpp), ("num_microbatches", num_microbatches))
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1
+    ]
+    if bad:
+        return bad  # type: ignore[return-value]
+    return _size_problems(name, pp, vpp, num_microbatches) + _overlap_problems(name, pp, overlap)
+
+
+def _size_problems(name: str, pp: int, vpp: int, num_microbatches: int) -> list[Exception]:
+    """The rules on ``vpp`` and the micro-batch count ``M``."""
+    out: list[Exception] = []
     if name == "1f1b" and vpp != 1:
-        raise ValueError(
+        out.append(ValueError(
             f"`pipeline_schedule='1f1b'` runs one stage per rank, got vpp={vpp}. Use `interleaved_1f1b` (or "
             "`dualpipev` at vpp=2) for virtual stages, or set vpp=1."
-        )
+        ))  # fmt: skip
     if name == "1f1b" and num_microbatches < pp:
-        raise ValueError(
+        out.append(ValueError(
             f"`pipeline_schedule='1f1b'` needs at least one micro-batch per stage, got num_microbatches="
             f"{num_microbatches} for pp={pp}. Use num_microbatches >= {pp}."
-        )
-    if name in ("interleaved_1f1b", "zero_bubble"):
-        if vpp < 2:
-            raise ValueError(
-                f"`pipeline_schedule={name!r}` interleaves virtual stages, got vpp={vpp}. Set vpp >= 2, or use "
-                "`1f1b` at vpp=1."
-            )
-        if num_microbatches % pp:
-            raise ValueError(
-                f"`pipeline_schedule={name!r}` needs num_microbatches a multiple of pp, got {num_microbatches} "
-                f"micro-batches and pp={pp}. Use {_multiple_near(num_microbatches, pp)} micro-batches."
-            )
-    if name == "dualpipev":
-        if vpp != 2:
-            raise ValueError(
-                f"`pipeline_schedule='dualpipev'` needs exactly two stages per rank (a V), got vpp={vpp}. Set vpp=2."
-            )
-        if num_microbatches < 2 * pp:
-            raise ValueError(
-                f"`pipeline_schedule='dualpipev'` needs at least as many micro-batches as stages (pp * vpp = "
-                f"{2 * pp}), got {num_microbatches}. Use num_microbatches >= {2 * pp}."
-            )
+        ))  # fmt: skip
+    if name in ("interleaved_1f1b", "zero_bubble") and vpp < 2:
+        out.append(ValueError(
+            f"`pipeline_schedule={name!r}` interleaves virtual stages, got vpp={vpp}. Set vpp >= 2, or use "
+            "`1f1b` at vpp=1."
+        ))  # fmt: skip
+    if name in ("interleaved_1f1b", "zero_bubble") and num_microbatches % pp:
+        out.append(ValueError(
+            f"`pipeline_schedule={name!r}` needs num_microbatches a multiple of pp, got {num_microbatches} "
+            f"micro-batches and pp={pp}. Use {_multiple_near(num_microbatches, pp)} micro-batches."
+        ))  # fmt: skip
+    if name == "dualpipev" and vpp != 2:
+        out.append(ValueError(
+            f"`pipeline_schedule='dualpipev'` needs exactly two stages per rank (a V), got vpp={vpp}. Set vpp=2."
+        ))  # fmt: skip
+    if name == "dualpipev" and num_microbatches < 2 * pp:
+        out.append(ValueError(
+            f"`pipeline_schedule='dualpipev'` needs at least as many micro-batches as stages (pp * vpp = "
+            f"{2 * pp}), got {num_microbatches}. Use num_microbatches >= {2 * pp}."
+        ))  # fmt: skip
+    return out
+
+
+def _overlap_problems(name: str, pp: int, overlap: bool) -> list[Exception]:
+    """The rules on ``overlap``: a schedule with no pair of a forward and a full backward cannot overlap."""
+    out: list[Exception] = []
     if overlap and pp > 1 and name == "1f1b":
-        raise NotImplementedError(
+        out.append(NotImplementedError(
             f"Overlap at pp={pp} with vpp=1 (`1f1b`): a rank holds one stage, so a forward and a backward never "
             "run side by side. Set vpp >= 2 (`interleaved_1f1b`) or use `dualpipev` (vpp=2), or overlap=False."
-        )
+        ))  # fmt: skip
     if overlap and name == "zero_bubble":
-        raise NotImplementedError(
+        out.append(NotImplementedError(
             "Overlap with `zero_bubble`: its backwards are split into input and weight gradients, so it has no "
             "pair of a forward and a full backward to overlap. Use `interleaved_1f1b` or `dualpipev`, or "
             "overlap=False."
-        )
+        ))  # fmt: skip
+    return out
 
 
 def _multiple_near(m: int, pp: int) -> str:
@@ -147,9 +173,18 @@ def build_schedule(
     validate_schedule(name, pp=pp, vpp=vpp, num_microbatches=num_microbatches, overlap=overlap)
     stage_arg: Any = stages[0] if name == "1f1b" else list(stages)
     schedule = _CLASSES[name](stage_arg, num_microbatches, loss_fn=loss_fn)
+    torch_compat.wrap_pipeline_stage_init(schedule, _metadata_inference)
     if overlap and name == "interleaved_1f1b":
         torch_compat.relower_pipeline_order(schedule, overlap_pairs(schedule))
     return schedule
+
+
+@contextmanager
+def _metadata_inference() -> Iterator[None]:
+    """torch's stage initialisation runs the stages and the loss once to infer shapes: no training forward, so the
+    routers' token counters and the step's logs leave it out."""
+    with not_counted(), logs_paused():
+        yield
 
 
 def overlap_pairs(schedule: Any) -> dict[int, list[Any]]:

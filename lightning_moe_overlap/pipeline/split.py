@@ -33,6 +33,7 @@ from lightning_moe_overlap.pipeline.layout import PipelineLayout
 LossFn = Callable[[Tensor, Tensor], Tensor]
 PrepareBatch = Callable[[Any], tuple[tuple[Tensor, ...], Tensor]]
 InitModule = Callable[[nn.Module], None]
+ChunkKwargs = Callable[[Any], Mapping[str, Tensor]]
 
 
 @dataclass
@@ -49,12 +50,16 @@ class PipelineChunks:
         init_module: initialises one module's own parameters and buffers in place (not its children); used by
             ``materialize`` without a state dict, and for buffers that are not in the state dict. ``None``: call
             ``reset_parameters()`` where a module has it.
+        chunk_kwargs: ``batch -> {name: tensor}``, keyword inputs every chunk's ``forward`` takes besides what the
+            previous chunk sends (e.g. an attention mask), each with the batch dimension first (split into
+            micro-batches like the inputs). ``None``: none.
     """
 
     modules: Sequence[nn.Module]
     loss_fn: LossFn
     prepare_batch: PrepareBatch
     init_module: InitModule | None = None
+    chunk_kwargs: ChunkKwargs | None = None
 
 
 @runtime_checkable
@@ -75,7 +80,7 @@ class SplitModel:
         model: the unsplit model (usually on the meta device); chunks share its submodules.
         layout: the chunks' layers and ranks.
         chunks: one module per chunk, in model order.
-        loss_fn, prepare_batch, init_module: from :class:`PipelineChunks`.
+        loss_fn, prepare_batch, init_module, chunk_kwargs: from :class:`PipelineChunks`.
         module_names: per chunk, chunk module path -> unsplit module path (the top-most shared modules).
     """
 
@@ -86,6 +91,7 @@ class SplitModel:
     prepare_batch: PrepareBatch
     init_module: InitModule | None
     module_names: tuple[dict[str, str], ...] = field(repr=False)
+    chunk_kwargs: ChunkKwargs | None = None
 
     def chunk_indices_of_rank(self, rank: int) -> list[int]:
         return [c.index for c in self.layout.chunks_of_rank(rank)]
@@ -104,6 +110,26 @@ class SplitModel:
         for c in chunks:
             out.update({self.fqn(c, k): v for k, v in self.chunks[c].state_dict().items()})
         return out
+
+    def step_inputs(self, batch: Any) -> tuple[tuple[Tensor, ...], Tensor, dict[str, Tensor]]:
+        """``batch`` as one step takes it: the first chunk's inputs and the loss target (``prepare_batch``), and the
+        keyword tensors of every chunk (``chunk_kwargs``). Raises ``TypeError`` when they are not tensors."""
+        prepared = self.prepare_batch(batch)
+        kwargs = dict(self.chunk_kwargs(batch)) if self.chunk_kwargs is not None else {}
+        args, target = prepared if isinstance(prepared, tuple) and len(prepared) == 2 else (None, None)
+        if (
+            not isinstance(args, (tuple, list))
+            or not all(isinstance(a, Tensor) for a in args)
+            or not isinstance(target, Tensor)
+            or not all(isinstance(k, str) and isinstance(v, Tensor) for k, v in kwargs.items())
+        ):
+            raise TypeError(
+                f"The pipeline split of {type(self.model).__name__}: prepare_batch returned "
+                f"{_kinds(prepared)} and chunk_kwargs {_kinds(kwargs)}. Rule: prepare_batch(batch) returns (a tuple "
+                "of tensors, the first chunk's inputs; a tensor, the loss target) and chunk_kwargs(batch) a dict "
+                "of tensors. Fix: return tensors from both (configure_pipeline's PipelineChunks)."
+            )
+        return tuple(args), target, kwargs
 
     def parameter_counts(self) -> list[int]:
         """Parameters (elements) per chunk, materialised or not."""
@@ -175,7 +201,8 @@ def split_model(model: nn.Module, layout: PipelineLayout, *, splitter: Splitter 
         )
     names = tuple(_module_names(model, chunk) for chunk in chunks)
     split = SplitModel(
-        model, layout, chunks, result.loss_fn, result.prepare_batch, result.init_module, module_names=names
+        model, layout, chunks, result.loss_fn, result.prepare_batch, result.init_module, module_names=names,
+        chunk_kwargs=result.chunk_kwargs,
     )
     _check_cover(split)
     return split
@@ -276,3 +303,12 @@ def reset_module(module: nn.Module) -> None:
 def _own_tensors(module: nn.Module) -> list[tuple[str, Tensor]]:
     return [*module.named_parameters(recurse=False), *module.named_buffers(recurse=False)]
 
+
+
+def _kinds(value: Any) -> str:
+    """A short picture of a nested value's types, for error messages: ``(tuple[Tensor], Tensor)``."""
+    if isinstance(value, Mapping):
+        return "{" + ", ".join(f"{k!r}: {_kinds(v)}" for k, v in value.items()) + "}"
+    if isinstance(value, (tuple, list)):
+        return f"{type(value).__name__}[" + ", ".join(_kinds(v) for v in value) + "]"
+    return type(value).__name__

@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from lightning_moe_overlap.pipeline.batches import lm_batch, token_ids
 from lightning_moe_overlap.pipeline.layout import Chunk, PipelineLayout
 from lightning_moe_overlap.pipeline.split import PipelineChunks, PipelineSplittable, Splitter, reset_module
 
@@ -114,7 +115,9 @@ def gpt_loss(logits_BSV: Tensor, target_BS: Tensor) -> Tensor:
     return F.cross_entropy(logits_BSV.reshape(-1, logits_BSV.shape[-1]).float(), target_BS.reshape(-1))
 
 
-def gpt_prepare_batch(tokens_BS: Tensor) -> tuple[tuple[Tensor, ...], Tensor]:
+def gpt_prepare_batch(batch: Any) -> tuple[tuple[Tensor, ...], Tensor]:
+    """``tokens_BS`` (or a tuple / list holding it) -> inputs ``tokens[:, :-1]``, targets ``tokens[:, 1:]``."""
+    tokens_BS = token_ids(batch, "MoEGPT")
     return (tokens_BS[:, :-1],), tokens_BS[:, 1:]
 
 
@@ -168,8 +171,9 @@ def find_hf_decoder(model: nn.Module) -> nn.Module | None:
 class HFDecoderChunk(nn.Module):
     """A run of an HF decoder's layers; names as in the ``*ForCausalLM`` (``model.layers.<i>``, ``lm_head``).
 
-    Every chunk rebuilds what the layers need from the hidden states' shape: position ids ``0..S-1``, the rotary
-    embedding and the causal mask (no padding mask, no KV cache: training on full sequences).
+    Every chunk rebuilds what the layers need, as the HF model does: position ids (``0..S-1`` unless given), the
+    rotary embedding and the causal mask (with the padding mask when given); no KV cache (training). The attention
+    mask and position ids reach every chunk as keyword inputs (``PipelineChunks.chunk_kwargs``).
     """
 
     def __init__(self, config: Any, parts: dict[str, nn.Module | None], layers: dict[int, nn.Module]) -> None:
@@ -182,29 +186,37 @@ class HFDecoderChunk(nn.Module):
         self.model.layers = nn.ModuleDict({str(i): layer for i, layer in layers.items()})
         self.lm_head = parts["lm_head"]
 
-    def forward(self, x: Tensor) -> Tensor:  # input_ids_BS (chunk 0) or hidden_BSD
+    def forward(  # input_ids_BS (chunk 0) or hidden_BSD; attention_mask_BS, position_ids_BS as the batch gave them
+        self, x: Tensor, attention_mask: Tensor | None = None, position_ids: Tensor | None = None
+    ) -> Tensor:
         inner = self.model
         h_BSD = inner.embed_tokens(x) if hasattr(inner, "embed_tokens") else x
         if len(inner.layers):
-            position_ids = torch.arange(h_BSD.shape[1], device=h_BSD.device).unsqueeze(0)
-            masks = _causal_masks(self.config, h_BSD, position_ids)
+            if position_ids is None:
+                position_ids = torch.arange(h_BSD.shape[1], device=h_BSD.device).unsqueeze(0)
+            masks = _causal_masks(self.config, h_BSD, position_ids, attention_mask)
             rotary = inner.rotary_emb(h_BSD, position_ids=position_ids)
             for i, layer in inner.layers.items():
                 h_BSD = layer(
-                    h_BSD, attention_mask=masks(int(i)), position_ids=position_ids, past_key_values=None,
-                    use_cache=False, position_embeddings=rotary,
+                    h_BSD, attention_mask=masks(int(i)), position_ids=position_ids, use_cache=False,
+                    position_embeddings=rotary,
                 )
         if self.lm_head is not None:
             h_BSD = self.lm_head(inner.norm(h_BSD))  # logits_BSV
         return h_BSD
 
 
-def _causal_masks(config: Any, h_BSD: Tensor, position_ids: Tensor) -> Callable[[int], Any]:
+def _causal_masks(
+    config: Any, h_BSD: Tensor, position_ids: Tensor, attention_mask: Tensor | None
+) -> Callable[[int], Any]:
     """Layer index -> its attention mask, as the HF model builds them (per ``config.layer_types`` when set)."""
+    import inspect
+
     from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
 
-    kwargs = dict(config=config, inputs_embeds=h_BSD, attention_mask=None, past_key_values=None,
-                  position_ids=position_ids)
+    cache = "cache" if "cache" in inspect.signature(create_causal_mask).parameters else "past_key_values"
+    kwargs = {"config": config, "inputs_embeds": h_BSD, "attention_mask": attention_mask, cache: None,
+              "position_ids": position_ids}  # fmt: skip
     layer_types = getattr(config, "layer_types", None)
     if layer_types:
         built = {"full_attention": create_causal_mask(**kwargs)}
@@ -239,10 +251,17 @@ def split_hf_decoder(model: nn.Module, layout: PipelineLayout) -> PipelineChunks
 
     loss_function, vocab_size = hf.loss_function, hf.config.vocab_size
 
-    def loss_fn(logits_BSV: Tensor, labels_BS: Tensor) -> Tensor:
+    def loss_fn(logits_BSV: Tensor, labels_BS: Tensor) -> Tensor:  # labels: -100 where no loss is taken
         return loss_function(logits_BSV, labels_BS, vocab_size)
 
-    def prepare_batch(input_ids_BS: Tensor) -> tuple[tuple[Tensor, ...], Tensor]:
-        return (input_ids_BS,), input_ids_BS
+    owner = type(hf).__name__
 
-    return PipelineChunks([chunk(c) for c in layout.chunks], loss_fn, prepare_batch, hf._init_weights)
+    def prepare_batch(batch: Any) -> tuple[tuple[Tensor, ...], Tensor]:
+        lm = lm_batch(batch, owner)
+        return (lm.input_ids,), lm.labels
+
+    def chunk_kwargs(batch: Any) -> dict[str, Tensor]:
+        return lm_batch(batch, owner).attention_kwargs()
+
+    chunks = [chunk(c) for c in layout.chunks]
+    return PipelineChunks(chunks, loss_fn, prepare_batch, hf._init_weights, chunk_kwargs=chunk_kwargs)

@@ -88,12 +88,18 @@ class Record(Callback):
         self.batches: list[torch.Tensor] = []
         self.val_batches: list[torch.Tensor] = []
         self.losses: list[float] = []
+        self.logged: list[float] = []  # `train_loss` of each step, as Lightning holds it once the step is done
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
         self.batches.append(batch.detach().cpu().clone())
+        if batch_idx > 0:
+            self.logged.append(float(trainer.callback_metrics["train_loss"]))
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         self.losses.append(float(outputs["loss"]))
+
+    def on_train_end(self, trainer, pl_module) -> None:
+        self.logged.append(float(trainer.callback_metrics["train_loss"]))
 
     def on_validation_batch_start(self, trainer, pl_module, batch, batch_idx, dataloader_idx=0) -> None:
         self.val_batches.append(batch.detach().cpu().clone())
@@ -137,6 +143,7 @@ def fit(kind: str, schedule: str, vpp: int, overlap: bool, validate: bool, save_
         "params": params,
         "meta": sorted(n for n, p in model.named_parameters() if p.is_meta),
         "losses": record.losses,
+        "logged": record.logged,
         "batches": record.batches,
         "val_batches": record.val_batches,
         "metrics": {k: float(v) for k, v in trainer.callback_metrics.items()},
@@ -241,6 +248,10 @@ def test_pipeline_runs_match_the_unsplit_model(results: list[dict]) -> None:
             for got, want in zip(run["losses"], dp_losses):
                 assert abs(got - want) < 1e-5, (name, rank, run["losses"], dp_losses)
             assert abs(run["metrics"]["train_loss"] - dp_losses[-1]) < 1e-5, (name, rank, run["metrics"])
+            # every step's logged loss, the first one too (torch's shape inference runs the loss once more then)
+            assert len(run["logged"]) == STEPS
+            for got, want in zip(run["logged"], dp_losses):
+                assert abs(got - want) < 1e-5, (name, rank, run["logged"], dp_losses)
             if name == "interleaved":
                 assert abs(run["metrics"]["val_loss"] - ref_val) < 1e-5, (rank, run["metrics"], ref_val)
             for pname, got in run["params"].items():

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import threading
-import time
 import traceback
 
 import pytest
@@ -135,10 +134,9 @@ def test_handoff_timeout_names_the_phase_and_does_not_hang() -> None:
         release.wait(30)  # holds the baton without handing over: the forward context waits for it
         runtime.handoff()
 
-    start = time.monotonic()
     with pytest.raises(RuntimeError, match=r"Phase F1\|B0: the forward context waited 0.3 s for the baton"):
         run_schedule(forward, backward, 2, runtime, overlap=True, timeout_s=0.3)
-    assert time.monotonic() - start < 5
+    assert lane_threads()  # raised while the stuck context still holds the baton, not after it let go
     release.set()
     for thread in lane_threads():
         thread.join(5)  # the stuck context aborts at its next hand-over once released
@@ -148,11 +146,10 @@ def test_handoff_timeout_names_the_phase_and_does_not_hang() -> None:
 def test_phase_without_progress_raises_naming_the_phase() -> None:
     runtime = CommRuntime()
     release = threading.Event()
-    start = time.monotonic()
     with pytest.raises(RuntimeError, match="Phase F0 made no progress"):
         # Two micro-batches: with one, F0 runs in the calling thread, where the process group's timeout is the net.
         run_schedule(lambda i: release.wait(30), lambda i, out: None, 2, runtime, overlap=True, timeout_s=0.3)
-    assert time.monotonic() - start < 5
+    assert lane_threads()  # raised while F0 is still stuck, not after it returned
     release.set()
     for thread in lane_threads():
         thread.join(5)

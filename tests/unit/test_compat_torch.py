@@ -239,6 +239,32 @@ def test_the_runtime_order_and_losses_an_overlap_handler_uses() -> None:
     assert torch_compat.pipeline_loss(schedule, stages[0], 0) is None
 
 
+def test_the_stage_initialisation_runs_inside_the_given_context() -> None:
+    from contextlib import contextmanager
+    from types import SimpleNamespace
+
+    from torch.distributed.pipelining import ScheduleInterleaved1F1B
+
+    stages = [SimpleNamespace(num_stages=4, group_size=2, group_rank=0, stage_index=s) for s in (0, 2)]
+    schedule = ScheduleInterleaved1F1B(stages, 4, loss_fn=lambda out, target: out)
+    name = torch_compat.STAGE_INIT_METHODS[0]
+    assert callable(getattr(schedule, name, None)), f"torch {torch.__version__}: `{name}` is gone; update `_compat`"
+    depth, seen = [0], []
+
+    @contextmanager
+    def context():
+        depth[0] += 1
+        yield
+        depth[0] -= 1
+
+    setattr(schedule, name, lambda *args, **kwargs: seen.append((depth[0], args)))  # torch's own needs real stages
+    torch_compat.wrap_pipeline_stage_init(schedule, context)
+    getattr(schedule, name)("args")
+    assert seen == [(1, ("args",))] and depth == [0]
+    with pytest.raises(RuntimeError, match=r"has none of .*_initialize_pp_stages.*Use a torch version"):
+        torch_compat.wrap_pipeline_stage_init(SimpleNamespace(), context)
+
+
 
 def test_fsdp_lazy_init_and_reduce_gradients(tmp_path) -> None:
     from torch.distributed.device_mesh import init_device_mesh
@@ -322,3 +348,15 @@ def test_fsdp_set_hooks_idle(tmp_path) -> None:
     finally:
         if owned:
             dist.destroy_process_group()
+
+
+def test_grad_scaler_found_inf_reads_the_flags_unscale_recorded() -> None:
+    param = torch.nn.Parameter(torch.ones(2))
+    optimizer = torch.optim.SGD([param], lr=0.1)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0)
+    assert torch_compat.grad_scaler_found_inf(scaler, optimizer) == []  # nothing unscaled yet
+    scaler.scale(param.sum()).backward()
+    param.grad[1] = float("inf")
+    scaler.unscale_(optimizer)
+    flags = torch_compat.grad_scaler_found_inf(scaler, optimizer)
+    assert [float(f) for f in flags] == [1.0], f"torch {torch.__version__}: GradScaler's per-optimizer state moved"

@@ -4,7 +4,6 @@ monitor's histogram and errors, in one process."""
 from __future__ import annotations
 
 import math
-import time
 from types import SimpleNamespace
 
 import pytest
@@ -17,7 +16,7 @@ from lightning_moe_overlap.moe import MoELayer
 from lightning_moe_overlap.moe.stats import RoutingStats, Summary, summarize
 from lightning_moe_overlap.overlap.event_timer import EventCommTimer
 from lightning_moe_overlap.overlap.runtime import CommRuntime
-from tests.unit.test_runtime_timing import TimedWork
+from tests.helpers.clock import TimedWork, VirtualClock
 
 E, K = 4, 2
 
@@ -114,14 +113,16 @@ def test_what_if_capacity_factor_of_a_dropless_block() -> None:
 
 
 class HostEvent:
-    """CPU emulation of ``torch.cuda.Event(enable_timing=True)``: host time at ``record``."""
+    """CPU emulation of ``torch.cuda.Event(enable_timing=True)``: the time of ``clock`` at ``record``."""
+
+    clock: VirtualClock
 
     def __init__(self) -> None:
         self.at: float | None = None
         self.synchronized = 0
 
     def record(self) -> None:
-        self.at = time.perf_counter()
+        self.at = HostEvent.clock()
 
     def synchronize(self) -> None:
         self.synchronized += 1
@@ -131,6 +132,7 @@ class HostEvent:
 
 
 def test_event_timer_measures_like_the_host_timer_and_reads_once() -> None:
+    HostEvent.clock = clock = VirtualClock()
     events: list[HostEvent] = []
 
     def make() -> HostEvent:
@@ -140,15 +142,15 @@ def test_event_timer_measures_like_the_host_timer_and_reads_once() -> None:
     runtime = CommRuntime()
     runtime.timing = timer = EventCommTimer(event_factory=make)
     for _ in range(2):
-        work = TimedWork(0.03)
+        work = TimedWork(clock, 0.03)
         runtime.handoff()
-        time.sleep(0.01)  # compute under the collective
+        clock.advance(0.01)  # compute under the collective
         runtime.wait(work)
     assert not any(e.synchronized for e in events)  # nothing read on the hot path
     times = timer.reset()
     assert times.waits == 2
-    assert 0.02 <= times.blocked_s <= 0.06
-    assert times.in_flight_s >= 0.055 and times.in_flight_s >= times.blocked_s
+    assert times.blocked_s == pytest.approx(2 * 0.02, abs=1e-9)  # each wait: the 30 ms less the 10 ms hidden
+    assert times.in_flight_s == pytest.approx(2 * 0.03, abs=1e-9)
     assert timer.snapshot().waits == 0
 
 

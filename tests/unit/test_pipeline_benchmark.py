@@ -6,7 +6,6 @@ from __future__ import annotations
 import re
 import sys
 import threading
-import time
 from pathlib import Path
 
 import pytest
@@ -14,6 +13,8 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
 import overlap as bench  # noqa: E402
 import pipelined  # noqa: E402
+
+from tests.helpers.clock import VirtualClock  # noqa: E402
 
 
 def test_pipeline_options_parse_and_default_to_all_of_dp_for_ep() -> None:
@@ -59,33 +60,56 @@ def test_slot_bubble_counts_idle_slots_and_the_tail_after_a_shorter_rank() -> No
     assert pipelined.slot_bubble(order) == {0: (1, 5), 1: (2, 5)}
 
 
-def test_action_clock_counts_overlapping_actions_of_two_threads_once() -> None:
-    clock = pipelined.ActionClock()
+def test_action_clock_counts_overlapping_actions_of_two_threads_once(monkeypatch) -> None:
+    """Two actions of two threads overlap, a gap follows, then a third action: on a virtual clock the spans are exactly
+    the union of the actions (the overlap counted once, the gap not at all)."""
+    clock = VirtualClock().install(monkeypatch, pipelined)
+    action_clock = pipelined.ActionClock()
 
     class Stage:
-        def forward_one_chunk(self, s: float) -> float:
-            time.sleep(s)
-            return s
+        def forward_one_chunk(self, body):
+            return body()
 
         backward_one_chunk = backward_weight_one_chunk = forward_one_chunk
 
     stage = Stage()
-    clock.attach(stage)
-    start = time.perf_counter()
-    threads = [threading.Thread(target=stage.forward_one_chunk, args=(0.05,)),
-               threading.Thread(target=stage.backward_one_chunk, args=(0.05,))]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    time.sleep(0.05)  # idle: no action
-    assert stage.backward_weight_one_chunk(0.02) == 0.02
-    wall = time.perf_counter() - start
-    actions, spans = clock.reset()
-    assert actions == 3 and len(spans) == 2  # the two concurrent actions merge into one span
-    busy = pipelined.length(spans)
-    assert 0.07 <= busy < wall - 0.04, (busy, wall)  # the two concurrent 50 ms count once, the 50 ms gap not at all
-    assert clock.reset() == (0, [])
+    action_clock.attach(stage)
+    started = {name: threading.Event() for name in ("F", "B")}
+    finish = {name: threading.Event() for name in ("F", "B")}
+
+    def action(name: str):
+        def body() -> str:
+            started[name].set()
+            assert finish[name].wait(30)
+            return name
+
+        return body
+
+    forward = threading.Thread(target=stage.forward_one_chunk, args=(action("F"),))
+    backward = threading.Thread(target=stage.backward_one_chunk, args=(action("B"),))
+    forward.start()  # F starts at 0
+    assert started["F"].wait(30)
+    clock.advance_to(1.0)
+    backward.start()  # B starts at 1, while F runs
+    assert started["B"].wait(30)
+    clock.advance_to(3.0)
+    finish["F"].set()  # F ends at 3
+    forward.join(30)
+    clock.advance_to(4.0)
+    finish["B"].set()  # B ends at 4
+    backward.join(30)
+    clock.advance_to(6.0)  # idle: no action
+
+    def weight() -> float:
+        clock.advance(0.5)
+        return 0.5
+
+    assert stage.backward_weight_one_chunk(weight) == 0.5
+    actions, spans = action_clock.reset()
+    assert actions == 3
+    assert spans == [(0.0, 4.0), (6.0, 6.5)]  # the two concurrent actions merge into one span; the gap is not busy
+    assert pipelined.length(spans) == 4.5
+    assert action_clock.reset() == (0, [])
 
 
 def test_concurrency_is_one_when_ranks_take_turns_and_pp_when_they_compute_together() -> None:

@@ -1,8 +1,11 @@
-"""Opt-in communication timing of ``CommRuntime``: ``runtime.wait(work)`` with and without a ``CommTimer``."""
+"""Opt-in communication timing of ``CommRuntime``: ``runtime.wait(work)`` with and without a ``CommTimer``.
+
+The timer reads a virtual clock (tests/helpers/clock.py): compute advances it, a wait moves it to the collective's
+completion, so each assertion is about which waits blocked and for what part of the collective, never about how
+fast the machine ran.
+"""
 
 from __future__ import annotations
-
-import time
 
 import pytest
 import torch
@@ -10,93 +13,89 @@ import torch.distributed as dist
 
 from lightning_moe_overlap.moe.dispatch import comm
 from lightning_moe_overlap.overlap import run_schedule
+from lightning_moe_overlap.overlap import runtime as runtime_module
 from lightning_moe_overlap.overlap.runtime import CommRuntime, CommTimer, CommTimes
+from tests.helpers.clock import TimedWork, VirtualClock
+
+EPS = 1e-12  # float sums of the clock's steps
 
 
-class TimedWork:
-    """A fake collective that completes ``duration_s`` after it was issued (its construction)."""
-
-    def __init__(self, duration_s: float) -> None:
-        self.done_at = time.perf_counter() + duration_s
-        self.waits = 0
-
-    def wait(self) -> bool:
-        self.waits += 1
-        time.sleep(max(0.0, self.done_at - time.perf_counter()))
-        return True
+@pytest.fixture
+def clock(monkeypatch) -> VirtualClock:
+    return VirtualClock().install(monkeypatch, runtime_module)
 
 
-def test_wait_without_timer_is_plain_wait() -> None:
+def test_wait_without_timer_is_plain_wait(clock) -> None:
     runtime = CommRuntime()
-    work = TimedWork(0.0)
+    work = TimedWork(clock, 0.0)
     runtime.handoff()
     assert runtime.wait(work) is True
     assert work.waits == 1
     assert runtime.timing is None
 
 
-def test_timer_records_blocked_and_in_flight_time() -> None:
+def test_timer_records_blocked_and_in_flight_time(clock) -> None:
     runtime = CommRuntime()
     runtime.timing = timer = CommTimer()
-    work = TimedWork(0.05)
+    work = TimedWork(clock, 0.05)
     runtime.handoff()
-    time.sleep(0.02)  # compute while the collective is in flight: hides part of it
+    clock.advance(0.02)  # compute while the collective is in flight: hides part of it
     assert runtime.wait(work) is True
     times = timer.snapshot()
     assert times.waits == 1
-    assert 0.02 <= times.blocked_s < 0.045
-    assert times.in_flight_s >= 0.045
+    assert times.blocked_s == pytest.approx(0.03, abs=EPS)  # the part the compute did not hide
+    assert times.in_flight_s == pytest.approx(0.05, abs=EPS)  # hand-over to the end of the wait
     assert times.max_blocked_s == times.blocked_s
     assert timer.reset() == times
     assert timer.snapshot() == CommTimes()
 
 
-def test_finished_collective_blocks_for_no_time() -> None:
+def test_finished_collective_blocks_for_no_time(clock) -> None:
     runtime = CommRuntime()
     with runtime.timed() as timer:
-        work = TimedWork(0.0)
+        work = TimedWork(clock, 0.0)
         runtime.handoff()
-        time.sleep(0.01)
+        clock.advance(0.01)
         runtime.wait(work)
     times = timer.snapshot()
-    assert times.blocked_s < 0.005 <= times.in_flight_s
+    assert times.blocked_s == 0.0 and times.in_flight_s == pytest.approx(0.01, abs=EPS)
 
 
-def test_wait_without_handoff_counts_the_wait_only() -> None:
+def test_wait_without_handoff_counts_the_wait_only(clock) -> None:
     timer = CommTimer()
-    timer.wait(TimedWork(0.01))
+    timer.wait(TimedWork(clock, 0.01))
     times = timer.snapshot()
-    assert times.in_flight_s == times.blocked_s > 0
+    assert times.in_flight_s == times.blocked_s == pytest.approx(0.01, abs=EPS)
 
 
-def test_timed_restores_the_previous_timer() -> None:
+def test_timed_restores_the_previous_timer(clock) -> None:
     runtime = CommRuntime()
     outer = CommTimer()
     runtime.timing = outer
     inner = CommTimer()
     with runtime.timed(inner) as attached:
         assert attached is inner and runtime.timing is inner
-        runtime.wait(TimedWork(0.0))
+        runtime.wait(TimedWork(clock, 0.0))
     assert runtime.timing is outer
     assert inner.snapshot().waits == 1 and outer.snapshot().waits == 0
 
 
-def test_synchronize_hook_runs_at_handoff_and_after_wait() -> None:
+def test_synchronize_hook_runs_at_handoff_and_after_wait(clock) -> None:
     calls: list[str] = []
     runtime = CommRuntime()
     runtime.timing = CommTimer(synchronize=lambda: calls.append("sync"))
-    work = TimedWork(0.0)
+    work = TimedWork(clock, 0.0)
     runtime.handoff()
     runtime.wait(work)
     assert calls == ["sync", "sync"]
 
 
-def test_comm_helper_waits_with_and_without_runtime() -> None:
-    comm.wait(None, work := TimedWork(0.0))
+def test_comm_helper_waits_with_and_without_runtime(clock) -> None:
+    comm.wait(None, work := TimedWork(clock, 0.0))
     assert work.waits == 1
     runtime = CommRuntime()
     with runtime.timed() as timer:
-        comm.wait(runtime, TimedWork(0.0))
+        comm.wait(runtime, TimedWork(clock, 0.0))
     assert timer.snapshot().waits == 1
 
 
@@ -112,26 +111,37 @@ def test_real_gloo_work_is_timed() -> None:
     assert timer.snapshot().waits == 1
 
 
-def _step(runtime: CommRuntime, overlap: bool, duration_s: float, compute_s: float) -> CommTimes:
-    """Two micro-batches, each forward and backward: compute, issue + hand over, wait, compute."""
+def _step(clock: VirtualClock, overlap: bool, duration_s: float, compute_s: float) -> tuple[CommTimes, list[float]]:
+    """Two micro-batches, each forward and backward: compute, issue + hand over, wait, compute. Returns the totals
+    and each wait's blocked time in the order the waits ended."""
+    runtime = CommRuntime()
+    blocked: list[float] = []
+
+    class Recording(CommTimer):
+        def record(self, blocked_s: float, in_flight_s: float) -> None:
+            blocked.append(blocked_s)
+            super().record(blocked_s, in_flight_s)
 
     def segment() -> None:
-        time.sleep(compute_s)
-        work = TimedWork(duration_s)
+        clock.advance(compute_s)
+        work = TimedWork(clock, duration_s)
         runtime.handoff()
         runtime.wait(work)
-        time.sleep(compute_s)
+        clock.advance(compute_s)
 
-    with runtime.timed() as timer:
+    with runtime.timed(Recording()) as timer:
         run_schedule(lambda i: segment(), lambda i, out: segment(), 2, runtime, overlap=overlap)
-    return timer.snapshot()
+    return timer.snapshot(), blocked
 
 
-def test_overlap_hides_communication_that_sequential_exposes() -> None:
-    """Sequential: every wait blocks ``d``. Overlapped: the pair ``F1|B0`` hides both its collectives."""
-    runtime = CommRuntime()
-    sequential = _step(runtime, False, duration_s=0.03, compute_s=0.06)
-    overlapped = _step(runtime, True, duration_s=0.03, compute_s=0.06)
+def test_overlap_hides_communication_that_sequential_exposes(clock) -> None:
+    """Sequential: every wait blocks ``d``. Overlapped: ``F0`` and ``B1`` run alone and block ``d`` each; in the pair
+    ``F1|B0`` each collective is in flight while the other context computes (``c > d``), so neither wait blocks."""
+    d, c = 0.03, 0.06
+    sequential, seq_blocked = _step(clock, False, duration_s=d, compute_s=c)
+    overlapped, ovl_blocked = _step(clock, True, duration_s=d, compute_s=c)
     assert sequential.waits == overlapped.waits == 4
-    assert sequential.blocked_s == pytest.approx(4 * 0.03, abs=0.03)
-    assert overlapped.blocked_s < 0.75 * sequential.blocked_s
+    assert seq_blocked == pytest.approx([d, d, d, d], abs=EPS)
+    assert ovl_blocked == pytest.approx([d, 0.0, 0.0, d], abs=EPS)  # F0, then the pair's two waits, then B1
+    assert sequential.blocked_s == pytest.approx(4 * d, abs=EPS)
+    assert overlapped.blocked_s == pytest.approx(2 * d, abs=EPS)

@@ -46,6 +46,7 @@ from lightning_moe_overlap.moe.dispatch.dedup import (
     local_choices,
     pack_choices,
     sum_per_token,
+    token_rows,
     unpack_choices,
 )
 from lightning_moe_overlap.moe.dispatch.host import host_ints
@@ -212,11 +213,12 @@ class AllToAllDispatcher(DispatcherBase):
         token_U = torch.remainder(row_U, max(num_tokens, 1))
         dest_U = torch.div(row_U, max(num_tokens, 1), rounding_mode="floor")
         choices = pack_choices(
-            weights_TK.index_select(0, token_U), local_choices(indices_TK, dest_TK, token_U, dest_U, local)
+            token_rows(weights_TK, token_U, self.ep_size), local_choices(indices_TK, dest_TK, token_U, dest_U, local)
         )
         # Comm point: the rows, their routing weights and local expert indices, in one exchange.
+        x_UD = token_rows(x_TD, token_U, self.ep_size)
         x_MD, *received = all_to_all_many(
-            (x_TD.index_select(0, token_U), *choices), output_splits, input_splits, self.ep_group, self.runtime
+            (x_UD, *choices), output_splits, input_splits, self.ep_group, self.runtime
         )
         weights_MK, local_MK = unpack_choices(tuple(received), top_k)
         # Postprocess (no comm): one row per (received row, local expert), grouped by local expert, or on CPU by
@@ -303,5 +305,5 @@ class AllToAllDispatcher(DispatcherBase):
         num_rows = handle.weights_MK.shape[0]
         partial_MD = scatter_weighted(y_RD, handle.assign_R, handle.weights_MK, num_rows, handle.out_dtype)
         y_UD = all_to_all(partial_MD, handle.input_splits, handle.output_splits, self.ep_group, self.runtime)
-        return sum_per_token(y_UD, handle.token_U, handle.num_tokens)
+        return sum_per_token(y_UD, handle.token_U, handle.num_tokens, self.ep_size)
 

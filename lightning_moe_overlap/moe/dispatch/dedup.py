@@ -10,8 +10,10 @@ the same.
 The rows the experts see are exactly those of the plain path (same rows, same order: grouped by local expert,
 then by source rank, then in token order; on CPU by source rank, then local expert), and every sum runs in the
 same order (a token's experts in increasing global index: first inside a rank, then over ranks), so results are
-bitwise equal to the plain path where the index additions run in index order (CPU), and equal up to float
-rounding where they do not (CUDA atomics).
+bitwise equal to the plain path up to top-2, and equal up to float rounding beyond (``c1 + (c2 + c3)`` where two
+later choices share a rank; docs/dispatchers.md). Every sum here and in :mod:`~lightning_moe_overlap.moe.permute`
+adds its rows one after the other in index order, without atomics on CUDA, so each path gives the same bits on
+every run and on CPU and CUDA alike.
 
 Shape legend:
     T: tokens on this rank   K: top-k   D: hidden size   G: ep ranks   e: local experts per rank
@@ -24,8 +26,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from lightning_moe_overlap.moe.permute import count_per_expert
-
+from lightning_moe_overlap.moe.permute import count_per_expert, sum_rows, take_rows
 
 
 def kept_per_expert(indices_TK: Tensor, num_experts: int) -> Tensor:
@@ -91,7 +92,13 @@ def unpack_choices(received: tuple[Tensor, ...], top_k: int) -> tuple[Tensor, Te
     return received[0], received[1]
 
 
-def sum_per_token(y_UD: Tensor, token_U: Tensor, num_tokens: int) -> Tensor:
-    """No comm: add the rows returned by each rank into their tokens (differentiable): ``out_TD``."""
-    out_TD = torch.zeros(num_tokens, y_UD.shape[-1], dtype=y_UD.dtype, device=y_UD.device)
-    return out_TD.index_add(0, token_U, y_UD)
+def token_rows(x_TD: Tensor, token_U: Tensor, ep_size: int) -> Tensor:
+    """No comm: the row of each (token, destination) pair, ``x_TD[token_U]`` (differentiable; a token is taken at
+    most once per rank, and the backward adds its ``<= G`` gradients without atomics)."""
+    return take_rows(x_TD, token_U, ep_size)
+
+
+def sum_per_token(y_UD: Tensor, token_U: Tensor, num_tokens: int, ep_size: int) -> Tensor:
+    """No comm: add the rows returned by each rank into their tokens, in rank order and without atomics
+    (differentiable): ``out_TD``. A token gets at most one row per rank (``ep_size`` rows)."""
+    return sum_rows(y_UD, token_U, num_tokens, ep_size)
