@@ -26,16 +26,15 @@ Under ``torch.no_grad()`` (validation) the module runs as it is.
 from __future__ import annotations
 
 import inspect
-from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Callable
 from typing import Any
 
 import torch
-from torch import Tensor, nn
+from torch import Tensor
 from torch.utils.checkpoint import checkpoint
 
 from lightning_moe_overlap.callbacks.meter import report_held
-from lightning_moe_overlap.moe.router import TopKRouter, not_counted
+from lightning_moe_overlap.moe.router import not_counted
 
 _EARLY_STOP_ARG = "early_stop" in inspect.signature(checkpoint).parameters
 
@@ -78,22 +77,6 @@ def keep_tail(out: Any) -> Any:
     return out
 
 
-def routers_in(modules: Sequence[nn.Module]) -> list[TopKRouter]:
-    """The routers with an expert-bias token counter inside ``modules``."""
-    found = {id(m): m for module in modules for m in module.modules() if isinstance(m, TopKRouter)}
-    return [r for r in found.values() if r.local_tokens_per_expert is not None]
-
-
-@contextmanager
-def counters_restored(routers: Sequence[TopKRouter]) -> Iterator[None]:
-    """A recomputation through ``routers``: it leaves their token counters as they were, by not counting on this
-    thread (:func:`~lightning_moe_overlap.moe.router.not_counted`), while the other context's forwards through the
-    same routers still count."""
-    del routers  # every counter in the recomputation is paused, these routers' and any other
-    with not_counted():
-        yield
-
-
 class RecomputeCache:
     """Stands in for an HF cache in a recomputation: returns what updating an empty ``DynamicCache`` returns."""
 
@@ -114,13 +97,9 @@ def for_recompute(kwargs: dict[str, Any]) -> dict[str, Any]:
     return {**kwargs, **{name: RecomputeCache() for name in caches}}
 
 
-def checkpointed(modules: Sequence[nn.Module] = ()) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
-    """A wrapper factory: ``fn`` becomes a non-reentrant checkpoint of itself (see the module docstring).
-
-    Args:
-        modules: what ``fn`` runs (searched for routers whose counters a recomputation must not change).
-    """
-    routers = routers_in(modules)
+def checkpointed() -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+    """A wrapper factory: ``fn`` becomes a non-reentrant checkpoint of itself (see the module docstring); its
+    recomputation runs inside :func:`~lightning_moe_overlap.moe.router.not_counted`."""
 
     def wrap(fn: Callable[..., Any]) -> Callable[..., Any]:
         def run(*args: Any, **kwargs: Any) -> Any:
@@ -132,7 +111,7 @@ def checkpointed(modules: Sequence[nn.Module] = ()) -> Callable[[Callable[..., A
                 calls[0] += 1
                 if calls[0] == 1:
                     return fn(*a, **k)
-                with counters_restored(routers):
+                with not_counted():
                     return fn(*a, **for_recompute(k))
 
             report_held(args)

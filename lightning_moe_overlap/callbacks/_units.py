@@ -25,14 +25,9 @@ import torch
 from torch import Tensor, nn
 from torch.utils.checkpoint import get_device_states, set_device_states
 
-from lightning_moe_overlap.callbacks._checkpoint import (
-    checkpointed,
-    counters_restored,
-    for_recompute,
-    full_checkpoint,
-    routers_in,
-)
+from lightning_moe_overlap.callbacks._checkpoint import checkpointed, for_recompute, full_checkpoint
 from lightning_moe_overlap.callbacks.meter import report_held
+from lightning_moe_overlap.moe.router import not_counted
 
 Where = tuple[str, Any]  # ("arg", index) or ("kw", name)
 
@@ -44,7 +39,6 @@ class _Call:
     kwargs: dict[str, Any]
     where: Where | None  # where the hidden state goes (None: the unit's first layer, args are complete)
     rng: tuple[Tensor, list[int], list[Tensor]]
-    routers: list[Any]
     requires_grad: bool
 
 
@@ -69,7 +63,7 @@ class _Pass:
                 call = self.calls[i]
                 _set_rng(call.rng)
                 args, kwargs = (call.args, call.kwargs) if call.where is None else _insert(call, hidden)
-                with counters_restored(call.routers):
+                with not_counted():
                     out = call.fn(*args, **for_recompute(kwargs))
                 nxt = self.calls[i + 1]
                 hidden = _hidden_of(out).detach().requires_grad_(nxt.requires_grad)
@@ -99,14 +93,12 @@ class LayerUnits:
             for k, index in enumerate(unit):
                 layer = self.layers[index]
                 if len(unit) == 1:
-                    out.append((layer, checkpointed([layer])))
+                    out.append((layer, checkpointed()))
                 else:
                     out.append((layer, self._chained(unit_id, k, layer)))
         return out
 
     def _chained(self, unit_id: int, k: int, layer: nn.Module) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
-        routers = routers_in([layer])
-
         def wrap(fn: Callable[..., Any]) -> Callable[..., Any]:
             def run(*args: Any, **kwargs: Any) -> Any:
                 if not torch.is_grad_enabled():
@@ -119,33 +111,31 @@ class LayerUnits:
                 if where is None:
                     if k > 0:
                         self._warn_broken(layer)
-                    return self._first(unit_id, fn, routers, args, kwargs)
-                return self._next(state, fn, routers, where, args, kwargs)
+                    return self._first(unit_id, fn, args, kwargs)
+                return self._next(state, fn, where, args, kwargs)
 
             return run
 
         return wrap
 
-    def _first(self, unit_id: int, fn: Callable[..., Any], routers: list, args: tuple, kwargs: dict) -> Any:
+    def _first(self, unit_id: int, fn: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
         """The unit's first layer: a plain checkpoint, whose inputs are the anchor (and the other arguments)."""
         hidden = _hidden_arg(args, kwargs)
         if hidden is None:  # no recognisable hidden state: this layer is a unit of its own
-            return _plain_checkpoint(fn, routers, args, kwargs)
+            return _plain_checkpoint(fn, args, kwargs)
         state = _Pass(anchor=hidden)
-        state.calls.append(_Call(fn, args, kwargs, None, _rng(args), routers, hidden.requires_grad))
+        state.calls.append(_Call(fn, args, kwargs, None, _rng(args), hidden.requires_grad))
         self._passes()[unit_id] = weakref.ref(state)
-        out = _plain_checkpoint(fn, routers, args, kwargs, keep=state)
+        out = _plain_checkpoint(fn, args, kwargs, keep=state)
         state.last_out = weakref.ref(_hidden_of(out))
         return out
 
-    def _next(
-        self, state: _Pass, fn: Callable[..., Any], routers: list, where: Where, args: tuple, kwargs: dict
-    ) -> Any:
+    def _next(self, state: _Pass, fn: Callable[..., Any], where: Where, args: tuple, kwargs: dict) -> Any:
         """A later layer ``k``: checkpointed with the anchor as its input, its own input replayed in backward."""
         k = len(state.calls)
         live = [_take(args, kwargs, where)]
         rest_args, rest_kwargs = _without(args, kwargs, where)
-        call = _Call(fn, rest_args, rest_kwargs, where, _rng(args), routers, live[0].requires_grad)
+        call = _Call(fn, rest_args, rest_kwargs, where, _rng(args), live[0].requires_grad)
         state.calls.append(call)
         calls = [0]
 
@@ -156,7 +146,7 @@ class LayerUnits:
                 return fn(*full_args, **full_kwargs)
             hidden = state.replayed_input(k)
             full_args, full_kwargs = _insert(call, hidden)
-            with counters_restored(routers):
+            with not_counted():
                 return fn(*full_args, **for_recompute(full_kwargs))
 
         report_held([state.anchor, *rest_args, *rest_kwargs.values()])
@@ -182,7 +172,7 @@ class LayerUnits:
             )
 
 
-def _plain_checkpoint(fn: Callable[..., Any], routers: list, args: tuple, kwargs: dict, keep: Any = None) -> Any:
+def _plain_checkpoint(fn: Callable[..., Any], args: tuple, kwargs: dict, keep: Any = None) -> Any:
     """A checkpoint of ``fn``; ``keep`` lives as long as it (the unit's pass, held by its first layer)."""
     calls = [0]
 
@@ -191,7 +181,7 @@ def _plain_checkpoint(fn: Callable[..., Any], routers: list, args: tuple, kwargs
         calls[0] += 1
         if calls[0] == 1:
             return fn(*a, **kw)
-        with counters_restored(routers):
+        with not_counted():
             return fn(*a, **for_recompute(kw))
 
     report_held([*args, *kwargs.values()])

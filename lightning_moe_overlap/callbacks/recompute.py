@@ -181,7 +181,7 @@ def _checkpoint(region: ModuleRegion | CallRegion | StageRegion) -> Handle:
     """Run ``region`` as a checkpoint: a module's ``forward``, the SDPA call inside a module, or a stage of the
     experts (through its wrapper API)."""
     if isinstance(region, ModuleRegion):
-        return _patch.wrap_forward(region.module, checkpointed([region.module]), order=_patch.CHECKPOINT)
+        return _patch.wrap_forward(region.module, checkpointed(), order=_patch.CHECKPOINT)
     if isinstance(region, CallRegion):
         around = around_sdpa(lambda func, args, kwargs: checkpointed()(func)(*args, **kwargs))
         return _patch.wrap_forward(region.module, around, order=_patch.INNER)

@@ -20,22 +20,9 @@ from torch.utils.data import DataLoader
 from lightning_moe_overlap import MoEOverlapStrategy
 from lightning_moe_overlap.demo import MoEGPT
 from tests.helpers.distributed import run_distributed
+from tests.helpers.planted import Planted
 
 CONFIG = dict(vocab_size=16, hidden_size=8, num_layers=1, num_heads=2, num_experts=4, top_k=2, ffn_hidden_size=4)
-
-
-def _plant(marker: str) -> str:
-    """What the planted pickle runs when it is unpickled: creates ``marker``."""
-    Path(marker).touch()
-    return "planted"
-
-
-class _Planted:
-    def __init__(self, marker: Path) -> None:
-        self.marker = str(marker)
-
-    def __reduce__(self):
-        return (_plant, (self.marker,))
 
 
 class GPT(MoEGPT):
@@ -59,7 +46,7 @@ def _worker(rank: int, world: int, root: Path) -> dict:
     trainer.save_checkpoint(ckpt)
     if rank == 0:
         meta = torch.load(ckpt / "meta.pt", weights_only=True)
-        torch.save({**meta, "planted": _Planted(marker)}, ckpt / "meta.pt")
+        torch.save({**meta, "planted": Planted(marker)}, ckpt / "meta.pt")
     dist.barrier()
     try:
         _trainer(2).fit(GPT(**CONFIG), ckpt_path=ckpt)

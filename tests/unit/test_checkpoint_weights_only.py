@@ -1,7 +1,8 @@
 """Loading a checkpoint runs no code from it: every file is read weights-only unless the caller opts out.
 
-Each test plants a pickle whose unpickling would create a marker file (``_Planted``) into one file of a checkpoint
-(``meta.pt``, a consolidated file, DCP's ``.metadata``, a DCP entry, an RNG state) and checks that the default load
+Each test plants a pickle whose unpickling would create a marker file (``tests/helpers/planted.py``) into one file
+of a checkpoint (``meta.pt``, a consolidated file, DCP's ``.metadata``, a DCP entry, an RNG state) and checks that the
+default load
 refuses it with the file's name and the opt-out while the marker does not exist. The same load with
 ``weights_only=False`` creates the marker: the planted pickle is live, so its absence proves nothing ran.
 Checkpoints of the previous writer (RNG states with a NumPy array) and of format version 1 still load
@@ -26,22 +27,9 @@ from lightning_moe_overlap.checkpoint.safe_load import resolve
 from lightning_moe_overlap.checkpoint.rng import capture_rng, read_rng, restore_rng
 from lightning_moe_overlap.checkpoint.sharded import load_everything, single_process_quiet
 from tests.unit.test_checkpoint import FIXTURE, _lightning_checkpoint, _trained
+from tests.helpers.planted import Planted
 
 OPT_OUT = r"TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD=1.*weights_only=False"
-
-
-def _plant(marker: str) -> str:
-    """What the planted pickle runs when it is unpickled: creates ``marker``."""
-    Path(marker).touch()
-    return "planted"
-
-
-class _Planted:
-    def __init__(self, marker: Path) -> None:
-        self.marker = str(marker)
-
-    def __reduce__(self):
-        return (_plant, (self.marker,))
 
 
 @dataclass
@@ -87,7 +75,7 @@ def test_a_planted_meta_file_is_refused_naming_it_and_nothing_runs(tmp_path):
     path, model, opt = _saved(tmp_path)
     meta = torch.load(path / "meta.pt", weights_only=True)
     marker = tmp_path / "ran"
-    torch.save({**meta, "planted": _Planted(marker)}, path / "meta.pt")
+    torch.save({**meta, "planted": Planted(marker)}, path / "meta.pt")
     with pytest.raises(ValueError, match=rf"the checkpoint file {path / 'meta.pt'} holds .*_plant.*{OPT_OUT}"):
         checkpointer.load(path, model, [opt])
     with pytest.raises(ValueError, match=r"meta\.pt holds"):
@@ -101,7 +89,7 @@ def test_a_planted_consolidated_file_is_refused_naming_it_and_nothing_runs(tmp_p
     path, model, opt = _saved(tmp_path, "consolidated")
     full = torch.load(path, weights_only=True)
     marker = tmp_path / "ran"
-    torch.save({**full, "planted": _Planted(marker)}, path)
+    torch.save({**full, "planted": Planted(marker)}, path)
     with pytest.raises(ValueError, match=rf"the checkpoint file {path} holds .*_plant.*{OPT_OUT}"):
         checkpointer.load(path, model, [opt])
     with pytest.raises(ValueError, match=rf"the checkpoint file {path} holds"):
@@ -115,7 +103,7 @@ def test_a_planted_dcp_metadata_file_is_refused_naming_it_and_nothing_runs(tmp_p
     path, model, opt = _saved(tmp_path)
     marker = tmp_path / "ran"
     with open(path / ".metadata", "wb") as f:
-        pickle.dump(_Planted(marker), f)
+        pickle.dump(Planted(marker), f)
     with pytest.raises(ValueError, match=rf"the DCP metadata file {path / '.metadata'} holds .*_plant.*{OPT_OUT}"):
         checkpointer.load(path, model, [opt])
     with pytest.raises(ValueError, match=r"\.metadata holds"):
@@ -126,7 +114,7 @@ def test_a_planted_dcp_metadata_file_is_refused_naming_it_and_nothing_runs(tmp_p
 def test_a_planted_dcp_entry_is_refused_naming_it_and_nothing_runs(tmp_path):
     path, model, opt = _saved(tmp_path)
     marker = tmp_path / "ran"
-    _replace_dcp_entry(path, "rng.rank_0", _Planted(marker))
+    _replace_dcp_entry(path, "rng.rank_0", Planted(marker))
     with pytest.raises(ValueError, match=rf"the entry `rng\.rank_0` of the DCP checkpoint {path} holds .*{OPT_OUT}"):
         checkpointer.load(path, model, [opt], restore_rng_state=True)
     assert not marker.exists()
@@ -136,7 +124,7 @@ def test_a_planted_rng_state_is_refused_naming_it_and_nothing_runs(tmp_path):
     path, model, opt = _saved(tmp_path)
     marker = tmp_path / "ran"
     blob = io.BytesIO()
-    torch.save({"python": _Planted(marker)}, blob)
+    torch.save({"python": Planted(marker)}, blob)
     _replace_dcp_entry(path, "rng.rank_0", blob.getvalue())
     with pytest.raises(ValueError, match=rf"the RNG state of rank 0 in {path} holds .*_plant.*{OPT_OUT}"):
         checkpointer.load(path, model, [opt], restore_rng_state=True)
@@ -238,7 +226,7 @@ def test_the_environment_opt_out_reaches_the_loader(tmp_path, monkeypatch):
     path, model, opt = _saved(tmp_path)
     meta = torch.load(path / "meta.pt", weights_only=True)
     marker = tmp_path / "ran"
-    torch.save({**meta, "planted": _Planted(marker)}, path / "meta.pt")
+    torch.save({**meta, "planted": Planted(marker)}, path / "meta.pt")
     monkeypatch.setenv("TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD", "1")
     checkpointer.load(path, model, [opt])
     assert marker.exists()

@@ -17,6 +17,7 @@ from lightning_moe_overlap.moe.adapters import apply_expert_parallel
 from lightning_moe_overlap.moe.bias import correction_bias_balancers
 from lightning_moe_overlap.overlap.engine import OverlapEngine
 from lightning_moe_overlap.overlap.runtime import CommRuntime
+from tests.unit.test_recompute import one_thread  # noqa: F401 (module fixture: one torch thread)
 
 tf = pytest.importorskip("transformers")
 
@@ -117,15 +118,6 @@ CASES = [  # (recompute, overlap): None runs the micro-batches one after the oth
     (lambda: SelectiveRecompute(granularity="full", num_layers=2), False),
     (lambda: SelectiveRecompute(granularity="full", method="block", num_layers=1), True),
 ]
-
-
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Tiny tensors: intra-op worker threads only spin next to the engine's two lanes."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 @pytest.mark.parametrize("name", FAMILIES)
