@@ -107,6 +107,10 @@ class Config:
         dedup: the all-to-all dispatcher's deduplicated dispatch (off by default, as in the strategy).
         compare_dedup: run the main modes deduplicated and also measure ``sequential/plain`` and ``overlap/plain``
             (``dedup=False``).
+        shared_ffn: > 0: each MoE layer also has a shared expert of this ffn size, run inside the dispatch window
+            (``shared_expert_overlap=True``).
+        deterministic: with ``simulate_ep_ms``, deterministic kernels for the bitwise comparison of the modes;
+            ``False`` asks whether overlapped and sequential steps still agree bitwise without them.
     """
 
     ranks: int = 2
@@ -134,6 +138,8 @@ class Config:
     monitor: bool = False
     dedup: bool = False
     compare_dedup: bool = False
+    shared_ffn: int = 0
+    deterministic: bool = True
 
     @property
     def ep_size(self) -> int:
@@ -159,7 +165,8 @@ class Block(nn.Module):
         super().__init__()
         self.norm = nn.LayerNorm(cfg.hidden)
         self.mlp = nn.Sequential(nn.Linear(cfg.hidden, cfg.dense_ffn), nn.GELU(), nn.Linear(cfg.dense_ffn, cfg.hidden))
-        self.moe = MoELayer(cfg.hidden, cfg.ffn, cfg.experts, cfg.top_k)
+        shared = {"shared_expert_ffn_hidden_size": cfg.shared_ffn, "shared_expert_overlap": True} if cfg.shared_ffn else {}
+        self.moe = MoELayer(cfg.hidden, cfg.ffn, cfg.experts, cfg.top_k, **shared)
 
     def forward(self, x: Tensor) -> Tensor:
         h = x + self.mlp(self.norm(x))
@@ -406,7 +413,7 @@ def rank_entry(rank: int, cfg: Config, port: int, queue: Any) -> None:
     """Process entry point: set up the process group, run, send the result (or the traceback) back."""
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(cfg.threads)
-    if cfg.simulate_ep_ms > 0:
+    if cfg.simulate_ep_ms > 0 and cfg.deterministic:
         make_deterministic()
     if cfg.device == "cuda":
         torch.cuda.set_device(rank)
@@ -622,6 +629,11 @@ def parse_args(argv: list[str] | None = None) -> tuple[Config, bool]:
     parser.add_argument(
         "--compare-dedup", action="store_true",
         help="run the main modes with --dedup and also measure sequential/plain and overlap/plain (without it)",
+    )
+    parser.add_argument("--shared-ffn", type=int, default=0, help="ffn size of a shared expert per MoE layer (0: none)")
+    parser.add_argument(
+        "--nondeterministic", dest="deterministic", action="store_false",
+        help="with --simulate-ep: leave deterministic algorithms off (is overlapped still bitwise sequential?)",
     )
     args = vars(parser.parse_args(argv))
     as_json = args.pop("json")

@@ -100,9 +100,19 @@ def fsdp_reduce_gradients(module: nn.Module) -> None:
 
     state = fully_shard.state(module)
     for each in state._state_ctx.all_states:
-        for group in each._fsdp_param_groups:
+        for group in _fsdp_param_groups(each):
             group.post_backward()
     state._root_post_backward_final_callback()
+
+
+def _fsdp_param_groups(state: Any) -> list[Any]:
+    """The param groups (``FSDPParamGroup``) of one ``FSDPState``: ``_fsdp_param_groups`` (a list, as in torch 2.13) or
+    ``_fsdp_param_group`` (one or ``None``, as in torch 2.11)."""
+    groups = getattr(state, "_fsdp_param_groups", None)
+    if groups is not None:
+        return list(groups)
+    one = state._fsdp_param_group
+    return [] if one is None else [one]
 
 
 def fsdp_set_hooks_idle(module: nn.Module, idle: bool) -> None:

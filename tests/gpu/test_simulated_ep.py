@@ -57,4 +57,4 @@ def test_simulated_ep_on_one_gpu(one_rank_nccl: None, tmp_path: Path) -> None:
     summary = bench.summarise([result], cfg)
     assert isinstance(summary["simulated"]["host_syncs_per_step"], int)
     names = [e.get("name", "") for e in json.loads(trace.read_text())["traceEvents"]]
-    assert any("sleep" in name.lower() for name in names)
+    assert any("sleep" in name.lower() or "spin_kernel" in name for name in names)  # torch.cuda._sleep's kernel

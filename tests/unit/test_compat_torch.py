@@ -360,3 +360,14 @@ def test_grad_scaler_found_inf_reads_the_flags_unscale_recorded() -> None:
     scaler.unscale_(optimizer)
     flags = torch_compat.grad_scaler_found_inf(scaler, optimizer)
     assert [float(f) for f in flags] == [1.0], f"torch {torch.__version__}: GradScaler's per-optimizer state moved"
+
+
+def test_fsdp_param_groups_reads_both_spellings() -> None:
+    """torch 2.13 keeps a list ``_fsdp_param_groups``; torch 2.11 one ``_fsdp_param_group`` (or None)."""
+    from types import SimpleNamespace
+
+    groups = [object(), object()]
+    assert torch_compat._fsdp_param_groups(SimpleNamespace(_fsdp_param_groups=groups)) == groups
+    one = object()
+    assert torch_compat._fsdp_param_groups(SimpleNamespace(_fsdp_param_group=one)) == [one]
+    assert torch_compat._fsdp_param_groups(SimpleNamespace(_fsdp_param_group=None)) == []
