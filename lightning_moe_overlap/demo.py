@@ -1,6 +1,9 @@
 """A small MoE GPT built from this package's layers, and synthetic token data, for the examples and the CLI.
 
 The model code knows nothing about parallelism: the strategy finds its experts and makes them expert-parallel.
+At ``pp > 1`` ``MoEGPT`` cuts itself through the public hook (``configure_pipeline`` and ``pipeline_num_layers``,
+docs/pipeline.md), its splitter (:func:`split_moegpt`) written here as a user's would be: the library never imports
+this module.
 
 Shape legend: B batch, S sequence, D hidden, H heads, V vocabulary.
 """
@@ -17,9 +20,11 @@ from torch import Tensor, nn
 from torch.utils.data import DataLoader, Dataset
 
 from lightning_moe_overlap.moe.layer import MoELayer
+from lightning_moe_overlap.moe.router import TopKRouter
 from lightning_moe_overlap.pipeline.batches import token_ids
-from lightning_moe_overlap.pipeline.layout import PipelineLayout
-from lightning_moe_overlap.pipeline.split import PipelineChunks
+from lightning_moe_overlap.pipeline.layout import Chunk, PipelineLayout
+from lightning_moe_overlap.pipeline.split import PipelineChunks, reset_module
+from lightning_moe_overlap.pipeline.splitters import check_layers
 
 
 class RMSNorm(nn.Module):
@@ -113,6 +118,7 @@ class MoEGPT(LightningModule):
         )
         self.norm = RMSNorm(hidden_size)
         self.head = nn.Linear(hidden_size, vocab_size, bias=False)
+        self.pipeline_num_layers = len(self.layers)  # what the layout places at pp > 1 (configure_pipeline)
 
     def forward(self, tokens_BS: Tensor) -> Tensor:
         x_BSD = self.embed(tokens_BS)
@@ -141,10 +147,8 @@ class MoEGPT(LightningModule):
         return self(token_ids(batch, type(self).__name__)).argmax(dim=-1)
 
     def configure_pipeline(self, layout: PipelineLayout) -> PipelineChunks:
-        """The pipeline chunks at ``pp > 1`` (docs/pipeline.md): the built-in split, its loss logged as
+        """The pipeline chunks at ``pp > 1`` (docs/pipeline.md): :func:`split_moegpt`, its loss logged as
         ``training_step`` / ``validation_step`` log it (on the last stage; the strategy replays it on every rank)."""
-        from lightning_moe_overlap.pipeline.splitters import split_moegpt
-
         return with_logged_loss(self, split_moegpt(self, layout))
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
@@ -171,6 +175,64 @@ def with_logged_loss(module: LightningModule, chunks: PipelineChunks) -> Pipelin
     """``chunks`` whose loss function logs like :func:`log_loss` (the demos' ``configure_pipeline``)."""
     loss_fn = chunks.loss_fn
     return replace(chunks, loss_fn=lambda output, target: log_loss(module, loss_fn(output, target)))
+
+
+# -- MoEGPT's pipeline chunks (its configure_pipeline at pp > 1) -----------------------------------------------
+class GPTChunk(nn.Module):
+    """A run of ``MoEGPT`` layers; with ``embed`` it takes tokens, with ``head`` it returns logits."""
+
+    def __init__(self, embed: nn.Module | None, layers: dict[int, nn.Module], norm: nn.Module | None,
+                 head: nn.Module | None) -> None:
+        super().__init__()
+        self.embed = embed
+        self.layers = nn.ModuleDict({str(i): layer for i, layer in layers.items()})
+        self.norm = norm
+        self.head = head
+
+    def forward(self, x: Tensor) -> Tensor:  # tokens_BS (chunk 0) or x_BSD
+        if self.embed is not None:
+            x = self.embed(x)
+        for layer in self.layers.values():
+            x = layer(x)
+        if self.head is not None:
+            x = self.head(self.norm(x))  # logits_BSV
+        return x
+
+
+def gpt_loss(logits_BSV: Tensor, target_BS: Tensor) -> Tensor:
+    """``MoEGPT``'s next-token loss (as in its ``training_step``)."""
+    return F.cross_entropy(logits_BSV.reshape(-1, logits_BSV.shape[-1]).float(), target_BS.reshape(-1))
+
+
+def gpt_prepare_batch(batch: Any) -> tuple[tuple[Tensor, ...], Tensor]:
+    """``tokens_BS`` (or a tuple / list holding it) -> inputs ``tokens[:, :-1]``, targets ``tokens[:, 1:]``."""
+    tokens_BS = token_ids(batch, "MoEGPT")
+    return (tokens_BS[:, :-1],), tokens_BS[:, 1:]
+
+
+def gpt_init_module(module: nn.Module) -> None:
+    """``MoEGPT``'s initialisation of one module (norms to one, routers N(0, 0.02), the rest reset)."""
+    if isinstance(module, RMSNorm):
+        nn.init.ones_(module.weight)
+    elif isinstance(module, TopKRouter):
+        nn.init.normal_(module.weight, std=0.02)
+        for buffer in module.buffers(recurse=False):
+            buffer.zero_()
+    else:
+        reset_module(module)
+
+
+def split_moegpt(model: nn.Module, layout: PipelineLayout) -> PipelineChunks:
+    """``MoEGPT``: embedding with chunk 0, final norm + head with the last chunk, layers per the layout."""
+    check_layers(model, layout, len(model.layers))
+
+    def chunk(c: Chunk) -> GPTChunk:
+        return GPTChunk(
+            model.embed if c.embedding else None, {i: model.layers[i] for i in c.layers},
+            model.norm if c.loss else None, model.head if c.loss else None,
+        )
+
+    return PipelineChunks([chunk(c) for c in layout.chunks], gpt_loss, gpt_prepare_batch, gpt_init_module)
 
 
 class _PatternTokens(Dataset):

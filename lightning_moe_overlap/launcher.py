@@ -12,6 +12,9 @@ The script launcher (``popen``, also every rank under ``torchrun`` or SLURM) add
 The multiprocessing launcher sends rank 0's ``state_dict()`` back to the main process, whose model was never made
 expert-parallel: rank 0 holds only its own experts, so the shapes would not match and the other ranks' experts
 would be lost. It sends the unsharded state (every expert, gathered over the ep group) instead.
+
+Both read the strategy that launches them through :class:`LaunchingStrategy`, the few members they use, so this
+module does not import the strategy (which imports it).
 """
 
 from __future__ import annotations
@@ -20,7 +23,7 @@ import atexit
 import os
 import sys
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch.distributed as dist
 from lightning.pytorch import LightningModule
@@ -43,10 +46,27 @@ from lightning_moe_overlap.wrap import MoEModelHandle
 
 if TYPE_CHECKING:
     from lightning.pytorch import Trainer
-    from lightning_moe_overlap.strategy import MoEOverlapStrategy
+
+    from lightning_moe_overlap.config import OverlapConfig
+    from lightning_moe_overlap.parallel.dims import ParallelDims
 
 PEER_LOSS_MARKERS = ("Connection closed by peer", "Connection reset by peer", "Timed out", "timed out", "Broken pipe")
 PEER_WAIT_S = 1.0  # how long an error that looks like a lost peer waits for that peer's report
+
+
+class LaunchingStrategy(Protocol):
+    """What the launchers read from the strategy that launches them (``MoEOverlapStrategy``)."""
+
+    @property
+    def config(self) -> OverlapConfig: ...
+
+    @property
+    def dims(self) -> ParallelDims: ...
+
+    @property
+    def global_rank(self) -> int: ...
+
+    def full_state_dict(self) -> dict[str, Any] | None: ...
 
 
 class ExpertParallelScriptLauncher(pl_compat.SubprocessScriptLauncher):
@@ -61,7 +81,7 @@ class ExpertParallelScriptLauncher(pl_compat.SubprocessScriptLauncher):
 
     def __init__(
         self,
-        strategy: MoEOverlapStrategy,
+        strategy: LaunchingStrategy,
         cluster_environment: Any,
         num_processes: int,
         num_nodes: int,

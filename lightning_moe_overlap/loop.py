@@ -31,15 +31,17 @@ The executor contract (``run(forward, backward, count) -> losses``):
 - it owns everything between the hooks: interleaving (the :class:`~lightning_moe_overlap.overlap.OverlapEngine`
   pairs ``F[i+1]`` with ``B[i]`` around the all-to-alls), thread-local state, failure detection.
 
-A pipeline schedule is meant to be a second executor: one that runs the forward and backward of (chunk,
-micro-batch) tasks of a ``torch.distributed.pipelining`` schedule, pairing each ``OVERLAP_F_B`` action's tasks
-through the same engine, and calls ``forward(i)`` / ``backward(i, loss)`` where micro-batch ``i``'s loss is
-computed (the last stage); the hooks and this loop stay as they are (docs/pipeline.md).
+The owner's step methods (training, validation, test, predict) run through a :class:`StepPath`: :class:`LoopPath`
+here at ``pp = 1`` (training through this loop, evaluation as the user's own steps on gathered parameters),
+``PipelinePath`` (``pipeline/path.py``) at ``pp > 1``, where torch's schedule owns the micro-batches and the user's
+steps are not called. Both take the same :class:`StepHooks`, so zeroing, gradient sync and the logging of a step are
+one code path.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -48,6 +50,8 @@ from lightning_utilities.core.apply_func import apply_to_collection
 from torch import Tensor
 
 from lightning_moe_overlap.step_logs import MicroBatchLogs
+
+ContextFactory = Callable[[], AbstractContextManager]
 
 
 class Executor(Protocol):
@@ -120,6 +124,44 @@ class MicroBatchLoop:
         hooks.sync_gradients()
         logs.replay()
         return _step_output(outputs, losses, weights)
+
+
+class StepPath(Protocol):
+    """How the owner's step methods run (one object per setup, so those methods have no ``pp`` branch).
+
+    ``train(batch, batch_idx, *rest)``: one optimizer step's forwards and backwards, the loss Lightning sees.
+    ``evaluate(user_step, context, *args, **kwargs)``: a validation / test step; ``user_step`` is the
+    LightningModule's own step (through Lightning), ``context`` the precision plugin's step context.
+    ``predict(user_step, *args, **kwargs)``: a prediction step.
+    """
+
+    def train(self, batch: Any, batch_idx: int, *rest: Any) -> Any: ...
+
+    def evaluate(self, user_step: Callable[..., Any], context: ContextFactory, *args: Any, **kwargs: Any) -> Any: ...
+
+    def predict(self, user_step: Callable[..., Any], *args: Any, **kwargs: Any) -> Any: ...
+
+
+class LoopPath:
+    """``pp = 1``: training through :class:`MicroBatchLoop` (``loop``; ``None`` outside ``fit``), evaluation and
+    prediction as the user's own steps after ``gather()`` (``fully_shard`` keeps the parameters sharded at rest;
+    ``ShardedModel.gather`` does nothing when they already are gathered, and is collective over the shard groups)."""
+
+    def __init__(self, gather: Callable[[], None], loop: MicroBatchLoop | None) -> None:
+        self.gather = gather
+        self.loop = loop
+
+    def train(self, batch: Any, batch_idx: int, *rest: Any) -> Any:
+        assert self.loop is not None, "LoopPath.train outside fit"
+        return self.loop.step(batch, batch_idx, *rest)
+
+    def evaluate(self, user_step: Callable[..., Any], context: ContextFactory, *args: Any, **kwargs: Any) -> Any:
+        self.gather()
+        return user_step(*args, **kwargs)  # Lightning's own step method enters the precision context itself
+
+    def predict(self, user_step: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        self.gather()
+        return user_step(*args, **kwargs)
 
 
 def split_batch(batch: Any, num_microbatches: int, *, short: bool = False) -> list[Any]:

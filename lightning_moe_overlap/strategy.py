@@ -41,15 +41,17 @@ from lightning_moe_overlap.config import (
 )
 from lightning_moe_overlap.grads import clip_grad_norm, global_grad_norm
 from lightning_moe_overlap.launcher import ExpertParallelScriptLauncher, ExpertParallelSpawnLauncher
-from lightning_moe_overlap.loop import MicroBatchLoop, StepHooks
+from lightning_moe_overlap.loop import LoopPath, MicroBatchLoop, StepHooks, StepPath
 from lightning_moe_overlap.moe.adapters import expert_parallel_modules
 from lightning_moe_overlap.overlap.engine import OverlapEngine
 from lightning_moe_overlap.overlap.failures import default_nccl_error_handling, safety_nets
 from lightning_moe_overlap.overlap.runtime import CommRuntime
-from lightning_moe_overlap.parallel import ParallelDims, ParallelGroups, build_groups
+from lightning_moe_overlap.parallel import ParallelDims, ParallelGroups
+from lightning_moe_overlap.parallel.apply import apply_ep, apply_fsdp, apply_pipeline
 from lightning_moe_overlap.parallel.mesh import ParallelMesh, build_mesh
-from lightning_moe_overlap.parallel.sharding import ShardedModel, replicate_mesh
+from lightning_moe_overlap.parallel.sharding import ShardedModel
 from lightning_moe_overlap.parallel.shutdown import destroy_process_groups_at_exit
+from lightning_moe_overlap.pipeline.path import PipelinePath
 from lightning_moe_overlap.pipeline.pipelined import PipelinedModel
 from lightning_moe_overlap.precision import ExpertParallelPrecision, with_global_norm_clip
 from lightning_moe_overlap.prepared import PreparedModel, check_same_layout, record, recorded
@@ -210,7 +212,7 @@ class MoEOverlapStrategy(ParallelStrategy):
         self._failed = False  # set by `on_exception`: the teardown then does no more work than it must
         self.runtime = CommRuntime(delay_wgrad=delay_wgrad)
         self._ep_model: MoEModelHandle | None = None
-        self._loop: MicroBatchLoop | None = None
+        self._path: StepPath | None = None  # how the step methods run (loop.py, pipeline/path.py)
         self._pipeline: PipelinedModel | None = None  # at pp > 1: this rank's chunks and their schedule
         self._loop_trainer: Trainer | None = None  # whose automatic optimization skips backward for the loop
         self._fsdp_mp_policy = fsdp_mp_policy
@@ -315,16 +317,23 @@ class MoEOverlapStrategy(ParallelStrategy):
 
     @override
     def setup_environment(self) -> None:
+        """The processes, then the one mesh of the run and its groups, handed to the LightningModule before
+        ``configure_model`` (``self.device_mesh`` as Lightning's ``ModelParallelStrategy`` does, and
+        ``self.parallel_groups``)."""
         super().setup_environment()
         quiet_third_party_noise()
         self._setup_distributed()
-        self._groups = build_groups(
-            self.dims, self.global_rank, backend=self._backend(), timeout=self._timeout
-        )
+        self._mesh = build_mesh(self.dims, self.root_device.type, backend=self._backend(), timeout=self._timeout)
+        self._groups = self._mesh.process_groups(self.global_rank)
         pl_module = self.lightning_module
         if pl_module is not None:  # read by model code in `configure_model` (Lightning issue #20632)
-            pl_module.parallel_groups = self._groups
+            self._hand_to_module(pl_module, self._mesh, self._groups)
         log.debug("%s: %s", type(self).__name__, self.dims.describe())
+
+    @staticmethod
+    def _hand_to_module(module: Module, mesh: ParallelMesh, groups: ParallelGroups) -> None:
+        module.parallel_groups = groups
+        pl_compat.set_device_mesh(module, mesh.device_mesh)
 
     def _backend(self) -> str:
         return self.config.process_group_backend or pl_compat.default_process_group_backend(self.root_device)
@@ -390,54 +399,57 @@ class MoEOverlapStrategy(ParallelStrategy):
                 )
             )
         self._adopt_prepared()
-        if self._mesh is None:
-            self._mesh = build_mesh(self.dims, self.root_device.type)
-        wrapping = self._ep_model is None
-        if wrapping:
-            self._ep_model = MoEModelHandle(self.model)
-            dp_cp = self.dims.dp * self.dims.cp
-            raise_problems(check_model(self.config, self._ep_model.experts_per_block(), dp_cp))
-            held = None
-            if self.dims.pp > 1:
-                self._pipeline = PipelinedModel.cut(self.lightning_module, self.config, self.parallel_groups)
-                self._pipeline.place(self.root_device, seed=torch.initial_seed())
-                held = self._pipeline.held_chunks
-            self._ep_model.apply(
-                self.config, self.parallel_groups, self.runtime, modules=held, ep_mesh=self.parallel_mesh["ep"]
-            )
-            # torch's pipeline schedules divide every gradient by the micro-batch count themselves
-            self._ep_model.set_aux_loss_scale(1.0 if held is not None else 1.0 / self.config.num_microbatches)
-        self.precision_plugin.convert_module(self.model)
-        self.model_to_device()
-        if wrapping:  # a model set up before keeps its replicas equal: every replica took the same updates
-            self._ep_model.broadcast_replicas(self.parallel_groups)
-        if self._sharded is None:  # before the optimizers: they hold what `fully_shard` made of the parameters
-            if self.config.shard == "none":
-                roots = [self.model] if self._pipeline is None else self._pipeline.held_chunks
-                mesh = replicate_mesh(self.dims, self.root_device.type)
-                self._sharded = ShardedModel.replicate(roots, self._ep_model.expert_parameters(), mesh)
-            else:
-                mode: ShardMode = self.config.shard  # type: ignore[assignment]
-                self._sharded = ShardedModel.shard(
-                    self.model, self._ep_model.expert_modules(), self.parallel_mesh, mode,
-                    mp_policy=self._fsdp_mp_policy,
-                )  # fmt: skip
-            record(self.model, PreparedModel(self.config, self.dims, self.parallel_groups, self.parallel_mesh,
-                                             self.runtime, self._ep_model, self._pipeline, self._sharded))  # fmt: skip
+        if self._ep_model is None:
+            self._parallelize()
+        else:  # set up before (`prepared.py`): only this run's precision and device
+            self.precision_plugin.convert_module(self.model)
+            self.model_to_device()
         if fitting:
             self.setup_optimizers(trainer)
         self.setup_precision_plugin()
+        hooks = None
         if fitting:
             pl_compat.optimizers_to_device(self.optimizers, self.root_device)
+            hooks = self._step_hooks(trainer)
+            pl_compat.set_skip_backward(trainer, True)
+            self._loop_trainer = trainer
+        self._path = self._build_step_path(hooks)
+
+    def _build_step_path(self, hooks: StepHooks | None) -> StepPath:
+        """The step methods' path: the micro-batch loop at ``pp = 1``, the pipeline schedule at ``pp > 1``; both
+        run their micro-batches through one ``OverlapEngine`` when training (``hooks``: ``None`` outside ``fit``)."""
+        assert self._sharded is not None
+        engine = None
+        if hooks is not None:
             nets = safety_nets(self._timeout.total_seconds(), self._backend())
             engine = OverlapEngine(
                 self.runtime, overlap=self.config.overlap, timeout_s=nets.wait_s, stall_timeout_s=nets.stall_s
             )
-            if self._pipeline is not None:
-                self._pipeline.build_schedule(engine, self.root_device)
-            self._loop = MicroBatchLoop(self._step_hooks(trainer), engine, self.config.num_microbatches)
-            pl_compat.set_skip_backward(trainer, True)
-            self._loop_trainer = trainer
+        if self._pipeline is None:
+            loop = None if engine is None else MicroBatchLoop(hooks, engine, self.config.num_microbatches)
+            return LoopPath(self._sharded.gather, loop)
+        if engine is not None:
+            self._pipeline.build_schedule(engine, self.root_device)
+        return PipelinePath(self._pipeline, self.lightning_module, self.root_device, hooks,
+                            self.precision_plugin.train_step_context)  # fmt: skip
+
+    def _parallelize(self) -> None:
+        """The model's transformation, in the order of ``parallel/apply.py`` (where each step is described)."""
+        assert self.model is not None
+        ep_model = MoEModelHandle(self.model)
+        raise_problems(check_model(self.config, ep_model.experts_per_block(), self.dims.dp * self.dims.cp))
+        rank = self.global_rank
+        self._pipeline = apply_pipeline(self.lightning_module, self.config, self.parallel_mesh, self.root_device,
+                                        rank=rank)  # fmt: skip
+        apply_ep(ep_model, self.config, self.parallel_mesh, self.runtime, self._pipeline, rank=rank)
+        self._ep_model = ep_model
+        self.precision_plugin.convert_module(self.model)
+        self.model_to_device()
+        ep_model.broadcast_replicas(self.parallel_groups)
+        self._sharded = apply_fsdp(self.model, ep_model, self.config, self.parallel_mesh, self._pipeline,
+                                   mp_policy=self._fsdp_mp_policy)  # fmt: skip
+        record(self.model, PreparedModel(self.config, self.dims, self.parallel_groups, self.parallel_mesh,
+                                         self.runtime, self._ep_model, self._pipeline, self._sharded))  # fmt: skip
 
     def _adopt_prepared(self) -> None:
         """Take what an earlier ``setup`` built for this model (``prepared.py``): ``fit`` -> ``validate`` / ``test`` /
@@ -461,7 +473,7 @@ class MoEOverlapStrategy(ParallelStrategy):
         check_same_layout(prepared, self.config, self.dims, owner=f"`{type(self).__name__}`")
         self._groups, self._mesh, self.runtime = prepared.groups, prepared.mesh, prepared.runtime
         self._ep_model, self._pipeline, self._sharded = prepared.ep_model, prepared.pipeline, prepared.sharded
-        self.lightning_module.parallel_groups = prepared.groups  # the groups its layers communicate over
+        self._hand_to_module(self.lightning_module, prepared.mesh, prepared.groups)  # what its layers use
         if self._pipeline is None:  # this run's micro-batch count
             self._ep_model.set_aux_loss_scale(1.0 / self.config.num_microbatches)
 
@@ -522,63 +534,27 @@ class MoEOverlapStrategy(ParallelStrategy):
 
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
-        if self._loop is None:
+        if self._loop_trainer is None:  # not in fit: Lightning's own step
             return super().training_step(*args, **kwargs)
-        if self._pipeline is not None:
-            return self._pipeline_train_step(*args, **kwargs)
-        return self._loop.step(*args, **kwargs)
-
-    def _pipeline_train_step(self, batch: Any, batch_idx: int, *rest: Any) -> Tensor:
-        """One optimizer step as the pipeline schedule (docs/pipeline.md, "With the strategy"): the user's
-        ``training_step`` is not called; the chunks and the loss function run on the ranks that hold them."""
-        assert self._loop is not None and self._pipeline is not None
-        hooks = self._loop.hooks
-        hooks.zero_grad(batch_idx)
-        logs = hooks.capture_logs()
-        result = self._pipeline.train_step(batch, logs, self.precision_plugin.train_step_context)
-        hooks.sync_gradients()
-        logs.replay(result.logs)
-        return result.loss
-
-    def _gathered(self) -> None:
-        """At ``pp = 1`` the user's steps call the model's submodules, whose parameters ``fully_shard`` keeps
-        sharded at rest: gather them first (nothing when they already are; collective over the shard groups)."""
-        if self._sharded is not None:
-            self._sharded.gather()
+        return self._step_path().train(*args, **kwargs)
 
     @override
     def validation_step(self, *args: Any, **kwargs: Any) -> Any:
-        if self._pipeline is None:
-            self._gathered()
-            return super().validation_step(*args, **kwargs)
-        return self._pipeline_eval_step(self.precision_plugin.val_step_context, *args)
+        user_step = super().validation_step
+        return self._step_path().evaluate(user_step, self.precision_plugin.val_step_context, *args, **kwargs)
 
     @override
     def test_step(self, *args: Any, **kwargs: Any) -> Any:
-        if self._pipeline is None:
-            self._gathered()
-            return super().test_step(*args, **kwargs)
-        return self._pipeline_eval_step(self.precision_plugin.test_step_context, *args)
+        user_step = super().test_step
+        return self._step_path().evaluate(user_step, self.precision_plugin.test_step_context, *args, **kwargs)
 
     @override
     def predict_step(self, *args: Any, **kwargs: Any) -> Any:
-        if self._pipeline is not None:
-            raise NotImplementedError(
-                f"`MoEOverlapStrategy(pp={self.dims.pp})`: `Trainer.predict` with pipeline parallelism is not "
-                "supported: the outputs live on the last stage's ranks only. Predict at pp=1 (load the checkpoint "
-                "there: checkpoints are keyed by the unsplit model's names and load at any pp)."
-            )
-        self._gathered()
-        return super().predict_step(*args, **kwargs)
+        return self._step_path().predict(super().predict_step, *args, **kwargs)
 
-    def _pipeline_eval_step(self, context: Callable[[], Any], batch: Any, batch_idx: int = 0, *rest: Any) -> Tensor:
-        """The forwards of a validation / test batch through the pipeline; the mean loss on every rank (the user's
-        ``validation_step`` / ``test_step`` is not called; what the loss function logs is replayed everywhere)."""
-        assert self._pipeline is not None
-        logs = MicroBatchLogs(self.lightning_module)
-        result = self._pipeline.eval_step(batch, logs, context, self.root_device)
-        logs.replay(result.logs)
-        return result.loss
+    def _step_path(self) -> StepPath:
+        assert self._path is not None, "a step before MoEOverlapStrategy.setup"
+        return self._path
 
     def sync_gradients(self) -> None:
         """Average gradients over the data-parallel groups (called once per step, after the last micro-batch): FSDP's
@@ -710,7 +686,7 @@ class MoEOverlapStrategy(ParallelStrategy):
         if self._loop_trainer is not None:
             pl_compat.set_skip_backward(self._loop_trainer, False)
             self._loop_trainer = None
-        self._loop = None
+        self._path = None
         if self._sharded is not None and not self._failed:
             self._sharded.release()
         if self._pipeline is None:

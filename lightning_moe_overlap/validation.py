@@ -20,11 +20,10 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from lightning_utilities.core.apply_func import apply_to_collection
 from torch.utils.data import DataLoader
 
-from lightning_moe_overlap._checks import divisors, is_positive_int, is_positive_number
+from lightning_moe_overlap._checks import divisors, is_positive_int
 from lightning_moe_overlap._install import install_hint
 from lightning_moe_overlap.config import (
     DISPATCHERS,
-    DROP_POLICIES,
     EXPERT_BACKENDS,
     FLEX_BACKENDS,
     PIPELINE_SCHEDULES,
@@ -32,6 +31,8 @@ from lightning_moe_overlap.config import (
     START_METHODS,
     OverlapConfig,
 )
+from lightning_moe_overlap.moe.capacity import capacity_problems
+from lightning_moe_overlap.moe.dispatch.base import splits_evenly
 from lightning_moe_overlap.parallel.dims import ParallelDims, ParallelDimsError
 
 OWNER = "`MoEOverlapStrategy`"
@@ -89,7 +90,6 @@ def rule_sizes(cfg: OverlapConfig) -> list[Problem]:
 def rule_choices(cfg: OverlapConfig) -> list[Problem]:
     choices = (
         ("dispatcher", cfg.dispatcher, DISPATCHERS),
-        ("token_drop_policy", cfg.token_drop_policy, DROP_POLICIES),
         ("start_method", cfg.start_method, START_METHODS),
         ("expert_backend", cfg.expert_backend, EXPERT_BACKENDS),
         ("shard", cfg.shard, SHARD_MODES),
@@ -109,17 +109,19 @@ def rule_choices(cfg: OverlapConfig) -> list[Problem]:
             f"`flex_backend={cfg.flex_backend!r}` is not one of {list(FLEX_BACKENDS)}.",
         ),
         (
-            "capacity-factor",
-            cfg.capacity_factor is None or is_positive_number(cfg.capacity_factor),
-            f"`capacity_factor={cfg.capacity_factor!r}` must be None (dropless) or a number > 0.",
-        ),
-        (
             "deepep-num-sms",
             is_positive_int(sms) and sms % 2 == 0,
             f"`deepep_num_sms={sms!r}` must be a positive even integer (DeepEP splits its SMs into send/receive "
             "pairs). Try 20, DeepSeek-V3's setting.",
         ),
     )
+
+
+def rule_capacity(cfg: OverlapConfig) -> list[Problem]:
+    """``capacity_factor`` and ``token_drop_policy``: the rules of ``moe/capacity.py``, which every layer checks too."""
+    rules = {"capacity_factor": "capacity-factor", "token_drop_policy": "choices"}
+    found = capacity_problems(cfg.capacity_factor, cfg.token_drop_policy)
+    return [Problem(rules[name], f"{OWNER}: {message}") for name, message in found.items()]
 
 
 def rule_flex_backend_without_flex(cfg: OverlapConfig) -> list[Problem]:
@@ -293,6 +295,7 @@ def rule_torch_version(cfg: OverlapConfig, version: str | None = None) -> list[P
 CONFIG_RULES: tuple[Callable[[OverlapConfig], list[Problem]], ...] = (
     rule_sizes,
     rule_choices,
+    rule_capacity,
     rule_flex_backend_without_flex,
     rule_dedup_without_alltoall,
     rule_shared_expert_overlap,
@@ -508,7 +511,7 @@ def check_model(
                 )
             )
         return out
-    bad = {name: n for name, n in experts_per_block.items() if n % cfg.ep}
+    bad = {name: n for name, n in experts_per_block.items() if not splits_evenly(n, cfg.ep)}
     if bad:
         name, n = next(iter(bad.items()))
         out.append(

@@ -131,6 +131,12 @@ def should_update_logs(trainer: object) -> bool:
 
 
 # -- precision -----------------------------------------------------------------------------------------------------
+def set_device_mesh(module: Any, mesh: Any) -> None:
+    """``LightningModule._device_mesh``: what its public ``device_mesh`` property returns, set as Lightning's
+    ``ModelParallelStrategy`` sets it, before ``configure_model``."""
+    module._device_mesh = mesh
+
+
 def optimizer_handles_unscaling(optimizer: Any) -> bool:
     """``lightning.fabric.plugins.precision.amp._optimizer_handles_unscaling``: the optimizer unscales gradients in
     its own ``step`` (fused optimizers), so gradients are still scaled when clipping would run."""
@@ -150,6 +156,7 @@ __all__ = [
     "optimizer_handles_unscaling",
     "optimizers_to_device",
     "reset_seed",
+    "set_device_mesh",
     "set_num_threads_if_needed",
     "set_skip_backward",
     "should_update_logs",

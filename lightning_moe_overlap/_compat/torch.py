@@ -76,10 +76,24 @@ def grad_scaler_found_inf(scaler: Any, optimizer: Any) -> list[Tensor]:
     return list(state.get("found_inf_per_device", {}).values())
 
 
-def flatten_mesh(mesh: Any, name: str) -> Any:
+def gloo_options() -> Any:
+    """``ProcessGroupGloo._Options()``: a gloo group's options (to carry a timeout into ``init_device_mesh``'s
+    ``backend_override``; torch exposes no public constructor for them)."""
+    return dist.ProcessGroupGloo._Options()
+
+
+def set_options_timeout(options: Any, timeout: Any) -> Any:
+    """``Backend.Options._timeout``: the timeout of the group made with ``options`` (``init_device_mesh`` reads it
+    there); returns ``options``."""
+    options._timeout = timeout
+    return options
+
+
+def flatten_mesh(mesh: Any, name: str, backend_override: Any = None) -> Any:
     """``DeviceMesh._flatten``: a 1-D view of the dimensions of ``mesh`` (a slice of a root mesh), registered on the
-    root under ``name`` so that ``root[name]`` returns it; the ranks keep their row-major order."""
-    return mesh._flatten(name)
+    root under ``name`` so that ``root[name]`` returns it; the ranks keep their row-major order. ``backend_override``:
+    ``(backend, options)`` of the new group, as ``init_device_mesh`` takes per dimension."""
+    return mesh._flatten(name, backend_override=backend_override)
 
 
 def fsdp_lazy_init(module: nn.Module) -> None:

@@ -35,20 +35,20 @@ from lightning_moe_overlap.checkpoint.optimizer import (
 )
 from lightning_moe_overlap.checkpoint.state import (
     GROUPS,
+    INFO_KEY,
     STATE,
     absent_keys,
     expert_counts,
     full_model_state,
     full_optimizer_state,
     global_shape,
+    in_order,
     like,
     model_state,
     optimizer_state,
     param_of,
 )
 from lightning_moe_overlap.parallel import ParallelGroups
-
-INFO_KEY = "moe_checkpoint"
 
 
 # -- gather (collective) ---------------------------------------------------------------------------------------
@@ -122,12 +122,6 @@ def gather_full(
             info["param_names"].append([n for g in merged for n in g["params"]])
     full[INFO_KEY] = info
     return full
-
-
-def in_order(state: dict[str, Any], order: list[str]) -> dict[str, Any]:
-    """``state`` with the keys of ``order`` first, in that order (the unsplit module's ``state_dict()`` order)."""
-    position = {k: i for i, k in enumerate(order)}
-    return dict(sorted(state.items(), key=lambda item: position.get(item[0], len(position))))
 
 
 def _cpu(value: Any) -> Any:

@@ -32,7 +32,7 @@ from lightning_moe_overlap.checkpoint.sharded import (
     read_meta,
     single_process_quiet,
 )
-from lightning_moe_overlap.checkpoint.state import GROUPS, STATE
+from lightning_moe_overlap.checkpoint.state import GROUPS, INFO_KEY, STATE, in_order
 
 _EXPERT = re.compile(r"^(?P<name>.+)\[(?P<expert>\d+)\]$")
 _MODEL, _RNG = "state_dict/", "rng/rank_"
@@ -116,8 +116,6 @@ def read_all(
 
 def read_unsharded(src: Path, *, weights_only: bool = True) -> dict[str, Any]:
     """The consolidated checkpoint dict (:mod:`.consolidated`) of a version-1 directory."""
-    from lightning_moe_overlap.checkpoint.consolidated import INFO_KEY, in_order
-
     marker = atomic.read_marker(src)
     model, states, rng, meta = read_all(src, weights_only=weights_only)
     checkpoint = {k: v for k, v in meta.items() if k != "optimizer_states"}

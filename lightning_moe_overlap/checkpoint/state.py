@@ -41,6 +41,7 @@ from lightning_moe_overlap.moe.ep import ExpertParallelExperts
 
 FLAT = StateDictOptions(flatten_optimizer_state_dict=True)
 STATE, GROUPS = "state.", "param_groups."
+INFO_KEY = "moe_checkpoint"  # a consolidated checkpoint's record of the layout that wrote it (:mod:`.consolidated`)
 _OWNER = "`MoEOverlapStrategy`"
 
 
@@ -63,6 +64,12 @@ def param_of(key: str) -> str:
     """The parameter name of a flat optimizer key (``state.<fqn>.<name>`` or ``param_groups.<fqn>.<name>``)."""
     body = key[len(STATE) :] if key.startswith(STATE) else key[len(GROUPS) :]
     return body.rpartition(".")[0]
+
+
+def in_order(state: dict[str, Any], order: list[str]) -> dict[str, Any]:
+    """``state`` with the keys of ``order`` first, in that order (the unsplit module's ``state_dict()`` order)."""
+    position = {k: i for i, k in enumerate(order)}
+    return dict(sorted(state.items(), key=lambda item: position.get(item[0], len(position))))
 
 
 def model_state(module: nn.Module) -> dict[str, Any]:

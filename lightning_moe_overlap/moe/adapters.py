@@ -275,7 +275,8 @@ def apply_expert_parallel(
         groups_or_ep_group: a ``ParallelGroups`` (its ``ep`` is used), the ep ``ProcessGroup``, or ``None``.
         dispatcher: ``"alltoall"``, ``"allgather"`` or ``"flex"``.
         runtime: the strategy's :class:`CommRuntime` (shared by every layer).
-        capacity_factor: per-expert capacity factor on local tokens; ``None`` is dropless.
+        capacity_factor: per-expert capacity factor on local tokens; ``None`` is dropless. The experts drop with it,
+            except under a ``MoELayer`` that drops with its own (each layer drops once).
         token_drop_policy: ``"probs"`` or ``"position"``.
         impl: grouped GEMM implementation.
         expert_backend: ``"torch"`` (pure PyTorch GEMMs) or ``"te"`` (Transformer Engine ``GroupedLinear``).
@@ -292,7 +293,7 @@ def apply_expert_parallel(
 
     Raises:
         ValueError: a block's ``num_experts`` is not divisible by ep (checked for every block before any change),
-            or a bad capacity setting.
+            or a bad capacity setting, or one that differs from a ``MoELayer``'s own.
         TypeError: ``groups_or_ep_group`` of the wrong kind, or an unknown knob.
         NotImplementedError: an experts module variant that cannot be sharded (or mapped onto TE).
         ImportError: ``dispatcher="flex"`` without DeepEP / CUDA.
@@ -301,20 +302,22 @@ def apply_expert_parallel(
     validate_capacity(capacity_factor, token_drop_policy, owner="`apply_expert_parallel`")
     ep = group_size(ep_group)
     found = find_experts(model)
+    experts_capacity: dict[str, float | None] = {}
     for name, item in found.items():
         check_expert_split(item.num_experts, ep, owner=f"`apply_expert_parallel` ({name})")
+        experts_capacity[name] = _experts_capacity(item, capacity_factor, token_drop_policy)
     if dispatcher == "flex" and knobs.get("deepep_buffers") is None and knobs.get("deepep_buffer") is None:
         # One DeepEP buffer per process, shared by every layer (each buffer pins hundreds of MB of NVLink memory).
         knobs = {**knobs, "deepep_buffers": DeepEPBuffers(knobs.get("deepep_num_sms", 20))}
     wrapped: list[ExpertParallelExperts] = []
-    for item in found.values():
+    for name, item in found.items():
         layout = item.adapter.layout(item.module)
         token_dispatcher = build_dispatcher(dispatcher, ep_group, item.num_experts, runtime, **knobs)
         ep_module = ExpertParallelExperts(
             item.module,
             layout,
             token_dispatcher,
-            capacity_factor=capacity_factor,
+            capacity_factor=experts_capacity[name],
             token_drop_policy=token_drop_policy,
             impl=impl,
             expert_backend=expert_backend,
@@ -329,6 +332,30 @@ def apply_expert_parallel(
             overlap_shared_experts(item.parent, runtime)
         wrapped.append(ep_module)
     return wrapped
+
+
+def _experts_capacity(item: FoundExperts, capacity_factor: float | None, token_drop_policy: str) -> float | None:
+    """The factor the expert-parallel module drops with, so that a layer drops over capacity exactly once.
+
+    A :class:`MoELayer` with a ``capacity_factor`` of its own drops before its experts: its experts get ``None``.
+    The same setting given here too is that one drop; a different one is an error (two drops would keep the
+    smaller capacity, which neither setting says).
+    """
+    layer = item.parent
+    if not isinstance(layer, MoELayer) or layer.capacity_factor is None:
+        return capacity_factor
+    if capacity_factor is not None and (capacity_factor, token_drop_policy) != (
+        layer.capacity_factor,
+        layer.token_drop_policy,
+    ):
+        raise ValueError(
+            f"`apply_expert_parallel` ({item.name}): capacity_factor={capacity_factor!r}, "
+            f"token_drop_policy={token_drop_policy!r} given here, but its `MoELayer` drops with "
+            f"capacity_factor={layer.capacity_factor!r}, token_drop_policy={layer.token_drop_policy!r}; a layer drops "
+            "over capacity once, with one setting. Set the capacity in one place (the `MoELayer`, or here, e.g. "
+            "`MoEOverlapStrategy(capacity_factor=...)`), or give both the same values."
+        )
+    return None
 
 
 def layout_of(module: nn.Module) -> ExpertsLayout:

@@ -25,24 +25,34 @@ from lightning_moe_overlap.config import DROP_POLICIES, DropPolicy
 from lightning_moe_overlap.moe.permute import count_per_expert
 
 
-
 def expert_capacity(num_tokens: int, top_k: int, num_experts: int, capacity_factor: float) -> int:
     """``ceil(num_tokens * top_k / num_experts * capacity_factor)``, as megatron-core's ``get_capacity``."""
     return math.ceil((num_tokens * top_k / num_experts) * capacity_factor)
 
 
-def validate_capacity(capacity_factor: float | None, token_drop_policy: str, *, owner: str) -> None:
-    """Raise ``ValueError`` for a non-positive factor or an unknown policy, naming ``owner``."""
+def capacity_problems(capacity_factor: float | None, token_drop_policy: str) -> dict[str, str]:
+    """The capacity rules, in one place: ``{setting: what is wrong, the rule and the fix}`` for each bad setting
+    (empty when both are valid). :func:`validate_capacity` raises the first; the strategy's configuration check
+    (``validation.rule_capacity``) reports each."""
+    problems: dict[str, str] = {}
     if capacity_factor is not None and not is_positive_number(capacity_factor):
-        raise ValueError(
-            f"{owner}: capacity_factor={capacity_factor!r} must be None (dropless) or a positive number; "
+        problems["capacity_factor"] = (
+            f"capacity_factor={capacity_factor!r} must be None (dropless) or a positive number; "
             "values around 1.0-2.0 are usual."
         )
     if token_drop_policy not in DROP_POLICIES:
-        raise ValueError(
-            f"{owner}: token_drop_policy={token_drop_policy!r} is not one of {list(DROP_POLICIES)}; "
+        problems["token_drop_policy"] = (
+            f"token_drop_policy={token_drop_policy!r} is not one of {list(DROP_POLICIES)}; "
             "'probs' keeps the highest-weight assignments per expert, 'position' the first ones."
         )
+    return problems
+
+
+def validate_capacity(capacity_factor: float | None, token_drop_policy: str, *, owner: str) -> None:
+    """Raise ``ValueError`` for a non-positive factor or an unknown policy (the first found), naming ``owner``."""
+    problems = capacity_problems(capacity_factor, token_drop_policy)
+    if problems:
+        raise ValueError(f"{owner}: {next(iter(problems.values()))}")
 
 
 def drop_over_capacity(

@@ -21,6 +21,7 @@ Shape legend:
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from torch import Tensor, nn
@@ -29,7 +30,6 @@ from torch.distributed.tensor import DTensor, Shard
 
 from lightning_moe_overlap.moe.capacity import DropPolicy, drop_over_capacity, validate_capacity
 from lightning_moe_overlap.moe.dispatch.base import DispatcherBase
-from lightning_moe_overlap.moe.dispatch.comm import backward_handoff
 from lightning_moe_overlap.moe.grouped import (
     GemmImpl,
     RowSplits,
@@ -175,8 +175,8 @@ class ExpertParallelExperts(nn.Module):
             indices_TK, weights_TK = drop_over_capacity(
                 indices_TK, weights_TK, self.num_experts, self.capacity_factor, self.token_drop_policy
             )
-        x_RD, tokens_per_expert, handle = self.dispatcher.dispatch(x_TD, indices_TK, weights_TK)
-        y_RD = self.local_experts(x_RD, tokens_per_expert)
+        x_RD, splits, handle = self.dispatcher.dispatch(x_TD, indices_TK, weights_TK)
+        y_RD = self.local_experts(x_RD, splits)
         return self.dispatcher.combine(y_RD, handle).view(shape)
 
     def stage(self, name: str) -> ExpertsStage:
@@ -192,16 +192,17 @@ class ExpertParallelExperts(nn.Module):
             )
         return self.stages[name]  # type: ignore[return-value]
 
-    def local_experts(self, x_RD: Tensor, tokens_per_expert: list[int] | Tensor) -> Tensor:
-        """The local experts on rows sorted by local expert (``tokens_per_expert[i]`` rows for expert ``i``)."""
-        return self.stages["local"](x_RD, tokens_per_expert)
+    def local_experts(self, x_RD: Tensor, splits: RowSplits | Sequence[int] | Tensor) -> Tensor:
+        """The local experts on the rows a dispatch returned with ``splits`` (its :class:`RowSplits`; row counts per
+        local expert, rows sorted by local expert, are taken too)."""
+        return self.stages["local"](x_RD, splits)
 
     # -- the stages' computations ---------------------------------------------------------------------------------
-    def _run_local(self, x_RD: Tensor, tokens_per_expert: list[int] | Tensor) -> Tensor:
-        splits = row_splits(tokens_per_expert, self.num_local_experts, x_RD.shape[0], "`ExpertParallelExperts`")
+    def _run_local(self, x_RD: Tensor, splits: RowSplits | Sequence[int] | Tensor) -> Tensor:
+        splits = row_splits(splits, self.num_local_experts, x_RD.shape[0], "`ExpertParallelExperts`")
         h = self.stages["fc1"](x_RD, splits)
         h = self.stages["act"](h)
-        h = backward_handoff(h, self.runtime, getattr(self.dispatcher, "backward_handoffs", 0))
+        h = self.dispatcher.balance_backward(h)
         return self.stages["fc2"](h, splits)
 
     def _run_fc1(self, x_RD: Tensor, splits: RowSplits) -> Tensor:
@@ -249,8 +250,7 @@ def _check_mesh(ep_mesh: DeviceMesh | None, dispatcher: DispatcherBase) -> None:
     """The mesh must be the dispatcher's ep group: the same size, this rank at the same position."""
     if ep_mesh is None:
         return
-    ep = dispatcher.num_experts // dispatcher.num_local_experts
-    ep_rank = dispatcher.first_expert // dispatcher.num_local_experts
+    ep, ep_rank = dispatcher.ep_size, dispatcher.ep_rank
     rank = ep_mesh.get_local_rank() if ep_mesh.ndim == 1 else None
     if ep_mesh.ndim != 1 or ep_mesh.size() != ep or rank != ep_rank:
         raise ValueError(

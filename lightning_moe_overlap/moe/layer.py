@@ -5,7 +5,8 @@ the router (returns ``(logits, weights_TK, indices_TK)``), ``experts`` the route
 :class:`~lightning_moe_overlap.moe.ep.ExpertParallelExperts` under expert parallelism), and ``shared_experts``
 an optional gated MLP every token goes through.
 
-Capacity (``capacity_factor``) is applied here on the rank's own tokens, before the experts.
+Capacity (``capacity_factor``) is applied here on the rank's own tokens, before the experts; under expert
+parallelism it stays the layer's one drop (``apply_expert_parallel`` gives the experts none).
 
 ``shared_expert_overlap``: the shared-expert forward is submitted to the comm runtime, so it runs at the routed
 experts' first comm point (while the dispatch all-to-all is in flight), and its result is taken after the routed

@@ -3,12 +3,13 @@
 :class:`~lightning_moe_overlap.moe.ep.ExpertParallelExperts` runs its expert MLP (between dispatch and combine)
 as four module calls, reached with ``experts.stage(name)``:
 
-- ``local``, called with ``(x_RD, tokens_per_expert)``: the whole expert MLP, i.e. the three below;
+- ``local``, called with ``(x_RD, splits)`` (the dispatch's ``RowSplits``): the whole expert MLP, i.e. the three
+  below;
 - ``fc1``, ``(x_RD, splits)``: the first projection (fused gate/up) and its per-expert bias;
 - ``act``, ``(h_RF2,)``: the activation (``act(gate) * up``, the layout's own gate, or ``act`` alone);
 - ``fc2``, ``(h_RF, splits)``: the down projection and its per-expert bias.
 
-(``splits`` is the :class:`~lightning_moe_overlap.moe.grouped.RowSplits` of the call, shared by both projections.)
+(``splits`` is the :class:`~lightning_moe_overlap.moe.grouped.RowSplits` of the call, shared by all stages.)
 
 Because each stage is a module call, the supported extension points of ``nn.Module`` apply to it:
 ``register_forward_pre_hook`` / ``register_forward_hook`` see its inputs and output, a

@@ -17,8 +17,10 @@ class ParallelGroups:
     """This rank's process group in each dimension, plus the sizes they were built from.
 
     ``dp_cp`` is the group dense gradients are averaged over; ``edp`` the one expert gradients are averaged over;
-    ``ep`` the one tokens are exchanged in. Kinds with the same members may be the same object, and every kind of
-    size 1 is this rank's one single-rank group (:func:`build_groups`).
+    ``ep`` the one tokens are exchanged in. The strategy reads them off its one mesh
+    (``ParallelMesh.process_groups``: each kind is its view's group); :func:`build_groups` makes plain groups
+    without a mesh, where kinds with the same members may be the same object and every kind of size 1 is this
+    rank's one single-rank group.
     """
 
     dims: ParallelDims

@@ -21,6 +21,8 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any
 
 import torch.distributed as dist
 from torch.distributed import ProcessGroup
@@ -28,6 +30,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from lightning_moe_overlap._compat import torch as torch_compat
 from lightning_moe_overlap.parallel.dims import GROUP_KINDS, GroupKind, ParallelDims
+from lightning_moe_overlap.parallel.groups import ParallelGroups, group_options
 
 
 @dataclass(frozen=True)
@@ -100,14 +103,22 @@ class ParallelMesh:
         """This rank's process group of ``kind`` (the group of the 1-D view)."""
         return self[kind].get_group()
 
+    def process_groups(self, rank: int) -> ParallelGroups:
+        """This rank's :class:`ParallelGroups`, read off the views (no new communicator)."""
+        return ParallelGroups(dims=self.dims, rank=rank, **{kind: self.group(kind) for kind in GROUP_KINDS})
 
-def build_mesh(dims: ParallelDims, device_type: str) -> ParallelMesh:
+
+def build_mesh(
+    dims: ParallelDims, device_type: str, *, backend: str | None = None, timeout: timedelta | None = None
+) -> ParallelMesh:
     """Build the mesh of ``dims`` on ``device_type`` (``"cuda"``, ``"cpu"``). Collective: every rank calls it with
     the same ``dims``, after the default process group is initialised.
 
-    The mesh creates groups of its own (it does not reuse those of :func:`build_groups`), with the backend's default
-    options: its ep groups do not get the high-priority NCCL stream of :func:`group_options`. Dimensions of size 1
-    are kept, so every kind has a view whatever the sizes.
+    Every group of the mesh (each dimension's, each flattened view's) is made with ``backend`` (default: the default
+    group's) and ``timeout``; the ep groups on NCCL get the high-priority stream of
+    :func:`~lightning_moe_overlap.parallel.groups.group_options`. Dimensions of size 1 are kept, so every kind has a
+    view whatever the sizes. :meth:`ParallelGroups.from_mesh` reads the process groups off the views: the mesh is the
+    one set of communicators of a run.
 
     Raises:
         NotImplementedError: the sizes have no mesh (see :func:`mesh_layout`).
@@ -120,9 +131,38 @@ def build_mesh(dims: ParallelDims, device_type: str) -> ParallelMesh:
             f"`build_mesh`: the dims were built for world_size={dims.world_size} but the default process group has "
             f"world_size={running}. Initialise the process group first and build `ParallelDims` from its world size."
         )
-    device_mesh = init_device_mesh(device_type, layout.shape, mesh_dim_names=layout.names)
+    resolved = backend or str(dist.get_backend())
+    ep_parts = layout.views["ep"]
+    overrides = {
+        name: _backend_config(resolved, "ep" if ep_parts == (name,) else "other", timeout) for name in layout.names
+    }
+    device_mesh = init_device_mesh(device_type, layout.shape, mesh_dim_names=layout.names, backend_override=overrides)
     views: dict[GroupKind, DeviceMesh] = {}
     for kind in GROUP_KINDS:
         parts = layout.views[kind]
-        views[kind] = device_mesh[parts[0]] if len(parts) == 1 else torch_compat.flatten_mesh(device_mesh[parts], kind)
+        if len(parts) == 1:
+            views[kind] = device_mesh[parts[0]]
+        else:
+            config = _backend_config(resolved, kind, timeout)
+            views[kind] = torch_compat.flatten_mesh(device_mesh[parts], kind, backend_override=config)
     return ParallelMesh(dims=dims, layout=layout, device_mesh=device_mesh, views=views)
+
+
+def _backend_config(backend: str, kind: str, timeout: timedelta | None) -> tuple[str, Any]:
+    """``(backend, options)`` of one mesh group: the high-priority stream for ep on NCCL (:func:`group_options`),
+    and ``timeout`` (``None``: the backend's default) on every group."""
+    options = group_options(kind, backend)
+    if timeout is not None:
+        options = options if options is not None else _plain_options(backend)
+        if options is not None:
+            options = torch_compat.set_options_timeout(options, timeout)
+    return backend, options
+
+
+def _plain_options(backend: str) -> Any:
+    """The backend's default options object (to carry a timeout); ``None`` for a backend without one."""
+    if backend.lower() == "nccl":
+        return dist.ProcessGroupNCCL.Options()  # only on NCCL builds of torch, reached only with an NCCL backend
+    if backend.lower() == "gloo":
+        return torch_compat.gloo_options()
+    return None

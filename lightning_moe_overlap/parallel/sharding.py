@@ -34,23 +34,22 @@ from collections.abc import Iterable, Sequence
 
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
 from lightning_moe_overlap._compat import torch as torch_compat
 from lightning_moe_overlap.config import ShardMode
-from lightning_moe_overlap.parallel.dims import ParallelDims
 from lightning_moe_overlap.parallel.mesh import ParallelMesh
 
 
-def replicate_mesh(dims: ParallelDims, device_type: str) -> DeviceMesh:
-    """The 2-D ``(dp_cp, unit)`` mesh of this rank's ``dp x cp`` group with a size-1 shard dimension. Collective."""
-    root = init_device_mesh(
-        device_type,
-        (dims.pp, dims.dp * dims.cp, dims.tp, 1),
-        mesh_dim_names=("pp", "dp_cp", "tp", "unit"),
-    )  # the rank layout of ParallelDims: (pp, [dp x cp], tp), tp fastest
-    return root["dp_cp", "unit"]
+def replicate_mesh(mesh: ParallelMesh) -> DeviceMesh:
+    """The 2-D ``(dp_cp, unit)`` mesh of this rank's ``dp x cp`` group with a size-1 shard dimension, over the
+    communicator of ``mesh["dp_cp"]`` (no new group spans ranks: the unit dimension is this rank's own)."""
+    dp_cp = mesh["dp_cp"]
+    solo = dist.new_group([dist.get_rank()], use_local_synchronization=True)
+    return DeviceMesh.from_group(
+        [dp_cp.get_group(), solo], dp_cp.device_type, mesh=dp_cp.mesh.view(-1, 1), mesh_dim_names=("dp_cp", "unit")
+    )
 
 
 class ShardedModel:

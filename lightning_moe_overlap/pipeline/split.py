@@ -11,8 +11,9 @@ Who cuts the model, first match wins:
 
 1. ``split_model(..., splitter=fn)``: ``fn(model, layout) -> PipelineChunks``;
 2. the model's own hook, ``model.configure_pipeline(layout) -> PipelineChunks`` (:class:`PipelineSplittable`);
-3. the built-in splitters (``pipeline/splitters.py``): this package's ``MoEGPT`` and Hugging Face transformers v5
-   decoder LMs (``model.model.layers``), also when they sit in a LightningModule's ``model`` attribute.
+3. the built-in splitter (``pipeline/splitters.py``): Hugging Face transformers v5 decoder LMs
+   (``model.model.layers``), also when they sit in a LightningModule's ``model`` attribute. (This package's demo
+   ``MoEGPT`` cuts itself, through 2.)
 
 Chunks are built from the model's own submodules, so a chunk's names map onto the unsplit model's names (found by
 module identity, kept as prefixes): checkpoints stay keyed by the unsplit model's names at any pp.
@@ -21,55 +22,23 @@ module identity, kept as prefixes): checkpoints stay keyed by the unsplit model'
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
-from typing import Any, Protocol, runtime_checkable
+from typing import Any
 
 import torch
 from torch import Tensor, nn
 
+from lightning_moe_overlap.pipeline.chunks import (
+    ChunkKwargs,
+    InitModule,
+    LossFn,
+    PipelineChunks,
+    PipelineSplittable,
+    PrepareBatch,
+    Splitter,
+)
 from lightning_moe_overlap.pipeline.layout import PipelineLayout
-
-LossFn = Callable[[Tensor, Tensor], Tensor]
-PrepareBatch = Callable[[Any], tuple[tuple[Tensor, ...], Tensor]]
-InitModule = Callable[[nn.Module], None]
-ChunkKwargs = Callable[[Any], Mapping[str, Tensor]]
-
-
-@dataclass
-class PipelineChunks:
-    """What a splitter (or a model's ``configure_pipeline``) returns.
-
-    Attributes:
-        modules: one ``nn.Module`` per chunk, in model order (``layout.num_chunks`` of them), built from the model's
-            own submodules. Chunk ``c``'s ``forward`` takes the tensors chunk ``c - 1`` returned (chunk 0: the
-            inputs from ``prepare_batch``) and returns a tensor or a tuple of tensors; the last chunk returns the
-            loss function's input.
-        loss_fn: ``loss_fn(last_chunk_output, target) -> scalar loss`` (the mean over the micro-batch).
-        prepare_batch: ``batch -> (first chunk's positional inputs, loss target)``.
-        init_module: initialises one module's own parameters and buffers in place (not its children); used by
-            ``materialize`` without a state dict, and for buffers that are not in the state dict. ``None``: call
-            ``reset_parameters()`` where a module has it.
-        chunk_kwargs: ``batch -> {name: tensor}``, keyword inputs every chunk's ``forward`` takes besides what the
-            previous chunk sends (e.g. an attention mask), each with the batch dimension first (split into
-            micro-batches like the inputs). ``None``: none.
-    """
-
-    modules: Sequence[nn.Module]
-    loss_fn: LossFn
-    prepare_batch: PrepareBatch
-    init_module: InitModule | None = None
-    chunk_kwargs: ChunkKwargs | None = None
-
-
-@runtime_checkable
-class PipelineSplittable(Protocol):
-    """A model (e.g. a LightningModule) that cuts itself into chunks."""
-
-    def configure_pipeline(self, layout: PipelineLayout) -> PipelineChunks: ...
-
-
-Splitter = Callable[[nn.Module, PipelineLayout], PipelineChunks]
 
 
 @dataclass

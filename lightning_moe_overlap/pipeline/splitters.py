@@ -1,7 +1,12 @@
-"""Built-in splitters: this package's ``MoEGPT`` and Hugging Face transformers v5 decoder LMs.
+"""The built-in splitter: Hugging Face transformers v5 decoder LMs; and :func:`count_layers` for every model.
 
-Both keep the unsplit model's module names inside a chunk (layers in an ``nn.ModuleDict`` keyed by their global
+It keeps the unsplit model's module names inside a chunk (layers in an ``nn.ModuleDict`` keyed by their global
 index, torchtitan's way), so a chunk's state-dict keys are the unsplit model's, minus any prefix above the model.
+
+Every other model cuts itself through the public hook, ``configure_pipeline(layout) -> PipelineChunks`` plus a
+``pipeline_num_layers`` attribute (docs/pipeline.md, "The hook for other models"). This package's demo ``MoEGPT``
+is such a model: its splitter lives next to it in ``demo.py``, as a user's would, so the library never imports the
+demo.
 
 Shape legend: B batch, S sequence, D hidden, V vocabulary.
 """
@@ -12,40 +17,35 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
 
-from lightning_moe_overlap.pipeline.batches import lm_batch, token_ids
+from lightning_moe_overlap.pipeline.batches import lm_batch
 from lightning_moe_overlap.pipeline.layout import Chunk, PipelineLayout
-from lightning_moe_overlap.pipeline.split import PipelineChunks, PipelineSplittable, Splitter, reset_module
+from lightning_moe_overlap.pipeline.chunks import PipelineChunks, PipelineSplittable, Splitter
 
 NUM_LAYERS_ATTR = "pipeline_num_layers"  # how a model with configure_pipeline says its number of decoder layers
 
 
 def builtin_splitter(model: nn.Module) -> Splitter:
     """The splitter for ``model``, or a ``TypeError`` with the hook to implement."""
-    from lightning_moe_overlap.demo import MoEGPT
-
-    if isinstance(model, MoEGPT):
-        return split_moegpt
     if find_hf_decoder(model) is not None:
         return split_hf_decoder
     raise TypeError(
-        f"split_model: no built-in splitter knows {type(model).__name__}. Rule: built in are MoEGPT and Hugging "
-        "Face transformers v5 decoder LMs (model.model.layers, also as a LightningModule's `model`). Fix: give the "
-        "model a configure_pipeline(layout) -> PipelineChunks method, or pass split_model(..., splitter=fn)."
+        f"split_model: no built-in splitter knows {type(model).__name__}. Rule: built in are Hugging Face "
+        "transformers v5 decoder LMs (model.model.layers, also as a LightningModule's `model`); other models (MoEGPT "
+        "among them) cut themselves. Fix: give the model a configure_pipeline(layout) -> PipelineChunks method, or "
+        "pass split_model(..., splitter=fn)."
     )
 
 
 def count_layers(model: nn.Module) -> int:
     """The decoder layers of ``model``: the ``num_layers`` to build its :class:`PipelineLayout` with.
 
-    ``MoEGPT`` and HF v5 decoder LMs: the length of their layers ``nn.ModuleList``. A model that cuts itself
-    (``configure_pipeline``) says it with a ``pipeline_num_layers`` attribute, which also overrides the count of a
-    built-in model. Raises ``TypeError`` for a model that is neither, with the hook to implement.
+    HF v5 decoder LMs: the length of their layers ``nn.ModuleList``. A model that cuts itself
+    (``configure_pipeline``, ``MoEGPT`` among them) says it with a ``pipeline_num_layers`` attribute, which also
+    overrides the count of a built-in model. Raises ``TypeError`` for a model that is neither, with the hook to
+    implement.
     """
-    from lightning_moe_overlap.demo import MoEGPT
-
     value = getattr(model, NUM_LAYERS_ATTR, None)
     if value is not None:
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
@@ -55,8 +55,6 @@ def count_layers(model: nn.Module) -> int:
                 "list."
             )
         return value
-    if isinstance(model, MoEGPT):
-        return len(model.layers)
     hf = find_hf_decoder(model)
     if hf is not None:
         return len(hf.model.layers)
@@ -68,14 +66,16 @@ def count_layers(model: nn.Module) -> int:
         )
     raise TypeError(
         f"count_layers: no built-in splitter knows {type(model).__name__}, so its decoder layers are unknown. Rule: "
-        "built in are MoEGPT and Hugging Face transformers v5 decoder LMs (model.model.layers, also as a "
-        "LightningModule's `model`); other models cut themselves. Fix: give the model a configure_pipeline(layout) "
+        "built in are Hugging Face transformers v5 decoder LMs (model.model.layers, also as a LightningModule's "
+        "`model`); other models (MoEGPT among them) cut themselves. Fix: give the model a configure_pipeline(layout) "
         f"-> PipelineChunks method and a `{NUM_LAYERS_ATTR}` attribute (docs/pipeline.md, 'The hook for other "
         "models')."
     )
 
 
-def _check_layers(model: nn.Module, layout: PipelineLayout, num_layers: int) -> None:
+def check_layers(model: nn.Module, layout: PipelineLayout, num_layers: int) -> None:
+    """A ``ValueError`` unless ``layout`` places ``num_layers`` decoder layers and no MTP layer (for splitters of
+    models without MTP layers, built in or a model's own ``configure_pipeline``)."""
     if layout.num_layers != num_layers:
         raise ValueError(
             f"split_model: the layout holds {layout.num_layers} layers but {type(model).__name__} has {num_layers}. "
@@ -86,67 +86,6 @@ def _check_layers(model: nn.Module, layout: PipelineLayout, num_layers: int) -> 
             f"split_model: the layout has MTP layers ('m') but {type(model).__name__} has none. Rule: one 'm' per "
             "MTP layer of the model. Fix: remove the 'm' symbols."
         )
-
-
-# -- MoEGPT ----------------------------------------------------------------------------------------------------
-class GPTChunk(nn.Module):
-    """A run of ``MoEGPT`` layers; with ``embed`` it takes tokens, with ``head`` it returns logits."""
-
-    def __init__(self, embed: nn.Module | None, layers: dict[int, nn.Module], norm: nn.Module | None,
-                 head: nn.Module | None) -> None:
-        super().__init__()
-        self.embed = embed
-        self.layers = nn.ModuleDict({str(i): layer for i, layer in layers.items()})
-        self.norm = norm
-        self.head = head
-
-    def forward(self, x: Tensor) -> Tensor:  # tokens_BS (chunk 0) or x_BSD
-        if self.embed is not None:
-            x = self.embed(x)
-        for layer in self.layers.values():
-            x = layer(x)
-        if self.head is not None:
-            x = self.head(self.norm(x))  # logits_BSV
-        return x
-
-
-def gpt_loss(logits_BSV: Tensor, target_BS: Tensor) -> Tensor:
-    """``MoEGPT``'s next-token loss (as in its ``training_step``)."""
-    return F.cross_entropy(logits_BSV.reshape(-1, logits_BSV.shape[-1]).float(), target_BS.reshape(-1))
-
-
-def gpt_prepare_batch(batch: Any) -> tuple[tuple[Tensor, ...], Tensor]:
-    """``tokens_BS`` (or a tuple / list holding it) -> inputs ``tokens[:, :-1]``, targets ``tokens[:, 1:]``."""
-    tokens_BS = token_ids(batch, "MoEGPT")
-    return (tokens_BS[:, :-1],), tokens_BS[:, 1:]
-
-
-def gpt_init_module(module: nn.Module) -> None:
-    """``MoEGPT``'s initialisation of one module (norms to one, routers N(0, 0.02), the rest reset)."""
-    from lightning_moe_overlap.demo import RMSNorm
-    from lightning_moe_overlap.moe.router import TopKRouter
-
-    if isinstance(module, RMSNorm):
-        nn.init.ones_(module.weight)
-    elif isinstance(module, TopKRouter):
-        nn.init.normal_(module.weight, std=0.02)
-        for buffer in module.buffers(recurse=False):
-            buffer.zero_()
-    else:
-        reset_module(module)
-
-
-def split_moegpt(model: nn.Module, layout: PipelineLayout) -> PipelineChunks:
-    """``MoEGPT``: embedding with chunk 0, final norm + head with the last chunk, layers per the layout."""
-    _check_layers(model, layout, len(model.layers))
-
-    def chunk(c: Chunk) -> GPTChunk:
-        return GPTChunk(
-            model.embed if c.embedding else None, {i: model.layers[i] for i in c.layers},
-            model.norm if c.loss else None, model.head if c.loss else None,
-        )
-
-    return PipelineChunks([chunk(c) for c in layout.chunks], gpt_loss, gpt_prepare_batch, gpt_init_module)
 
 
 # -- Hugging Face transformers v5 decoder LMs ------------------------------------------------------------------
@@ -232,7 +171,7 @@ def split_hf_decoder(model: nn.Module, layout: PipelineLayout) -> PipelineChunks
     """An HF v5 ``*ForCausalLM`` (or a module holding it as ``model``): ``model.model.layers`` per the layout."""
     hf = find_hf_decoder(model)
     inner = hf.model
-    _check_layers(model, layout, len(inner.layers))
+    check_layers(model, layout, len(inner.layers))
     if getattr(hf.config, "output_router_logits", False):
         raise NotImplementedError(
             f"split_model: {type(hf).__name__} has config.output_router_logits=True: its load-balancing loss needs "

@@ -27,10 +27,9 @@ import torch
 from lightning.pytorch import Callback, Trainer, seed_everything
 
 from lightning_moe_overlap import MoEOverlapStrategy, SelectiveRecompute
-from lightning_moe_overlap.demo import MoEGPT, SyntheticTokens
+from lightning_moe_overlap.demo import MoEGPT, SyntheticTokens, gpt_init_module
 from lightning_moe_overlap.demo_hf import HFMoECausalLM
 from lightning_moe_overlap.pipeline.split import seeded_init
-from lightning_moe_overlap.pipeline.splitters import gpt_init_module
 from lightning_moe_overlap.parallel.dtensors import local
 from tests.helpers.distributed import run_distributed
 

@@ -177,7 +177,15 @@ def test_optimizer_handles_unscaling() -> None:
     assert pl_compat.optimizer_handles_unscaling(fused) is True, _fail("_optimizer_handles_unscaling", "changed")
 
 
+def test_set_device_mesh_is_what_the_public_property_returns() -> None:
+    module = BoringModel()
+    mesh = object()
+    pl_compat.set_device_mesh(module, mesh)
+    assert module.device_mesh is mesh, _fail("LightningModule._device_mesh", "is not what `device_mesh` returns")
+
+
 TESTED = {
+    "set_device_mesh",
     "MultiProcessingLauncher",
     "StrategyRegistry",
     "SubprocessScriptLauncher",

@@ -371,3 +371,16 @@ def test_fsdp_param_groups_reads_both_spellings() -> None:
     one = object()
     assert torch_compat._fsdp_param_groups(SimpleNamespace(_fsdp_param_group=one)) == [one]
     assert torch_compat._fsdp_param_groups(SimpleNamespace(_fsdp_param_group=None)) == []
+
+
+def test_gloo_options_carry_a_timeout_into_a_mesh(world_of_one) -> None:
+    from datetime import timedelta
+
+    from torch.distributed.device_mesh import init_device_mesh
+
+    options = torch_compat.set_options_timeout(torch_compat.gloo_options(), timedelta(seconds=11))
+    mesh = init_device_mesh("cpu", (1,), mesh_dim_names=("x",), backend_override={"x": ("gloo", options)})
+    backend = mesh.get_group()._get_backend(torch.device("cpu"))
+    assert backend.options._timeout == timedelta(seconds=11), _broken(
+        "ProcessGroupGloo._Options", "gloo_options", "no longer carries the timeout into the mesh's group"
+    )

@@ -101,9 +101,9 @@ def test_flex_sends_bfloat16_under_float32_input_forward_and_backward() -> None:
     x = torch.randn(T, D, requires_grad=True)
     outs, grads = [], []
     for dispatcher in (flex, ref):
-        x_RD, counts, handle = dispatcher.dispatch(x, idx, w)
+        x_RD, splits, handle = dispatcher.dispatch(x, idx, w)
         assert x_RD.dtype == torch.float32  # the experts see the caller's dtype
-        y_RD = grouped_mlp(x_RD, counts, experts.gate_up_proj, experts.down_proj, experts.act_fn, None, impl="loop")
+        y_RD = grouped_mlp(x_RD, splits, experts.gate_up_proj, experts.down_proj, experts.act_fn, None, impl="loop")
         out = dispatcher.combine(y_RD, handle)
         outs.append(out)
         grads.append(torch.autograd.grad(out.square().sum(), x)[0])

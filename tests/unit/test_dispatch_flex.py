@@ -189,8 +189,8 @@ def test_flex_matches_alltoall_on_one_rank_forward_and_backward(top_k: int) -> N
     runtime = CountingRuntime()
     flex = FlexDispatcher(None, E, runtime, deepep_buffer=buffer)
     with runtime.timed() as timer:
-        x_RD, counts, handle = flex.dispatch(x, idx, w)
-        y_RD = grouped_mlp(x_RD, counts, experts.gate_up_proj, experts.down_proj, experts.act_fn, runtime)
+        x_RD, splits, handle = flex.dispatch(x, idx, w)
+        y_RD = grouped_mlp(x_RD, splits, experts.gate_up_proj, experts.down_proj, experts.act_fn, runtime)
         out = flex.combine(y_RD, handle)
         torch.testing.assert_close(out, ref, atol=1e-12, rtol=1e-12)
         grads = torch.autograd.grad(out, [x, w, experts.gate_up_proj, experts.down_proj], g)

@@ -29,7 +29,7 @@ from lightning_moe_overlap.moe.dispatch.comm import (
 )
 from lightning_moe_overlap.moe.dispatch.dedup import destinations, local_choices
 from lightning_moe_overlap.moe.dispatch.alltoall import DedupHandle
-from lightning_moe_overlap.moe.grouped import grouped_mlp
+from lightning_moe_overlap.moe.grouped import RowSplits, grouped_mlp
 from lightning_moe_overlap.overlap.loopback import Loopback
 from lightning_moe_overlap.moe.permute import chunk_permutation, inverse_permutation, sort_by_expert
 from tests.unit.test_dispatch_flex import CountingRuntime
@@ -62,9 +62,10 @@ def test_dispatch_combine_equals_unsharded_experts(cls: type, num_tokens: int) -
         idx[0, 1] = -1  # dropped (DeepEP marker) and
         idx[-1, 0] = E  # dropped (HF marker) choices are ignored
     dispatcher = cls(None, E, None)
-    x_RD, counts, handle = dispatcher.dispatch(x, idx, w)
-    assert x_RD.shape[0] == sum(counts) == int(((idx >= 0) & (idx < E)).sum())
-    y = dispatcher.combine(grouped_mlp(x_RD, counts, experts.gate_up_proj, experts.down_proj, experts.act_fn), handle)
+    x_RD, splits, handle = dispatcher.dispatch(x, idx, w)
+    assert isinstance(splits, RowSplits)  # one return type from every dispatcher, on every device
+    assert x_RD.shape[0] == sum(splits.host_sizes()) == int(((idx >= 0) & (idx < E)).sum())
+    y = dispatcher.combine(grouped_mlp(x_RD, splits, experts.gate_up_proj, experts.down_proj, experts.act_fn), handle)
     torch.testing.assert_close(y, experts(x, idx, w), atol=1e-12, rtol=1e-12)
     assert dataclasses.is_dataclass(handle) and type(handle).__dataclass_params__.frozen  # type: ignore[attr-defined]
     with pytest.raises(dataclasses.FrozenInstanceError):
@@ -123,13 +124,13 @@ def test_dedup_is_bitwise_the_plain_path_on_one_rank(top_k: int, weights_dtype: 
         runtime = CountingRuntime()
         runtime.loopback = Loopback(0.0)  # rows leave the process (simulated ep): the deduplicated path runs
         dispatcher = AllToAllDispatcher(None, E, runtime, dedup=dedup)
-        x_RD, counts, handle = dispatcher.dispatch(x, idx, w_in)
+        x_RD, splits, handle = dispatcher.dispatch(x, idx, w_in)
         assert isinstance(handle, DedupHandle) is (dedup and top_k > 1)
-        y = grouped_mlp(x_RD, counts, experts.gate_up_proj, experts.down_proj, experts.act_fn)
+        y = grouped_mlp(x_RD, splits, experts.gate_up_proj, experts.down_proj, experts.act_fn)
         out = dispatcher.combine(y, handle)
         grads = torch.autograd.grad(out.square().sum(), [x, w_in, experts.gate_up_proj, experts.down_proj])
         assert runtime.handoffs == 3 + 2  # counts, tokens, combine; backward: combine, tokens (either path)
-        results.append((out, x_RD, torch.tensor(counts), *grads))
+        results.append((out, x_RD, torch.tensor(splits.host_sizes()), *grads))
     for i, (plain, dedup) in enumerate(zip(*results)):
         assert torch.equal(plain, dedup), i
     if routing == "all_dropped":

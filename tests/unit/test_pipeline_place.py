@@ -8,10 +8,9 @@ import pytest
 import torch
 
 from lightning_moe_overlap.config import OverlapConfig
-from lightning_moe_overlap.demo import MoEGPT
+from lightning_moe_overlap.demo import MoEGPT, gpt_init_module
 from lightning_moe_overlap.pipeline.pipelined import PipelinedModel
 from lightning_moe_overlap.pipeline.split import seeded_init
-from lightning_moe_overlap.pipeline.splitters import gpt_init_module
 
 MODEL = dict(vocab_size=16, hidden_size=8, num_layers=4, num_heads=2, num_experts=4, ffn_hidden_size=8)
 CONFIG = OverlapConfig(pp=2, vpp=2, num_microbatches=4, overlap=False)

@@ -8,7 +8,7 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from lightning_moe_overlap.parallel import ParallelDims
+from lightning_moe_overlap.parallel import ParallelDims, build_mesh
 from lightning_moe_overlap.parallel.sharding import ShardedModel, replicate_mesh
 
 
@@ -19,7 +19,7 @@ def _model() -> nn.Module:
 
 def test_step_accumulates_then_reduces_once_and_ignores_given_parameters(world_of_one) -> None:
     model, reference = _model(), _model()
-    mesh = replicate_mesh(ParallelDims.from_world_size(1), "cpu")
+    mesh = replicate_mesh(build_mesh(ParallelDims.from_world_size(1), "cpu"))
     assert mesh.mesh_dim_names == ("dp_cp", "unit") and tuple(mesh.shape) == (1, 1)
     ignored = model[2].weight
     sharded = ShardedModel.replicate([model], [ignored], mesh)

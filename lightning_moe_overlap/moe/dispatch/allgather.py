@@ -29,6 +29,7 @@ from torch.nn import functional as F
 from lightning_moe_overlap.moe.dispatch.base import DispatcherBase
 from lightning_moe_overlap.moe.dispatch.comm import all_gather, all_gather_raw, gather_sizes, reduce_scatter
 from lightning_moe_overlap.moe.dispatch.host import host_ints
+from lightning_moe_overlap.moe.grouped import RowSplits
 from lightning_moe_overlap.moe.permute import gather_rows, scatter_weighted, sort_by_expert
 
 
@@ -60,8 +61,9 @@ class AllGatherDispatcher(DispatcherBase):
     # -- dispatch ----------------------------------------------------------------------------------------------
     def dispatch(
         self, x_TD: Tensor, indices_TK: Tensor, weights_TK: Tensor
-    ) -> tuple[Tensor, list[int], AllGatherHandle]:
-        """Gather the group's tokens, keep the rows of local experts: ``(x_RD, tokens_per_local_expert, handle)``."""
+    ) -> tuple[Tensor, RowSplits, AllGatherHandle]:
+        """Gather the group's tokens, keep the rows of local experts: ``(x_RD, splits, handle)``, rows sorted by
+        local expert."""
         num_tokens = x_TD.shape[0]
         padded = self._dispatch_preprocess(num_tokens, x_TD.device)
         x_GPD, weights_GPK, indices_GPK = self._token_dispatch(x_TD, indices_TK, weights_TK, padded)
@@ -73,7 +75,7 @@ class AllGatherDispatcher(DispatcherBase):
             num_tokens=num_tokens,
             out_dtype=x_TD.dtype,
         )
-        return x_RD, counts, handle
+        return x_RD, RowSplits.of(counts), handle
 
     def _dispatch_preprocess(self, num_tokens: int, device: torch.device) -> int:
         """Comm point (metadata only): the largest token count of the group, to pad every rank to it."""

@@ -143,11 +143,11 @@ class AllToAllDispatcher(DispatcherBase):
     # -- dispatch ----------------------------------------------------------------------------------------------
     def dispatch(
         self, x_TD: Tensor, indices_TK: Tensor, weights_TK: Tensor
-    ) -> tuple[Tensor, list[int] | RowSplits, AllToAllHandle | DedupHandle]:
-        """Send rows to their experts' ranks; returns ``(x_RD, tokens_per_local_expert, handle)``.
+    ) -> tuple[Tensor, RowSplits, AllToAllHandle | DedupHandle]:
+        """Send rows to their experts' ranks; returns ``(x_RD, splits, handle)``.
 
-        ``tokens_per_local_expert`` is a list of row counts (rows sorted by local expert) or, on CPU with more
-        than one rank, the :class:`RowSplits` of the receive layout's segments (see the module docstring).
+        ``splits``: the rows of each local expert, sorted by local expert or, on CPU with more than one rank, in the
+        receive layout's segments (see the module docstring).
         """
         if self.dedup and self._worth_deduplicating(indices_TK.shape[-1]):
             return self._dispatch_dedup(x_TD, indices_TK, weights_TK)
@@ -160,12 +160,11 @@ class AllToAllDispatcher(DispatcherBase):
         )
         output_splits = tuple(sum(row) for row in recv_SE)
         x_MD = self._token_dispatch(x_AD, input_splits, output_splits)
-        tokens_per_local_expert: list[int] | RowSplits
         if self._segments(x_MD):
-            x_RD, perm_R, tokens_per_local_expert = x_MD, None, self._receive_segments(recv_SE)
+            x_RD, perm_R, splits = x_MD, None, self._receive_segments(recv_SE)
         else:
             x_RD, perm_R = self._dispatch_postprocess(x_MD, recv_GE)
-            tokens_per_local_expert = [sum(row[e] for row in recv_SE) for e in range(self.num_local_experts)]
+            splits = RowSplits.of([sum(row[e] for row in recv_SE) for e in range(self.num_local_experts)])
         handle = AllToAllHandle(
             assign_A=assign_A,
             weights_TK=weights_TK,
@@ -175,7 +174,7 @@ class AllToAllDispatcher(DispatcherBase):
             output_splits=output_splits,
             perm_R=perm_R,
         )
-        return x_RD, tokens_per_local_expert, handle
+        return x_RD, splits, handle
 
     def _segments(self, x_MD: Tensor) -> bool:
         """Whether the experts take the received rows in their segments rather than regrouped (CPU, several
@@ -197,7 +196,7 @@ class AllToAllDispatcher(DispatcherBase):
 
     def _dispatch_dedup(
         self, x_TD: Tensor, indices_TK: Tensor, weights_TK: Tensor
-    ) -> tuple[Tensor, list[int] | RowSplits, DedupHandle]:
+    ) -> tuple[Tensor, RowSplits, DedupHandle]:
         """The deduplicated dispatch: the same stages, one row per (token, destination rank)."""
         num_tokens, top_k, local = x_TD.shape[0], indices_TK.shape[-1], self.num_local_experts
         # Preprocess (no comm): rows per expert, and which (destination, token) pairs carry a row.
@@ -223,8 +222,8 @@ class AllToAllDispatcher(DispatcherBase):
         weights_MK, local_MK = unpack_choices(tuple(received), top_k)
         # Postprocess (no comm): one row per (received row, local expert), grouped by local expert, or on CPU by
         # source rank then local expert (the segments the plain path gives: the same rows in the same order).
-        tokens_per_local_expert: list[int] | RowSplits = [sum(row[e] for row in recv_SC) for e in range(local)]
-        num_rows = sum(tokens_per_local_expert)
+        counts = [sum(row[e] for row in recv_SC) for e in range(local)]
+        num_rows = sum(counts)
         if self._segments(x_MD):
             source_M = torch.repeat_interleave(
                 torch.arange(self.ep_size, device=x_MD.device),
@@ -234,9 +233,10 @@ class AllToAllDispatcher(DispatcherBase):
             here_MK = (local_MK >= 0) & (local_MK < local)
             key_MK = torch.where(here_MK, source_M.unsqueeze(-1) * local + local_MK, self.ep_size * local)
             assign_R = sort_by_expert(key_MK, self.ep_size * local)[0][:num_rows]
-            tokens_per_local_expert = self._receive_segments(recv_SC)
+            splits = self._receive_segments(recv_SC)
         else:
             assign_R = sort_by_expert(local_MK, local)[0][:num_rows]
+            splits = RowSplits.of(counts)
         handle = DedupHandle(
             token_U=token_U,
             assign_R=assign_R,
@@ -246,7 +246,7 @@ class AllToAllDispatcher(DispatcherBase):
             input_splits=input_splits,
             output_splits=output_splits,
         )
-        return gather_rows(x_MD, assign_R, top_k), tokens_per_local_expert, handle
+        return gather_rows(x_MD, assign_R, top_k), splits, handle
 
     def _dispatch_preprocess(self, indices_TK: Tensor) -> tuple[Tensor, Tensor]:
         """No comm: order the assignments by global expert (so by destination rank, then local expert)."""

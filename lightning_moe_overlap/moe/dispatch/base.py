@@ -2,12 +2,18 @@
 
 A dispatcher moves routed tokens to the ranks that own their experts and brings the expert outputs back::
 
-    x_RD, tokens_per_local_expert, handle = dispatcher.dispatch(x_TD, indices_TK, weights_TK)
-    y_RD = experts(x_RD, tokens_per_local_expert)           # rows sorted by local expert (*)
+    x_RD, splits, handle = dispatcher.dispatch(x_TD, indices_TK, weights_TK)
+    y_RD = experts(x_RD, splits)                              # rows sorted by local expert (*)
     out_TD = dispatcher.combine(y_RD, handle)
 
-(*) or, from the all-to-all dispatcher on CPU, in segments of one local expert each: ``tokens_per_local_expert``
-is then a :class:`~lightning_moe_overlap.moe.grouped.RowSplits` that the grouped kernels read as it is.
+``splits`` is always a :class:`~lightning_moe_overlap.moe.grouped.RowSplits` (the rows of each local expert), on
+every device and from every backend, which the grouped kernels read as it is. (*) From the all-to-all dispatcher
+on CPU with more than one rank, the rows come in segments of one local expert each (``RowSplits.from_segments``).
+
+Balanced hand-overs: some forward comm points of a dispatch have no backward twin (metadata exchanges). The
+experts call :meth:`DispatcherBase.balance_backward` on their hidden rows once per call, whose backward hands over
+that many extra times, so that forward and backward hand over equally often per layer (``docs/overlap.md``). How
+many is the dispatcher's own business (``backward_handoffs``).
 
 Inside, each direction runs in stages, and only the middle one communicates::
 
@@ -33,7 +39,7 @@ from torch import Tensor
 from torch.distributed import ProcessGroup
 
 from lightning_moe_overlap._checks import divisors, is_positive_int
-from lightning_moe_overlap.moe.dispatch.comm import group_rank, group_size
+from lightning_moe_overlap.moe.dispatch.comm import backward_handoff, group_rank, group_size
 from lightning_moe_overlap.overlap.runtime import CommRuntime
 
 if TYPE_CHECKING:  # grouped.py imports this package: a runtime import would be circular
@@ -47,25 +53,33 @@ class TokenDispatcher(Protocol):
     num_experts: int
     num_local_experts: int
     first_expert: int
+    runtime: CommRuntime | None
 
-    def dispatch(
-        self, x_TD: Tensor, indices_TK: Tensor, weights_TK: Tensor
-    ) -> tuple[Tensor, list[int] | RowSplits, Any]: ...
+    def dispatch(self, x_TD: Tensor, indices_TK: Tensor, weights_TK: Tensor) -> tuple[Tensor, RowSplits, Any]: ...
 
     def combine(self, y_RD: Tensor, handle: Any) -> Tensor: ...
 
-    # Optional: ``backward_handoffs`` (default 0), see `DispatcherBase`.
+    def balance_backward(self, h: Tensor) -> Tensor: ...
+
+
+def splits_evenly(num_experts: int, ep: int) -> bool:
+    """The experts-per-ep rule: every ep rank owns the same number of experts (``num_experts % ep == 0``).
+
+    The one statement of it: :func:`check_expert_split`, :class:`DispatcherBase` and the strategy's model check
+    (``validation.check_model``) all ask here.
+    """
+    return num_experts % ep == 0
 
 
 def check_expert_split(num_experts: int, ep: int, *, owner: str) -> None:
     """Raise ``ValueError`` unless ``ep`` divides ``num_experts`` (every rank must own as many experts).
 
     The boundary check of :func:`build_dispatcher` and :func:`apply_expert_parallel` (the strategy checks the
-    model the same way in ``validation.check_model``); the dispatcher classes only assert it.
+    model by the same rule in ``validation.check_model``); the dispatcher classes only assert it.
     """
     if not is_positive_int(num_experts):
         raise ValueError(f"{owner}: num_experts={num_experts!r} must be a positive integer.")
-    if num_experts % ep:
+    if not splits_evenly(num_experts, ep):
         raise ValueError(
             f"{owner}: num_experts={num_experts} is not divisible by ep={ep}; each expert-parallel rank must own "
             f"the same number of experts (num_experts % ep == 0). Choose ep among {divisors(num_experts)}."
@@ -83,15 +97,15 @@ class DispatcherBase:
 
     name = "base"
     knobs: tuple[str, ...] = ()  # keyword arguments of this backend that `build_dispatcher` passes on
-    # Forward comm points of one dispatch + combine that have no backward twin (metadata exchanges). The experts'
-    # backward hands over this many extra times, so that forward and backward hand over equally often per layer.
+    # Forward comm points of one dispatch + combine that have no backward twin (metadata exchanges): the backward
+    # of `balance_backward` hands over this many extra times, so that forward and backward hand over equally often.
     backward_handoffs = 0
 
     def __init__(self, ep_group: ProcessGroup | None, num_experts: int, runtime: CommRuntime | None) -> None:
         self.ep_group = ep_group
         self.ep_size = group_size(ep_group)
         self.ep_rank = group_rank(ep_group)
-        if not is_positive_int(num_experts) or num_experts % self.ep_size:  # users get `check_expert_split`
+        if not is_positive_int(num_experts) or not splits_evenly(num_experts, self.ep_size):  # `check_expert_split`
             raise RuntimeError(
                 f"`{type(self).__name__}`: num_experts={num_experts!r} cannot split over ep={self.ep_size}; build "
                 "dispatchers with `build_dispatcher`, which checks the sizes."
@@ -100,6 +114,15 @@ class DispatcherBase:
         self.num_local_experts = num_experts // self.ep_size
         self.first_expert = self.ep_rank * self.num_local_experts
         self.runtime = runtime
+
+    def balance_backward(self, h: Tensor) -> Tensor:
+        """``h`` unchanged, whose backward hands over :attr:`backward_handoffs` times (nothing in flight).
+
+        The experts call it once per call on their hidden rows, between the two projections, so that their backward
+        stands in for this dispatcher's forward comm points that have no backward twin (the hand-over rule stays
+        here: experts do not need to know how many).
+        """
+        return backward_handoff(h, self.runtime, self.backward_handoffs)
 
     def __repr__(self) -> str:
         return (

@@ -48,6 +48,7 @@ from lightning_moe_overlap.moe.dispatch.deepep_buffers import (
     DeepEPBuffers,
     require_flex_backend,
 )
+from lightning_moe_overlap.moe.grouped import RowSplits
 from lightning_moe_overlap.moe.permute import gather_rows, scatter_weighted, sort_by_expert
 from lightning_moe_overlap.overlap.runtime import CommRuntime
 
@@ -240,8 +241,9 @@ class FlexDispatcher(DispatcherBase):
         return x if wire is None else x.to(wire)
 
     # -- dispatch ----------------------------------------------------------------------------------------------
-    def dispatch(self, x_TD: Tensor, indices_TK: Tensor, weights_TK: Tensor) -> tuple[Tensor, list[int], FlexHandle]:
-        """DeepEP dispatch, then expand to one row per (received token, local expert) pair."""
+    def dispatch(self, x_TD: Tensor, indices_TK: Tensor, weights_TK: Tensor) -> tuple[Tensor, RowSplits, FlexHandle]:
+        """DeepEP dispatch, then expand to one row per (received token, local expert) pair: ``(x_RD, splits,
+        handle)``, rows sorted by local expert."""
         topk_idx_TK, weights_TK = self._dispatch_preprocess(indices_TK, weights_TK)
         buffer = self._get_buffer(x_TD)
         recv_x_ND, recv_w_NK, recv_idx_NK, deep_handle, counts = self._token_dispatch(
@@ -256,7 +258,7 @@ class FlexDispatcher(DispatcherBase):
             num_recv=recv_x_ND.shape[0],
             out_dtype=x_TD.dtype,
         )
-        return x_RD, counts, handle
+        return x_RD, RowSplits.of(counts), handle
 
     def _dispatch_preprocess(self, indices_TK: Tensor, weights_TK: Tensor) -> tuple[Tensor, Tensor]:
         """No comm: DeepEP's conventions, int64 indices with ``-1`` for dropped choices and float32 weights."""

@@ -1,0 +1,56 @@
+"""What a splitter returns: the chunk modules and the functions that run them (:class:`PipelineChunks`).
+
+Its own module so that the splitters (``splitters.py``, a model's ``configure_pipeline``) and the code that cuts a
+model with them (``split.py``) both import it without importing each other; ``split.py`` re-exports every name.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol, runtime_checkable
+
+from torch import Tensor, nn
+
+from lightning_moe_overlap.pipeline.layout import PipelineLayout
+
+LossFn = Callable[[Tensor, Tensor], Tensor]
+PrepareBatch = Callable[[Any], tuple[tuple[Tensor, ...], Tensor]]
+InitModule = Callable[[nn.Module], None]
+ChunkKwargs = Callable[[Any], Mapping[str, Tensor]]
+
+
+@dataclass
+class PipelineChunks:
+    """What a splitter (or a model's ``configure_pipeline``) returns.
+
+    Attributes:
+        modules: one ``nn.Module`` per chunk, in model order (``layout.num_chunks`` of them), built from the model's
+            own submodules. Chunk ``c``'s ``forward`` takes the tensors chunk ``c - 1`` returned (chunk 0: the
+            inputs from ``prepare_batch``) and returns a tensor or a tuple of tensors; the last chunk returns the
+            loss function's input.
+        loss_fn: ``loss_fn(last_chunk_output, target) -> scalar loss`` (the mean over the micro-batch).
+        prepare_batch: ``batch -> (first chunk's positional inputs, loss target)``.
+        init_module: initialises one module's own parameters and buffers in place (not its children); used by
+            ``materialize`` without a state dict, and for buffers that are not in the state dict. ``None``: call
+            ``reset_parameters()`` where a module has it.
+        chunk_kwargs: ``batch -> {name: tensor}``, keyword inputs every chunk's ``forward`` takes besides what the
+            previous chunk sends (e.g. an attention mask), each with the batch dimension first (split into
+            micro-batches like the inputs). ``None``: none.
+    """
+
+    modules: Sequence[nn.Module]
+    loss_fn: LossFn
+    prepare_batch: PrepareBatch
+    init_module: InitModule | None = None
+    chunk_kwargs: ChunkKwargs | None = None
+
+
+@runtime_checkable
+class PipelineSplittable(Protocol):
+    """A model (e.g. a LightningModule) that cuts itself into chunks."""
+
+    def configure_pipeline(self, layout: PipelineLayout) -> PipelineChunks: ...
+
+
+Splitter = Callable[[nn.Module, PipelineLayout], PipelineChunks]

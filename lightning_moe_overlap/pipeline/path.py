@@ -1,0 +1,62 @@
+"""The strategy's step methods at ``pp > 1`` (``loop.StepPath``): torch's schedule runs the micro-batches.
+
+The user's ``training_step`` / ``validation_step`` / ``test_step`` are not called: the chunks and the module's loss
+function run on the ranks that hold them (docs/pipeline.md, "With the strategy"); what the loss function logs is
+replayed on every rank. The step's zeroing, gradient sync and log capture are the same :class:`StepHooks` the loop
+uses at ``pp = 1``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from lightning.pytorch import LightningModule
+from torch import Tensor
+
+from lightning_moe_overlap.loop import ContextFactory, StepHooks
+from lightning_moe_overlap.pipeline.pipelined import PipelinedModel
+from lightning_moe_overlap.step_logs import MicroBatchLogs
+
+
+class PipelinePath:
+    """Training steps as the pipeline schedule (``hooks``: ``None`` outside ``fit``), evaluation as forwards only."""
+
+    def __init__(
+        self,
+        pipeline: PipelinedModel,
+        module: LightningModule,
+        device: torch.device,
+        hooks: StepHooks | None,
+        train_context: ContextFactory,
+    ) -> None:
+        self.pipeline = pipeline
+        self.module = module
+        self.device = device
+        self.hooks = hooks
+        self.train_context = train_context
+
+    def train(self, batch: Any, batch_idx: int, *rest: Any) -> Tensor:
+        assert self.hooks is not None, "PipelinePath.train outside fit"
+        self.hooks.zero_grad(batch_idx)
+        logs = self.hooks.capture_logs()
+        result = self.pipeline.train_step(batch, logs, self.train_context)
+        self.hooks.sync_gradients()
+        logs.replay(result.logs)
+        return result.loss
+
+    def evaluate(self, user_step: Callable[..., Any], context: ContextFactory, batch: Any, batch_idx: int = 0,
+                 *rest: Any, **kwargs: Any) -> Tensor:  # fmt: skip
+        """The forwards of a validation / test batch; the mean loss on every rank."""
+        logs = MicroBatchLogs(self.module)
+        result = self.pipeline.eval_step(batch, logs, context, self.device)
+        logs.replay(result.logs)
+        return result.loss
+
+    def predict(self, user_step: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        raise NotImplementedError(
+            f"`MoEOverlapStrategy(pp={self.pipeline.config.pp})`: `Trainer.predict` with pipeline parallelism is not "
+            "supported: the outputs live on the last stage's ranks only. Predict at pp=1 (load the checkpoint "
+            "there: checkpoints are keyed by the unsplit model's names and load at any pp)."
+        )
