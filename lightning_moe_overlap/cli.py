@@ -34,7 +34,9 @@ from lightning.pytorch.cli import LightningCLI, SaveConfigCallback
 from typing_extensions import override
 
 import lightning_moe_overlap  # noqa: F401  (registers the strategy names)
+from lightning_moe_overlap.cli_components import MissingExtraError, component_problems, raise_missing_extras
 from lightning_moe_overlap.config import OverlapConfig
+from lightning_moe_overlap.ep_choices import passing_ep_values
 from lightning_moe_overlap.strategy import MoEOverlapStrategy
 from lightning_moe_overlap.validation import (
     OWNER,
@@ -52,8 +54,7 @@ from lightning_moe_overlap.validation import (
 _REGISTERED = {"moe_overlap": {}, "moe_overlap_spawn": {"start_method": "spawn"}}
 DESCRIPTION = (
     "Train Mixture-of-Experts models with expert-parallel all-to-all overlap. Sub-commands: fit, validate, test, "
-    "predict (LightningCLI), and check: validate a config for a world size without starting anything "
-    "(`lightning-moe-overlap check --help`)."
+    "predict (LightningCLI); check, convert-checkpoint and consolidate-checkpoint (`lightning-moe-overlap --help`)."
 )
 
 
@@ -67,12 +68,26 @@ class SaveConfigToLogDir(SaveConfigCallback):
         super().setup(trainer, pl_module, stage)
 
 
+class _RunCLI(LightningCLI):
+    """LightningCLI that refuses a logger or callback whose optional package is missing, in one line, before
+    jsonargparse tries to build it (its error is a traceback naming no extra)."""
+
+    @override
+    def before_instantiate_classes(self) -> None:
+        config = self.config[self.subcommand] if self.subcommand else self.config
+        raise_missing_extras(config.as_dict().get("trainer") or {})
+
+
 def run_cli(args: Sequence[str] | None = None, trainer_defaults: dict[str, Any] | None = None) -> LightningCLI:
     """LightningCLI over any LightningModule / LightningDataModule, chosen by class path in the config.
 
     ``args=None`` reads the command line (``sys.argv``), as the console script does; ``trainer_defaults`` adds
-    to the Trainer's defaults (the ``--trace_step`` callback)."""
-    return LightningCLI(
+    to the Trainer's defaults (the ``--trace_step`` callback).
+
+    Raises:
+        MissingExtraError: (an ``ImportError``) a logger or callback needs an optional package that is missing.
+    """
+    return _RunCLI(
         subclass_mode_model=True,
         subclass_mode_data=True,
         save_config_callback=SaveConfigToLogDir,
@@ -220,6 +235,12 @@ def run_checks(config: dict[str, Any], world_size: int | None = None, *, machine
         )
     problems = check_config(cfg)
     world = _world_size(trainer, world_size)
+    devices = trainer.get("devices")
+    per_node = devices if isinstance(devices, int) and not isinstance(devices, bool) else None
+    built, model_problem = _meta_model_or_problem(config.get("model"))
+    model, automatic, experts = built if built is not None else (None, True, None)
+    # where the model is known, suggest only the ep values that pass every rule on ep (not each rule's own)
+    ep_choices = None if experts is None else passing_ep_values(cfg, world, experts, devices_per_node=per_node)
     if world is None:
         problems.append(
             Problem(
@@ -229,40 +250,43 @@ def run_checks(config: dict[str, Any], world_size: int | None = None, *, machine
             )
         )
     else:
-        problems += check_world(cfg, world)
-    devices = trainer.get("devices")
-    per_node = devices if isinstance(devices, int) and not isinstance(devices, bool) else None
+        problems += check_world(cfg, world, ep_choices)
     problems += check_flex(cfg, devices_per_node=per_node, precision=trainer.get("precision"))
     if machine_checks:
         accelerator = trainer.get("accelerator", "auto")
         problems += check_machine(cfg, "cuda" if accelerator in ("gpu", "cuda") else "cpu")
     problems += check_launch(cfg, _batch_size(config.get("data")), config.get("ckpt_path"))
-    automatic, report = True, None
-    model_spec = config.get("model")
-    if isinstance(model_spec, dict) and "class_path" in model_spec:
-        try:
-            model = _meta_model(model_spec)
-            automatic, experts = _model_structure(model)
-        except Exception as err:  # noqa: BLE001 - a finding, never a traceback
-            problems.append(
-                Problem("model", f"`check`: building the model on the meta device failed: {type(err).__name__}: {err}")
-            )
-        else:
-            model_parallel = 0 if rule_sizes(cfg) else cfg.pp * cfg.cp * cfg.tp
-            known = world is not None and model_parallel and world % model_parallel == 0
-            dp_cp = world // (cfg.pp * cfg.tp) if known else None
-            problems += check_model(cfg, experts, dp_cp)
-            if _pipeline_known(cfg, problems):
-                report, found = pipeline_findings(cfg, model)
-                problems += found
+    report = None
+    if model_problem is not None:
+        problems.append(model_problem)
+    elif experts is not None:
+        model_parallel = 0 if rule_sizes(cfg) else cfg.pp * cfg.cp * cfg.tp
+        known = world is not None and model_parallel and world % model_parallel == 0
+        dp_cp = world // (cfg.pp * cfg.tp) if known else None
+        problems += check_model(cfg, experts, dp_cp, ep_choices)
+        if _pipeline_known(cfg, problems):
+            report, found = pipeline_findings(cfg, model)
+            problems += found
     accumulate = int(trainer.get("accumulate_grad_batches") or 1)
     problems += check_trainer(cfg, accumulate_grad_batches=accumulate, automatic_optimization=automatic)
+    problems += component_problems(trainer)
     return CheckResult(problems, report)
 
 
-def _meta_model(model_spec: dict[str, Any]) -> Any:
-    with torch.device("meta"):
-        return _instantiate(model_spec)
+def _meta_model_or_problem(model_spec: Any) -> tuple[tuple[Any, bool, dict[str, int]] | None, Problem | None]:
+    """``(model built on the meta device, automatic_optimization, experts per MoE block)`` (None without a
+    ``class_path``), or why the model could not be built."""
+    if not (isinstance(model_spec, dict) and "class_path" in model_spec):
+        return None, None
+    try:
+        with torch.device("meta"):
+            model = _instantiate(model_spec)
+        automatic, experts = _model_structure(model)
+    except Exception as err:  # noqa: BLE001 - a finding, never a traceback
+        return None, Problem(
+            "model", f"`check`: building the model on the meta device failed: {type(err).__name__}: {err}"
+        )
+    return (model, automatic, experts), None
 
 
 def _model_structure(model: Any) -> tuple[bool, dict[str, int]]:
@@ -334,16 +358,61 @@ def check_main(argv: Sequence[str]) -> int:
     return 1 if errors else 0
 
 
+SUBCOMMANDS = {
+    "fit": "train a model from a config (LightningCLI: --config, --trainer.*, --model.*, --data.*)",
+    "validate": "run one evaluation epoch over the validation set (LightningCLI)",
+    "test": "run one evaluation epoch over the test set (LightningCLI)",
+    "predict": "run inference over the predict set (LightningCLI)",
+    "check": "validate a fit config for a world size without starting anything (every rule, with its fix)",
+    "convert-checkpoint": "convert a sharded checkpoint of format version 1 into version 2, in one process",
+    "consolidate-checkpoint": "write a sharded checkpoint directory as one consolidated file, in one process",
+}
+
+
+def print_help() -> None:
+    """The top-level help: every subcommand and the options this package adds to ``fit``, one line each."""
+    parser = argparse.ArgumentParser(
+        prog="lightning-moe-overlap",
+        usage="%(prog)s SUBCOMMAND [options]  (fit: [--trace_step N [--trace_dir DIR]])",
+        description="Train Mixture-of-Experts models with expert-parallel all-to-all overlap. "
+        "`lightning-moe-overlap SUBCOMMAND --help` shows each subcommand's options.",
+        add_help=False,
+    )
+    sub = parser.add_subparsers(title="subcommands", metavar="SUBCOMMAND")
+    for name, text in SUBCOMMANDS.items():
+        sub.add_parser(name, help=text)
+    fit = parser.add_argument_group("options of fit, besides LightningCLI's")
+    fit.add_argument("--trace_step", metavar="N", help="write a timeline (Chrome trace and PNG) of global step N")
+    fit.add_argument("--trace_dir", metavar="DIR", help="where --trace_step writes (default <default_root_dir>/timeline)")
+    parser.print_help()
+
+
 def main(argv: Sequence[str] | None = None) -> None:
     command = list(sys.argv[1:] if argv is None else argv)
+    if command[:1] in (["-h"], ["--help"]):
+        print_help()
+        raise SystemExit(0)
     if command and command[0] in ("check", "validate-config"):
         raise SystemExit(check_main(command[1:]))
     if command and command[0] == "convert-checkpoint":
         from lightning_moe_overlap.checkpoint.legacy import main as convert_main
 
         raise SystemExit(convert_main(command[1:]))
+    if command and command[0] == "consolidate-checkpoint":
+        from lightning_moe_overlap.checkpoint.consolidated import main as consolidate_main
+
+        raise SystemExit(consolidate_main(command[1:]))
+    try:
+        _run(command, from_sys_argv=argv is None)
+    except MissingExtraError as err:
+        name = command[0] if command and not command[0].startswith("-") else "fit"
+        print(f"lightning-moe-overlap {name}: error: {err}", file=sys.stderr)
+        raise SystemExit(1) from None
+
+
+def _run(command: list[str], *, from_sys_argv: bool) -> None:
     rest, trainer_defaults = pop_trace_args(command)
-    if argv is None and trainer_defaults is None:
+    if from_sys_argv and trainer_defaults is None:
         run_cli(None)  # LightningCLI reads sys.argv itself (no double-args warning)
         return
     # sys.argv keeps the trace flags: the launcher re-runs it for the other ranks, which need the same callback
@@ -354,6 +423,6 @@ def main(argv: Sequence[str] | None = None) -> None:
 
 
 __all__ = [
-    "CheckResult", "MoEOverlapStrategy", "SaveConfigToLogDir", "collect_problems", "main", "parse_fit_config",
-    "pipeline_findings", "run_checks", "run_cli",
+    "SUBCOMMANDS", "CheckResult", "MissingExtraError", "MoEOverlapStrategy", "SaveConfigToLogDir", "collect_problems",
+    "main", "parse_fit_config", "pipeline_findings", "print_help", "run_checks", "run_cli",
 ]

@@ -313,13 +313,17 @@ def check_config(cfg: OverlapConfig) -> list[Problem]:
 
 
 # -- rules on the world ----------------------------------------------------------------------------------------
-def check_world(cfg: OverlapConfig, world_size: int) -> list[Problem]:
-    """Rules that need the number of processes (before any is spawned)."""
+def check_world(cfg: OverlapConfig, world_size: int, ep_choices: list[int] | None = None) -> list[Problem]:
+    """Rules that need the number of processes (before any is spawned). ``ep_choices``: the ep values that pass
+    every rule on ep for the model (``ep_choices.passing_ep_values``), where it is known; the ep message suggests
+    those instead of every divisor of dp*cp."""
     if rule_sizes(cfg):
         return []  # the sizes themselves are wrong; reported by check_config
     try:
         build_dims(cfg, world_size)  # the one implementation of the layout rules
     except ParallelDimsError as err:
+        if err.rule == "ep-divides-dp-cp" and ep_choices is not None:
+            return [Problem(err.rule, f"{OWNER}: {_ep_world_message(cfg, world_size, ep_choices)}")]
         return [Problem(err.rule, f"{OWNER}: {err.detail}")]
     if cfg.overlap and cfg.ep == 1 and world_size > 1:
         return [
@@ -330,6 +334,20 @@ def check_world(cfg: OverlapConfig, world_size: int) -> list[Problem]:
             )
         ]
     return []
+
+
+EP_CHOICES_RULES = "the values that pass every rule on ep: they divide every MoE block's experts"
+
+
+def _ep_world_message(cfg: OverlapConfig, world_size: int, ep_choices: list[int]) -> str:
+    dp_cp = world_size // (cfg.pp * cfg.tp)
+    flex = ", and fit DeepEP's group sizes" if cfg.resolved_flex_backend == "deepep" else ""
+    return (
+        f"ep={cfg.ep} does not divide dp*cp={dp_cp} (world_size={world_size}, pp={cfg.pp}, cp={cfg.cp}, "
+        f"tp={cfg.tp}); expert parallelism folds into the data-parallel ranks, so ep must divide dp*cp. Valid ep "
+        f"values here: {ep_choices} ({EP_CHOICES_RULES} and dp*cp{flex})"
+        + ("." if ep_choices else "; none does: change the number of processes or the dispatcher.")
+    )
 
 
 def build_dims(cfg: OverlapConfig, world_size: int) -> ParallelDims:
@@ -496,10 +514,14 @@ def valid_ep_values(experts_per_block: Mapping[str, int], dp_cp: int | None) -> 
 
 
 def check_model(
-    cfg: OverlapConfig, experts_per_block: Mapping[str, int], dp_cp: int | None = None
+    cfg: OverlapConfig,
+    experts_per_block: Mapping[str, int],
+    dp_cp: int | None = None,
+    ep_choices: list[int] | None = None,
 ) -> list[Problem]:
     """Rules that need the model: ``experts_per_block`` maps each MoE block's name to its number of experts;
-    ``dp_cp`` (when the world size is known) narrows the suggested ep values to those valid for it too."""
+    ``dp_cp`` (when the world size is known) narrows the suggested ep values to those valid for it too;
+    ``ep_choices`` (``ep_choices.passing_ep_values``), where given, are the values suggested: every rule on ep."""
     out: list[Problem] = []
     if not experts_per_block:
         if cfg.ep > 1:
@@ -514,13 +536,18 @@ def check_model(
     bad = {name: n for name, n in experts_per_block.items() if not splits_evenly(n, cfg.ep)}
     if bad:
         name, n = next(iter(bad.items()))
+        if ep_choices is not None:
+            flex = ", and fit DeepEP's group sizes" if cfg.resolved_flex_backend == "deepep" else ""
+            why = f"{EP_CHOICES_RULES}{' and dp*cp=' + str(dp_cp) if dp_cp else ''}{flex}"
+        else:
+            ep_choices = valid_ep_values(experts_per_block, dp_cp)
+            why = f"the values that divide every block's experts{' and dp*cp=' + str(dp_cp) if dp_cp else ''}"
         out.append(
             Problem(
                 "experts-divisible-by-ep",
                 f"{OWNER}: `{name}` has num_experts={n}, which ep={cfg.ep} does not divide "
                 f"({len(bad)} block(s) affected); each ep rank must own the same number of experts. "
-                f"Choose ep among {valid_ep_values(experts_per_block, dp_cp)} (the values that divide every "
-                f"block's experts{' and dp*cp=' + str(dp_cp) if dp_cp else ''}).",
+                f"Choose ep among {ep_choices} ({why}).",
             )
         )
     return out

@@ -285,3 +285,41 @@ def load_consolidated_state_dict(
     else:
         state = read_file(src, weights_only=weights_only)["state_dict"]
     return {k[len(prefix) :]: v for k, v in state.items() if k.startswith(prefix)}
+
+
+def main(argv: list[str]) -> int:
+    """``consolidate-checkpoint SRC DST``: the command-line form of :func:`consolidate_checkpoint`.
+
+    Returns 0 when written; 1 with the error's message on stderr (no traceback) when the source cannot be read.
+    Bad arguments exit with argparse's usage message (status 2).
+    """
+    import argparse
+    import json
+    import sys
+
+    prog = "lightning-moe-overlap consolidate-checkpoint"
+    parser = argparse.ArgumentParser(
+        prog=prog,
+        description="Convert a sharded checkpoint directory into one consolidated file, the one an unsharded "
+        "single-process run would write, in one process (needs the memory of the whole checkpoint).",
+    )
+    parser.add_argument("source", help="the sharded checkpoint directory (format version 1 or 2)")
+    parser.add_argument("destination", help="the file to write")
+    parser.add_argument(
+        "--no-weights-only", dest="weights_only", action="store_false",
+        help="unpickle the checkpoint's files without restriction (runs code they name: trusted sources only)",
+    )
+    args = parser.parse_args(argv)
+    try:
+        source = local_path(args.source, "`consolidate-checkpoint`")
+        if source.is_file():
+            raise ValueError(
+                f"`consolidate-checkpoint`: {source} is a file, not a sharded checkpoint directory; a file is "
+                "already consolidated. Load it directly, or pass the directory a sharded save wrote."
+            )
+        out = consolidate_checkpoint(source, args.destination, weights_only=args.weights_only)
+    except (OSError, ValueError, TypeError, RuntimeError, NotImplementedError, pickle.UnpicklingError) as err:
+        print(f"{prog}: error: {err}", file=sys.stderr)
+        return 1
+    print(json.dumps({"consolidated": str(args.source), "to": str(out)}))
+    return 0

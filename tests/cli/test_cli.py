@@ -51,11 +51,22 @@ def test_cli_fit_cpu_pp_yaml_pipeline_on_four_processes():
     assert "`Trainer.fit` stopped: `max_steps=2` reached." in out.stderr + out.stdout
 
 
-def test_cli_help_lists_check():
+def test_cli_help_lists_every_subcommand_and_the_trace_options():
     out = _console("--help", timeout=120)
     assert out.returncode == 0, out.stderr
-    assert "check" in out.stdout and "fit" in out.stdout
     assert "args parameter" not in out.stderr
+    lines = out.stdout.splitlines()
+    names = ["fit", "validate", "test", "predict", "check", "convert-checkpoint", "consolidate-checkpoint"]
+    for name in [*names, "--trace_step N", "--trace_dir DIR"]:
+        (i,) = [i for i, line in enumerate(lines) if line.split()[:len(name.split())] == name.split()]
+        described = lines[i][len(lines[i].split(name, 1)[0]) + len(name):].strip() or lines[i + 1].strip()
+        assert len(described) > 10, (name, out.stdout)  # a description on its line or the next
+
+
+@pytest.mark.parametrize("name", ["check", "convert-checkpoint", "consolidate-checkpoint"])
+def test_cli_help_of_each_added_subcommand(name):
+    out = _run(name, "--help", timeout=120)
+    assert out.returncode == 0 and f"usage: lightning-moe-overlap {name}" in out.stdout, out.stderr
 
 
 def test_cli_fit_hf_yaml_with_registered_strategy_name():

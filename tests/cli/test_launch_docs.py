@@ -22,6 +22,8 @@ RUN_ELSEWHERE = {
     # the same subcommand on a version-1 fixture
     "lightning-moe-overlap convert-checkpoint ckpts/old.ckpt ckpts/old-v2.ckpt":
         "tests/unit/test_checkpoint.py::test_a_version_1_directory_converts_and_loads_bitwise",
+    "lightning-moe-overlap consolidate-checkpoint ckpts/epoch=0-step=100.ckpt final.ckpt":
+        "tests/cli/test_consolidate_checkpoint_cli.py::test_a_two_process_checkpoint_consolidates_into_the_runs_full_state",
 }
 SHORT = ["--trainer.max_steps=2", "--trainer.limit_val_batches=0"]
 
