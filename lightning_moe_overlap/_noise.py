@@ -1,20 +1,83 @@
 """Third-party warnings that are not ours to fix and would otherwise land inside the progress bar.
 
-Each filter is narrow: one message, one category, raised from one module. Installed by the strategy in every rank.
+Each filter is narrow: one message, one category, raised from one module (or one logger). Installed by the strategy
+in every rank.
 """
 
 from __future__ import annotations
 
+import logging
 import warnings
 
 # (message regex, category, module regex of the code that triggers it)
-THIRD_PARTY_NOISE: tuple[tuple[str, type[Warning], str], ...] = (
+Filter = tuple[str, type[Warning], str]
+
+THIRD_PARTY_NOISE: tuple[Filter, ...] = (
     # torch >= 2.10 deprecates `LeafSpec`; Lightning's own pytree code still uses it on every batch.
     (r"`isinstance\(treespec, LeafSpec\)` is deprecated", FutureWarning, r"lightning\.pytorch\.utilities\._pytree"),
 )
 
+# FSDP2 the strategy applies on its own at `shard="none"`, only to make the dense parameters DTensor replicas
+# (parallel/sharding.py): torch warns on every rank, for any model whose output is a view (a biased Linear on 3-D
+# input), that an in-place op on it would skip the pre-backward all-gather. There the parameters are gathered once
+# per step before the first forward and stay gathered until the strategy reduces the gradients after the last
+# backward, so that all-gather is never the one the step relies on, and the user did not ask for FSDP. With
+# `shard="optimizer" | "full"` the user did, and the warning stays.
+REPLICA_FSDP_NOISE: tuple[Filter, ...] = (
+    (
+        r"FSDP2-wrapped module \(.*\) returned a view tensor",
+        UserWarning,
+        r"torch\.distributed\.fsdp\._fully_shard\._fsdp_state",
+    ),
+)
 
-def quiet_third_party_noise() -> None:
-    """Install the filters (idempotent: ``warnings`` drops an identical filter before adding it again)."""
-    for message, category, module in THIRD_PARTY_NOISE:
+
+# Lightning logs this (INFO, to the console) from `dump_checkpoint` at every `trainer.save_checkpoint(path)` that
+# leaves `weights_only` unset, on every rank: the same line once per rank and again at every save. It is true (the
+# optimizer and callback states are saved too), so it is shown, once per process, by global rank 0.
+ONCE_PER_PROCESS_LOGS: tuple[tuple[str, str], ...] = (
+    ("lightning.pytorch.trainer.connectors.checkpoint_connector", "`weights_only` was not set, defaulting to `False`."),
+)
+
+
+class OnceFilter(logging.Filter):
+    """Lets the first record of ``message`` through where ``show``, and none of it after; other records pass.
+
+    Attached to the logger that emits the message, so its state lives as long as the process (as a warnings
+    registry does)."""
+
+    def __init__(self, message: str, show: bool) -> None:
+        super().__init__()
+        self.message = message
+        self.show = show
+        self.shown = False
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.getMessage() != self.message:
+            return True
+        first, self.shown = not self.shown, True
+        return first and self.show
+
+
+def once_filter(logger_name: str, message: str) -> OnceFilter | None:
+    """The :class:`OnceFilter` of ``message`` installed on ``logger_name``, or None."""
+    found = [f for f in logging.getLogger(logger_name).filters if isinstance(f, OnceFilter) and f.message == message]
+    return found[0] if found else None
+
+
+def quiet_third_party_noise(*, replica_fsdp: bool = False, global_zero: bool = True) -> None:
+    """Install the filters (idempotent: ``warnings`` drops an identical filter before adding it again, and a log
+    message keeps its one :class:`OnceFilter`).
+
+    Args:
+        replica_fsdp: also the warnings of the FSDP2 the strategy introduced itself (``shard="none"``).
+        global_zero: whether this process is global rank 0, the one that shows the once-per-process log lines.
+    """
+    for message, category, module in THIRD_PARTY_NOISE + (REPLICA_FSDP_NOISE if replica_fsdp else ()):
         warnings.filterwarnings("ignore", message=message, category=category, module=module)
+    for logger_name, message in ONCE_PER_PROCESS_LOGS:
+        installed = once_filter(logger_name, message)
+        if installed is None:
+            logging.getLogger(logger_name).addFilter(OnceFilter(message, show=global_zero))
+        else:
+            installed.show = global_zero

@@ -6,7 +6,7 @@ offers exactly these) and as tuples derived from them (what validation and the f
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Literal, get_args
 
 Dispatcher = Literal["alltoall", "allgather", "flex"]
@@ -73,8 +73,12 @@ class OverlapConfig:
     pipeline_schedule: str | None = None
     pipeline_layout: str | None = None
     shard: str = "none"
+    # what was asked for `overlap` before resolution: None when left unset (warnings about it speak only to a
+    # user who set it)
+    overlap_requested: bool | None = field(init=False, default=None)
 
     def __post_init__(self) -> None:
+        object.__setattr__(self, "overlap_requested", self.overlap)
         if self.overlap is None:
             try:
                 schedule = self.resolved_schedule if self.pp != 1 else None

@@ -156,6 +156,8 @@ class ExpertParallelScriptLauncher(pl_compat.SubprocessScriptLauncher):
         elif getattr(err, SAME_ON_EVERY_RANK, False):
             if rank != 0:
                 line = f"[rank {rank}] stopped by the configuration error every rank found (rank 0 shows it)."
+                if board is not None:  # should rank 0 not find it after all, it stops saying this rank's error
+                    board.post_failure(err)
         elif board is not None and isinstance(err, Exception):
             # only a lost peer makes this rank's error another rank's consequence; any other error is its own
             peer = board.first_peer(wait_s=PEER_WAIT_S) if _looks_like_peer_loss(err) else None

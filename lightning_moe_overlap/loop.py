@@ -49,6 +49,7 @@ import torch
 from lightning_utilities.core.apply_func import apply_to_collection
 from torch import Tensor
 
+from lightning_moe_overlap.parallel.exits import same_on_every_rank
 from lightning_moe_overlap.step_logs import MicroBatchLogs
 
 ContextFactory = Callable[[], AbstractContextManager]
@@ -172,28 +173,30 @@ def split_batch(batch: Any, num_microbatches: int, *, short: bool = False) -> li
     one (every tensor must then have the same ``N``).
 
     Raises:
-        ValueError: no tensor has a batch dimension, or a batch dimension is not a multiple of the count.
+        ValueError: no tensor has a batch dimension, or a batch dimension is not a multiple of the count; marked
+            :func:`~.parallel.exits.same_on_every_rank` (every rank's batches come from the same loader settings),
+            so the launcher shows it once.
     """
     if num_microbatches == 1:
         return [batch]
     sizes: set[int] = set()
     apply_to_collection(batch, Tensor, lambda t: sizes.add(t.shape[0]) if t.dim() > 0 else None)
     if not sizes:
-        raise ValueError(
+        raise same_on_every_rank(ValueError(
             f"`MoEOverlapStrategy`: `num_microbatches={num_microbatches}` but the batch holds no tensor with a batch "
             "dimension to split. Return tensors from the dataloader, or set `num_microbatches=1`."
-        )
+        ))
     bad = sorted(n for n in sizes if n % num_microbatches)
     if bad and short and len(sizes) == 1 and bad[0] > 0:
         parts = min(bad[0], num_microbatches)
         return [apply_to_collection(batch, Tensor, lambda t, i=i: _part(t, parts, i)) for i in range(parts)]
     if bad:
-        raise ValueError(
+        raise same_on_every_rank(ValueError(
             f"`MoEOverlapStrategy`: a batch dimension of {bad[0]} does not split into "
             f"`num_microbatches={num_microbatches}` equal micro-batches; every tensor's first dimension must be a "
             f"multiple of it. Use a batch size that is a multiple of {num_microbatches} (and `drop_last=True`), "
             "or change `num_microbatches`."
-        )
+        ))
 
     def part(i: int) -> Any:
         def take(t: Tensor) -> Tensor:

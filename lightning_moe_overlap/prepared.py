@@ -26,8 +26,9 @@ if TYPE_CHECKING:
     from lightning_moe_overlap.wrap import MoEModelHandle
 
 _ATTRIBUTE = "moe_overlap_prepared"
-# Settings a later run may change: how processes start, and at pp = 1 the micro-batch schedule (built per run).
-_PER_RUN = ("start_method",)
+# Settings a later run may change: how processes start, whether `overlap` was set (it decides warnings only), and at
+# pp = 1 the micro-batch schedule (built per run).
+_PER_RUN = ("start_method", "overlap_requested")
 _PER_RUN_AT_PP1 = ("overlap", "num_microbatches")
 
 

@@ -321,8 +321,8 @@ class MoEOverlapStrategy(ParallelStrategy):
         ``configure_model`` (``self.device_mesh`` as Lightning's ``ModelParallelStrategy`` does, and
         ``self.parallel_groups``)."""
         super().setup_environment()
-        quiet_third_party_noise()
         self._setup_distributed()
+        quiet_third_party_noise(replica_fsdp=self.config.shard == "none", global_zero=self.is_global_zero)
         self._mesh = build_mesh(self.dims, self.root_device.type, backend=self._backend(), timeout=self._timeout)
         self._groups = self._mesh.process_groups(self.global_rank)
         pl_module = self.lightning_module

@@ -34,9 +34,9 @@ from lightning_moe_overlap.config import (
 from lightning_moe_overlap.moe.capacity import capacity_problems
 from lightning_moe_overlap.moe.dispatch.base import splits_evenly
 from lightning_moe_overlap.parallel.dims import ParallelDims, ParallelDimsError
+from lightning_moe_overlap.parallel.exits import SAME_ON_EVERY_RANK, same_on_every_rank  # noqa: F401 - re-exported
 
 OWNER = "`MoEOverlapStrategy`"
-SAME_ON_EVERY_RANK = "same_on_every_rank"  # set on a raised error: every rank finds it alike, rank 0 shows it
 
 
 
@@ -325,7 +325,7 @@ def check_world(cfg: OverlapConfig, world_size: int, ep_choices: list[int] | Non
         if err.rule == "ep-divides-dp-cp" and ep_choices is not None:
             return [Problem(err.rule, f"{OWNER}: {_ep_world_message(cfg, world_size, ep_choices)}")]
         return [Problem(err.rule, f"{OWNER}: {err.detail}")]
-    if cfg.overlap and cfg.ep == 1 and world_size > 1:
+    if cfg.overlap_requested and cfg.ep == 1 and world_size > 1:  # only when asked: the default just resolves
         return [
             _warn(
                 "overlap-ep1",
@@ -693,5 +693,4 @@ def raise_problems(problems: list[Problem]) -> None:
     else:
         text = "\n".join(f"  {i}. {p.message}" for i, p in enumerate(errors, 1))
         err = errors[0].error(f"{OWNER}: {len(errors)} problems:\n{text}")  # type: ignore[misc]
-    setattr(err, SAME_ON_EVERY_RANK, True)
-    raise err
+    raise same_on_every_rank(err)

@@ -130,6 +130,13 @@ def should_update_logs(trainer: object) -> bool:
     return bool(connector.should_update_logs or trainer.fast_dev_run)  # type: ignore[attr-defined]
 
 
+def logging_step(trainer: object) -> int:
+    """The step at which Lightning's loggers record the values logged during the current training batch, its hooks
+    included (``fit_loop.epoch_loop._batches_that_stepped``, what ``LoggerConnector.log_metrics`` passes as
+    ``step``; Lightning raises it only after ``on_train_batch_end``, so it is one less than ``global_step`` there)."""
+    return int(trainer.fit_loop.epoch_loop._batches_that_stepped)  # type: ignore[attr-defined]
+
+
 # -- precision -----------------------------------------------------------------------------------------------------
 def set_device_mesh(module: Any, mesh: Any) -> None:
     """``LightningModule._device_mesh``: what its public ``device_mesh`` property returns, set as Lightning's
@@ -153,6 +160,7 @@ __all__ = [
     "distributed_is_initialized",
     "fit_arguments",
     "init_dist_connection",
+    "logging_step",
     "optimizer_handles_unscaling",
     "optimizers_to_device",
     "reset_seed",

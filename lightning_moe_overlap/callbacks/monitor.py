@@ -115,7 +115,7 @@ class MoEMonitor(Callback):
             pl_module.log(name, value, on_step=True, on_epoch=False, prog_bar=prog_bar)
         self.last = summary.metrics
         if self.histogram and trainer.is_global_zero:
-            _log_histograms(trainer, summary, trainer.global_step)
+            _log_histograms(trainer, summary, pl_compat.logging_step(trainer))  # the scalars' step
 
     # -- one read per interval -------------------------------------------------------------------------------------
     def _read(self, trainer: Trainer, pl_module: LightningModule) -> Summary:

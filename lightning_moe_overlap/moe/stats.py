@@ -9,7 +9,8 @@ only (not in eval, not in a checkpoint's recompute inside backward), adds up on 
 - ``dropped``: the assignments a capacity factor drops: ``sum_e max(0, count_e - capacity)`` per call with
   ``capacity = ceil(T*K/E * factor)``, exactly what ``drop_over_capacity`` drops whatever the policy. The factor
   is the block's own (``ExpertParallelExperts`` or ``MoELayer``), else the one given to :class:`RoutingStats`;
-- the router's load-balancing and z losses (``TopKRouter.metrics``), summed over forwards.
+- the router's load-balancing and z losses (``TopKRouter.metrics``), summed over the forwards that computed them
+  (a router without an aux-loss or z-loss coefficient computes none, and none is reported for its block).
 
 Nothing is read back to the host here: :meth:`RoutingStats.pack` returns one float64 vector (reduce it over the
 ranks with one collective) and :func:`summarize` turns it into numbers with a single device-to-host copy. At
@@ -35,6 +36,7 @@ from lightning_moe_overlap.moe.ep import ExpertParallelExperts
 from lightning_moe_overlap.moe.router import TopKRouter, _in_training_forward
 
 BIAS_NAMES = ("expert_bias", "e_score_correction_bias")  # this package's TopKRouter, HF DeepSeek-V3 style routers
+BLOCK_SCALARS = 8  # the numbers after each block's counts in `RoutingStats.pack`
 
 
 @dataclass
@@ -51,7 +53,8 @@ class BlockStats:
     z_loss: Tensor | None = None
     forwards: int = 0  # calls counted (host int: no sync)
     tokens: int = 0  # tokens routed in the calls counted (host int, from shapes)
-    loss_forwards: int = 0
+    aux_forwards: int = 0  # forwards that computed a load-balancing loss
+    z_forwards: int = 0  # forwards that computed a z-loss
     handles: list[RemovableHandle] = field(default_factory=list)
 
     def add_routing(self, indices_TK: Tensor, factor: float | None) -> None:
@@ -74,9 +77,10 @@ class BlockStats:
         aux, z = metrics.get("load_balancing_loss"), metrics.get("z_loss")
         if aux is not None:
             self.aux_loss = aux.detach().double() if self.aux_loss is None else self.aux_loss + aux.detach().double()
+            self.aux_forwards += 1
         if z is not None:
             self.z_loss = z.detach().double() if self.z_loss is None else self.z_loss + z.detach().double()
-        self.loss_forwards += 1
+            self.z_forwards += 1
 
     def bias(self) -> Tensor | None:
         for name in BIAS_NAMES:
@@ -139,8 +143,8 @@ class RoutingStats:
     def pack(self, device: torch.device) -> tuple[Tensor, list[dict[str, int]]]:
         """Every block's sums as one float64 vector on ``device`` and its layout; then zero the sums.
 
-        Per block: ``E`` counts, dropped, assignments, aux-loss sum, z-loss sum, then the counts of forwards
-        (calls, loss calls) and tokens. Sums over ranks stay meaningful (add the vectors of all ranks).
+        Per block: ``E`` counts, then ``BLOCK_SCALARS``: dropped, assignments, aux-loss sum, z-loss sum, the counts
+        of forwards (calls, calls with an aux loss, calls with a z-loss) and tokens. Sums over ranks stay meaningful (add the vectors of all ranks).
         """
         parts: list[Tensor] = []
         layout: list[dict[str, int]] = []
@@ -153,13 +157,14 @@ class RoutingStats:
                 b.aux_loss.to(device) if b.aux_loss is not None else zero,
                 b.z_loss.to(device) if b.z_loss is not None else zero,
                 zero + b.forwards,
-                zero + b.loss_forwards,
+                zero + b.aux_forwards,
+                zero + b.z_forwards,
                 zero + b.tokens,
             ]
             parts += [counts, torch.stack(scalars)]
             layout.append({"experts": b.num_experts, "capacity": int(b.capacity_factor is not None)})
             b.counts_E = b.dropped = b.aux_loss = b.z_loss = None
-            b.forwards = b.loss_forwards = b.tokens = 0
+            b.forwards = b.aux_forwards = b.z_forwards = b.tokens = 0
         if not parts:
             return torch.zeros(0, dtype=torch.float64, device=device), layout
         return torch.cat(parts), layout
@@ -195,12 +200,14 @@ def summarize(
     """Metrics from a packed vector (summed over the ranks that see distinct tokens) of ``steps`` optimizer steps.
 
     ``.../tokens_per_expert_*`` are per step (all ranks' tokens), ``imbalance`` is ``max / mean`` of the tokens
-    per expert, ``cv`` their standard deviation over the mean, losses are the mean per forward.
+    per expert, ``cv`` their standard deviation over the mean, losses are the mean per forward that computed them
+    (blocks that computed none report none, and the totals are left out when no block computed one).
     """
     values = torch.cat([packed, bias_norms]).tolist()  # NOTE: D2H sync (once per logging interval)
     out: dict[str, float] = {}
     offset = 0
-    total = {"aux_loss": 0.0, "z_loss": 0.0, "dropped": 0.0, "assignments": 0.0}
+    total = {"dropped": 0.0, "assignments": 0.0}
+    losses: dict[str, float] = {}  # the totals over the blocks that computed each loss
     imbalances: list[float] = []
     histograms: dict[str, list[float]] = {}
     first_tokens = 0.0
@@ -208,8 +215,9 @@ def summarize(
     for i, (name, item) in enumerate(zip(names, layout)):
         e = item["experts"]
         counts = values[offset : offset + e]
-        dropped, assignments, aux, z, _, loss_forwards, tokens = values[offset + e : offset + e + 7]
-        offset += e + 7
+        scalars = values[offset + e : offset + e + BLOCK_SCALARS]
+        dropped, assignments, aux, z, _, aux_forwards, z_forwards, tokens = scalars
+        offset += e + BLOCK_SCALARS
         if i == 0:
             first_tokens = tokens
         per_step = [c / max(steps, 1) for c in counts]
@@ -222,11 +230,10 @@ def summarize(
         out[f"{prefix}/tokens_per_expert_cv"] = std / mean if mean > 0 else 0.0
         out[f"{prefix}/imbalance"] = max(per_step) / mean if mean > 0 else 0.0
         imbalances.append(out[f"{prefix}/imbalance"])
-        if loss_forwards:
-            out[f"{prefix}/aux_loss"] = aux / loss_forwards
-            out[f"{prefix}/z_loss"] = z / loss_forwards
-            total["aux_loss"] += aux / loss_forwards
-            total["z_loss"] += z / loss_forwards
+        for loss, loss_sum, forwards in (("aux_loss", aux, aux_forwards), ("z_loss", z, z_forwards)):
+            if forwards:
+                out[f"{prefix}/{loss}"] = loss_sum / forwards
+                losses[loss] = losses.get(loss, 0.0) + loss_sum / forwards
         if item["capacity"] and assignments:
             out[f"{prefix}/dropped_fraction"] = dropped / assignments
             total["dropped"] += dropped
@@ -238,8 +245,7 @@ def summarize(
     if imbalances:
         out["moe/imbalance"] = sum(imbalances) / len(imbalances)
         out["moe/imbalance_max"] = max(imbalances)
-    out["moe/aux_loss"] = total["aux_loss"]
-    out["moe/z_loss"] = total["z_loss"]
+    out.update({f"moe/{loss}": value for loss, value in losses.items()})
     if has_dropped and total["assignments"]:
         out["moe/dropped_fraction"] = total["dropped"] / total["assignments"]
     norms = [n for n in values[len(packed) :] if not math.isnan(n)]

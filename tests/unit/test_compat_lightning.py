@@ -5,6 +5,7 @@ A failure here names ``lightning.__version__`` and the private name: update ``_c
 
 from __future__ import annotations
 
+import csv
 import inspect
 import os
 from datetime import timedelta
@@ -15,6 +16,7 @@ import pytest
 import torch
 from lightning.pytorch import Trainer
 from lightning.pytorch.demos.boring_classes import BoringModel
+from lightning.pytorch.loggers import CSVLogger
 from lightning.pytorch.strategies import StrategyRegistry as PublicStrategyRegistry
 
 from lightning_moe_overlap._compat import lightning as pl_compat
@@ -169,6 +171,31 @@ def test_attached_trainer_and_should_update_logs() -> None:
     assert isinstance(pl_compat.should_update_logs(trainer), bool)
 
 
+class _StepsAtBatchEnd(BoringModel):
+    """Logs ``global_step`` at every ``on_train_batch_end`` and keeps the compat's step of that moment."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.steps: list[int] = []
+
+    def on_train_batch_end(self, outputs, batch, batch_idx) -> None:  # noqa: ANN001
+        self.steps.append(pl_compat.logging_step(self.trainer))
+        self.log("global_step_seen", float(self.trainer.global_step), on_step=True, on_epoch=False)
+
+
+def test_logging_step_is_the_step_the_loggers_record(tmp_path) -> None:
+    model = _StepsAtBatchEnd()
+    trainer = Trainer(max_steps=3, log_every_n_steps=1, logger=CSVLogger(tmp_path, name="csv", version=0),
+                      enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                      limit_val_batches=0)
+    trainer.fit(model)
+    rows = [r for r in csv.DictReader(open(tmp_path / "csv" / "version_0" / "metrics.csv")) if r["global_step_seen"]]
+    recorded = [int(r["step"]) for r in rows]  # the oracle: the step Lightning's logger wrote for each value
+    assert model.steps == recorded == [0, 1, 2], _fail("fit_loop.epoch_loop._batches_that_stepped", "is not the step "
+                                                       "loggers record at on_train_batch_end")
+    assert [int(float(r["global_step_seen"])) for r in rows] == [1, 2, 3]  # one more: the optimizer stepped
+
+
 def test_optimizer_handles_unscaling() -> None:
     params = [torch.nn.Parameter(torch.ones(2))]
     assert pl_compat.optimizer_handles_unscaling(torch.optim.SGD(params, lr=0.1)) is False
@@ -195,6 +222,7 @@ TESTED = {
     "distributed_is_initialized",
     "fit_arguments",
     "init_dist_connection",
+    "logging_step",
     "optimizer_handles_unscaling",
     "optimizers_to_device",
     "reset_seed",

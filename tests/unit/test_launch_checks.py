@@ -99,6 +99,17 @@ def test_documented_one_liner_does_not_warn():
     assert trainer.strategy.config.overlap is False
 
 
+def test_overlap_at_ep1_warns_only_when_the_user_set_it():
+    """Left unset, `overlap` follows the micro-batches (on here) and says nothing; set to True, the warning is
+    actionable (set ep > 1) and shown."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        unset = Trainer(accelerator="cpu", devices=2, strategy=MoEOverlapStrategy(num_microbatches=2), logger=False)
+    assert unset.strategy.config.overlap is True and unset.strategy.config.overlap_requested is None
+    with pytest.warns(UserWarning, match=r"`overlap=True` with `ep=1`: no all-to-all crosses processes.*Set `ep>1`"):
+        Trainer(accelerator="cpu", devices=2, strategy=MoEOverlapStrategy(overlap=True, num_microbatches=2), logger=False)
+
+
 def test_experts_not_divisible_by_ep_fail_before_spawning_with_valid_suggestions():
     from lightning_moe_overlap.demo import MoEGPT
 

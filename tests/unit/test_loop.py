@@ -17,6 +17,7 @@ from torch import Tensor, nn
 from lightning_moe_overlap import loop as loop_module
 from lightning_moe_overlap.loop import MicroBatchLoop, StepHooks, split_batch
 from lightning_moe_overlap.overlap import CommRuntime, OverlapEngine
+from lightning_moe_overlap.parallel.exits import SAME_ON_EVERY_RANK
 from lightning_moe_overlap.step_logs import MicroBatchLogs, mean_of
 
 
@@ -154,10 +155,12 @@ def test_mean_of_values() -> None:
 
 
 def test_clear_errors_of_the_step() -> None:
-    with pytest.raises(ValueError, match=r"a batch dimension of 3 does not split into `num_microbatches=2`"):
+    with pytest.raises(ValueError, match=r"a batch dimension of 3 does not split into `num_microbatches=2`") as odd:
         split_batch({"x": torch.zeros(3, 2)}, 2)
-    with pytest.raises(ValueError, match=r"holds no tensor with a batch dimension"):
+    with pytest.raises(ValueError, match=r"holds no tensor with a batch dimension") as none:
         split_batch({"x": torch.tensor(1.0), "name": "a"}, 2)
+    # configuration errors every rank finds alike at its first step: the launcher shows them once (rank 0)
+    assert getattr(odd.value, SAME_ON_EVERY_RANK) is True and getattr(none.value, SAME_ON_EVERY_RANK) is True
     hooks = StepHooks(
         zero_grad=lambda i: None, forward=lambda *a: None, backward=lambda loss: None,
         sync_gradients=lambda: None, capture_logs=lambda: MicroBatchLogs(Module()),

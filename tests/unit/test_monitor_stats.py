@@ -103,6 +103,24 @@ def test_router_losses_and_expert_bias_of_topk_router() -> None:
     assert "moe/0/dropped_fraction" not in metrics  # dropless and no what-if factor
 
 
+def test_losses_a_block_never_computes_are_not_reported() -> None:
+    """A router without a z-loss coefficient computes no z-loss, one without coefficients computes neither, and an
+    HF-style router none: they report nothing rather than 0.0, and the totals only sum the blocks that compute."""
+    torch.manual_seed(0)
+    aux_only = MoELayer(8, 4, E, K, aux_loss_coeff=0.1, z_loss_coeff=0.0)
+    neither = MoELayer(8, 4, E, K, aux_loss_coeff=0.0, z_loss_coeff=0.0)
+    model = nn.Sequential(aux_only, neither, layer_with([[0, 1]] * 6))
+    stats = RoutingStats(model)
+    model.train()
+    model(torch.randn(6, 8))
+    aux = float(aux_only.gate.metrics["load_balancing_loss"])
+    assert "z_loss" not in aux_only.gate.metrics and neither.gate.metrics == {}  # the oracle: what the routers made
+    metrics = read(stats).metrics
+    losses = {name: value for name, value in metrics.items() if name.endswith(("aux_loss", "z_loss"))}
+    assert losses == {"moe/0/aux_loss": pytest.approx(aux), "moe/aux_loss": pytest.approx(aux)}
+    assert "moe/1/tokens_per_expert_max" in metrics and "moe/2/tokens_per_expert_max" in metrics  # still monitored
+
+
 def test_what_if_capacity_factor_of_a_dropless_block() -> None:
     model = nn.Sequential(layer_with([[0, 1]] * 4))
     stats = RoutingStats(model, capacity_factor=1.0)

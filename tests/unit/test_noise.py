@@ -1,10 +1,25 @@
-"""The third-party noise filters are narrow: the named warning from the named module only."""
+"""The third-party noise filters are narrow: the named warning from the named module (or logger) only."""
 
 from __future__ import annotations
 
+import logging
 import warnings
 
-from lightning_moe_overlap._noise import quiet_third_party_noise
+import pytest
+from lightning.pytorch import Trainer
+from lightning.pytorch.demos.boring_classes import BoringModel
+
+from lightning_moe_overlap._noise import ONCE_PER_PROCESS_LOGS, OnceFilter, quiet_third_party_noise
+
+@pytest.fixture(autouse=True)
+def _log_filters_restored():
+    """`quiet_third_party_noise` attaches a filter to a process-wide logger: each test starts without it."""
+    logger = logging.getLogger(ONCE_PER_PROCESS_LOGS[0][0])
+    filters = list(logger.filters)
+    logger.filters[:] = [f for f in filters if not isinstance(f, OnceFilter)]
+    yield
+    logger.filters[:] = filters
+
 
 LEAFSPEC = "`isinstance(treespec, LeafSpec)` is deprecated, use `isinstance(treespec, TreeSpec) and treespec.is_leaf()`"
 
@@ -25,3 +40,81 @@ def test_other_warnings_pass():
     assert len(_warn_from("my_project.model", LEAFSPEC, FutureWarning)) == 1  # same text, someone else's code
     assert len(_warn_from("lightning.pytorch.utilities._pytree", "something else", FutureWarning)) == 1
     assert len(_warn_from("lightning.pytorch.utilities._pytree", LEAFSPEC, UserWarning)) == 1
+
+
+# torch's own text (torch/distributed/fsdp/_fully_shard/_fsdp_state.py), raised from that module
+FSDP_VIEW = (
+    "FSDP2-wrapped module (FSDPMoEGPT) returned a view tensor. An in-place op on this view (e.g., `x += y`) will "
+    "silently drop the pre-backward hook and skip the all-gather, which can cause backward to fail or produce wrong "
+    "gradients. Use out-of-place ops (`out = out + y`, not `out += y`) or `.clone()` the output before any in-place op."
+)
+FSDP_STATE = "torch.distributed.fsdp._fully_shard._fsdp_state"
+
+
+def _warn_with(replica_fsdp: bool, module: str, message: str, category: type[Warning]) -> list:
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        quiet_third_party_noise(replica_fsdp=replica_fsdp)
+        warnings.warn_explicit(message, category, filename=f"{module}.py", lineno=1, module=module)
+    return caught
+
+
+def test_fsdp_view_warning_is_filtered_only_where_the_strategy_introduced_fsdp():
+    assert _warn_with(True, FSDP_STATE, FSDP_VIEW, UserWarning) == []  # shard="none": replicas the user did not ask for
+    assert len(_warn_with(False, FSDP_STATE, FSDP_VIEW, UserWarning)) == 1  # shard="optimizer" | "full": kept
+    assert len(_warn_with(True, "my_project.model", FSDP_VIEW, UserWarning)) == 1  # same text, someone else's code
+    assert len(_warn_with(True, FSDP_STATE, "FSDP2-wrapped module (X) did something else", UserWarning)) == 1
+
+
+CHECKPOINT_LOGGER, WEIGHTS_ONLY = ONCE_PER_PROCESS_LOGS[0]
+
+
+class _Records(logging.Handler):
+    def __init__(self) -> None:
+        super().__init__(logging.DEBUG)
+        self.messages: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.messages.append(record.getMessage())
+
+
+@pytest.fixture
+def checkpoint_log():
+    """The messages Lightning's checkpoint connector lets through."""
+    logger = logging.getLogger(CHECKPOINT_LOGGER)
+    records, level = _Records(), logger.level
+    logger.addHandler(records)
+    logger.setLevel(logging.INFO)
+    yield records.messages
+    logger.removeHandler(records)
+    logger.setLevel(level)
+
+
+def _save_twice(tmp_path) -> None:
+    trainer = Trainer(max_steps=1, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                      enable_model_summary=False, limit_val_batches=0, default_root_dir=tmp_path)
+    trainer.fit(BoringModel())
+    trainer.save_checkpoint(tmp_path / "a.ckpt")
+    trainer.save_checkpoint(tmp_path / "b.ckpt")
+
+
+def test_lightning_says_weights_only_was_not_set_at_every_save(tmp_path, checkpoint_log):
+    """The oracle of the filter below: this Lightning logs the line from that logger once per save."""
+    _save_twice(tmp_path)
+    assert checkpoint_log.count(WEIGHTS_ONLY) == 2
+
+
+def test_weights_only_not_set_is_shown_once_per_process_by_global_rank_zero(tmp_path, checkpoint_log):
+    quiet_third_party_noise(global_zero=True)
+    quiet_third_party_noise(global_zero=True)  # a second Trainer in the same process: still one filter
+    assert len([f for f in logging.getLogger(CHECKPOINT_LOGGER).filters if isinstance(f, OnceFilter)]) == 1
+    _save_twice(tmp_path)
+    assert checkpoint_log.count(WEIGHTS_ONLY) == 1
+    logging.getLogger(CHECKPOINT_LOGGER).info("something else")
+    assert checkpoint_log[-1] == "something else"  # other records pass
+
+
+def test_weights_only_not_set_is_not_shown_by_other_ranks(tmp_path, checkpoint_log):
+    quiet_third_party_noise(global_zero=False)
+    _save_twice(tmp_path)
+    assert WEIGHTS_ONLY not in checkpoint_log
