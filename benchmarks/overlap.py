@@ -50,7 +50,7 @@ from torch import Tensor, nn
 import pipelined
 from simulated_ep import attach_loopback, count_host_syncs, export_trace, make_deterministic
 
-from lightning_moe_overlap.grads import sync_gradients
+from lightning_moe_overlap.parallel.grads import sync_gradients
 from lightning_moe_overlap.moe.adapters import apply_expert_parallel
 from lightning_moe_overlap.moe.layer import MoELayer
 from lightning_moe_overlap.moe.stats import RoutingStats, summarize
@@ -165,7 +165,9 @@ class Block(nn.Module):
         super().__init__()
         self.norm = nn.LayerNorm(cfg.hidden)
         self.mlp = nn.Sequential(nn.Linear(cfg.hidden, cfg.dense_ffn), nn.GELU(), nn.Linear(cfg.dense_ffn, cfg.hidden))
-        shared = {"shared_expert_ffn_hidden_size": cfg.shared_ffn, "shared_expert_overlap": True} if cfg.shared_ffn else {}
+        shared = (
+            {"shared_expert_ffn_hidden_size": cfg.shared_ffn, "shared_expert_overlap": True} if cfg.shared_ffn else {}
+        )
         self.moe = MoELayer(cfg.hidden, cfg.ffn, cfg.experts, cfg.top_k, **shared)
 
     def forward(self, x: Tensor) -> Tensor:

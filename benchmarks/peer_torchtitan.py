@@ -47,7 +47,7 @@ from torch import Tensor, nn
 
 from overlap import Config, Net, align, build_trainer, busy_warning, make_batch, spawn_ranks, train_step
 
-from lightning_moe_overlap.grads import sync_gradients
+from lightning_moe_overlap.parallel.grads import sync_gradients
 from lightning_moe_overlap.moe.dispatch.comm import all_to_all_raw, exchange_counts
 from lightning_moe_overlap.overlap.runtime import CommRuntime, CommTraffic
 from lightning_moe_overlap.parallel import ParallelDims, ParallelGroups, build_groups

@@ -1,6 +1,6 @@
 """Simulated expert parallelism on one device, the extras of ``overlap.py --simulate-ep MS``.
 
-World size 1, ``ep=1``, every all-to-all issued as a loopback of known duration (``overlap/loopback.py``). This
+World size 1, ``ep=1``, every all-to-all issued as a loopback of known duration (``moe/dispatch/loopback.py``). This
 module adds what only the simulation measures: host syncs per overlapped step (CUDA's sync debug mode) and one
 overlapped step as a ``torch.profiler`` Chrome trace, where the loopback's sleep kernels on the side stream run
 under the other context's compute kernels.
@@ -14,7 +14,7 @@ from collections.abc import Callable
 
 import torch
 
-from lightning_moe_overlap.overlap.loopback import Loopback
+from lightning_moe_overlap.moe.dispatch.loopback import Loopback
 from lightning_moe_overlap.overlap.runtime import CommRuntime
 
 

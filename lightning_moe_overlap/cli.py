@@ -290,7 +290,7 @@ def _meta_model_or_problem(model_spec: Any) -> tuple[tuple[Any, bool, dict[str, 
 
 
 def _model_structure(model: Any) -> tuple[bool, dict[str, int]]:
-    from lightning_moe_overlap.wrap import MoEModelHandle
+    from lightning_moe_overlap.moe.handle import MoEModelHandle
 
     return model.automatic_optimization, dict(MoEModelHandle(model).experts_per_block())
 
@@ -383,7 +383,9 @@ def print_help() -> None:
         sub.add_parser(name, help=text)
     fit = parser.add_argument_group("options of fit, besides LightningCLI's")
     fit.add_argument("--trace_step", metavar="N", help="write a timeline (Chrome trace and PNG) of global step N")
-    fit.add_argument("--trace_dir", metavar="DIR", help="where --trace_step writes (default <default_root_dir>/timeline)")
+    fit.add_argument(
+        "--trace_dir", metavar="DIR", help="where --trace_step writes (default <default_root_dir>/timeline)"
+    )
     parser.print_help()
 
 

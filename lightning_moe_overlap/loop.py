@@ -49,7 +49,7 @@ import torch
 from lightning_utilities.core.apply_func import apply_to_collection
 from torch import Tensor
 
-from lightning_moe_overlap.parallel.exits import same_on_every_rank
+from lightning_moe_overlap.processes.exits import same_on_every_rank
 from lightning_moe_overlap.step_logs import MicroBatchLogs
 
 ContextFactory = Callable[[], AbstractContextManager]

@@ -39,7 +39,7 @@ from typing_extensions import override
 
 from lightning_moe_overlap._compat import lightning as pl_compat
 from lightning_moe_overlap._compat import torch as torch_compat
-from lightning_moe_overlap.grads import agree_found_inf
+from lightning_moe_overlap.parallel.grads import agree_found_inf
 
 ClipByNorm = Callable[[Optimizer, float], None]
 AgreeFoundInf = Callable[[Sequence[Tensor]], None]

@@ -23,7 +23,7 @@ from lightning_moe_overlap.parallel.sharding import ShardedModel
 
 if TYPE_CHECKING:
     from lightning_moe_overlap.pipeline.pipelined import PipelinedModel
-    from lightning_moe_overlap.wrap import MoEModelHandle
+    from lightning_moe_overlap.moe.handle import MoEModelHandle
 
 _ATTRIBUTE = "moe_overlap_prepared"
 # Settings a later run may change: how processes start, whether `overlap` was set (it decides warnings only), and at

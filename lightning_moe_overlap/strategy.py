@@ -39,8 +39,8 @@ from lightning_moe_overlap.config import (
     ShardMode,
     StartMethod,
 )
-from lightning_moe_overlap.grads import clip_grad_norm, global_grad_norm
-from lightning_moe_overlap.launcher import ExpertParallelScriptLauncher, ExpertParallelSpawnLauncher
+from lightning_moe_overlap.parallel.grads import clip_grad_norm, global_grad_norm
+from lightning_moe_overlap.processes.launcher import ExpertParallelScriptLauncher, ExpertParallelSpawnLauncher
 from lightning_moe_overlap.loop import LoopPath, MicroBatchLoop, StepHooks, StepPath
 from lightning_moe_overlap.moe.adapters import expert_parallel_modules
 from lightning_moe_overlap.overlap.engine import OverlapEngine
@@ -50,7 +50,7 @@ from lightning_moe_overlap.parallel import ParallelDims, ParallelGroups
 from lightning_moe_overlap.parallel.apply import apply_ep, apply_fsdp, apply_pipeline
 from lightning_moe_overlap.parallel.mesh import ParallelMesh, build_mesh
 from lightning_moe_overlap.parallel.sharding import ShardedModel
-from lightning_moe_overlap.parallel.shutdown import destroy_process_groups_at_exit
+from lightning_moe_overlap.processes.shutdown import destroy_process_groups_at_exit
 from lightning_moe_overlap.pipeline.path import PipelinePath
 from lightning_moe_overlap.pipeline.pipelined import PipelinedModel
 from lightning_moe_overlap.precision import ExpertParallelPrecision, with_global_norm_clip
@@ -67,7 +67,7 @@ from lightning_moe_overlap.validation import (
     check_world,
     raise_problems,
 )
-from lightning_moe_overlap.wrap import MoEModelHandle
+from lightning_moe_overlap.moe.handle import MoEModelHandle
 
 log = logging.getLogger(__name__)
 
@@ -558,7 +558,8 @@ class MoEOverlapStrategy(ParallelStrategy):
 
     def sync_gradients(self) -> None:
         """Average gradients over the data-parallel groups (called once per step, after the last micro-batch): FSDP's
-        all-reduce (``"none"``, plus the experts' over edp, ``grads.py``) or reduce-scatter (``parallel/sharding.py``).
+        all-reduce (``"none"``, plus the experts' over edp, ``parallel/grads.py``) or reduce-scatter
+        (``parallel/sharding.py``).
         """
         assert self._ep_model is not None and self._sharded is not None
         self._sharded.end_step()

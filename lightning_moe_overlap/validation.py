@@ -34,7 +34,7 @@ from lightning_moe_overlap.config import (
 from lightning_moe_overlap.moe.capacity import capacity_problems
 from lightning_moe_overlap.moe.dispatch.base import splits_evenly
 from lightning_moe_overlap.parallel.dims import ParallelDims, ParallelDimsError
-from lightning_moe_overlap.parallel.exits import SAME_ON_EVERY_RANK, same_on_every_rank  # noqa: F401 - re-exported
+from lightning_moe_overlap.processes.exits import SAME_ON_EVERY_RANK, same_on_every_rank  # noqa: F401 - re-exported
 
 OWNER = "`MoEOverlapStrategy`"
 

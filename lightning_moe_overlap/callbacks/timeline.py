@@ -21,7 +21,7 @@ from typing_extensions import override
 
 from lightning_moe_overlap.overlap.runtime import CommRuntime
 from lightning_moe_overlap.overlap.timeline import StepTimeline, TimelineRecorder, write_chrome_trace
-from lightning_moe_overlap.overlap.timeline_plot import DEFAULT_TITLE, PLOT_HINT, plot_timelines
+from lightning_moe_overlap.callbacks.timeline_plot import DEFAULT_TITLE, PLOT_HINT, plot_timelines
 
 
 class OverlapTimeline(Callback):

@@ -215,7 +215,7 @@ class CommRuntime:
         self._wgrad: deque[Callable[[], None]] = deque()
         self._side: deque[SideWork] = deque()
         self.timing: CommTimer | None = None  # opt-in: see `timed` and `wait`
-        # Simulated expert parallelism (benchmarks, ``overlap/loopback.py``): with one rank in the ep group, the
+        # Simulated expert parallelism (benchmarks, ``moe/dispatch/loopback.py``): with one rank in the ep group, the
         # all-to-alls are issued through ``loopback(out, inp) -> Waitable`` instead of being skipped.
         self.loopback: Callable[[Any, Any], Waitable] | None = None
         self.trace: TraceSink | None = None  # opt-in: the timeline of a step (overlap/timeline.py)

@@ -32,7 +32,7 @@ from lightning_moe_overlap.overlap.runtime import CommRuntime
 from lightning_moe_overlap.parallel.mesh import ParallelMesh
 from lightning_moe_overlap.parallel.sharding import ShardedModel, replicate_mesh
 from lightning_moe_overlap.pipeline.pipelined import PipelinedModel
-from lightning_moe_overlap.wrap import MoEModelHandle
+from lightning_moe_overlap.moe.handle import MoEModelHandle
 
 
 def apply_pipeline(

@@ -10,11 +10,11 @@ Modes:
 
 - ``"none"`` shards nothing: the dense parameters are replicated over ``dp x cp`` through ``fully_shard`` on a 2-D
   ``(dp_cp, 1)`` mesh (hybrid sharding whose shard dimension has one rank: their gradients are all-reduced), and the
-  experts, which ``fully_shard`` ignores here, keep their ``edp`` all-reduce (``grads.py``).
+  experts, which ``fully_shard`` ignores here, keep their ``edp`` all-reduce (``parallel/grads.py``).
 - ``"optimizer"`` (ZeRO-1-like) and ``"full"`` (ZeRO-3-like): the root over ``mesh["dp_cp"]`` (dense parameters
   ``Shard(0)`` over ``dp x cp``) and every expert-parallel experts module over ``mesh["edp"]`` (experts 2-D over
   ``(edp, ep)``); both reduce-scatters divide by ``dp * cp`` (an expert's local gradient already holds the tokens of
-  its whole ep group: ``grads.py``, "Scaling"). The optimizer holds the shards, so its state is sharded. In
+  its whole ep group: ``parallel/grads.py``, "Scaling"). The optimizer holds the shards, so its state is sharded. In
   ``"optimizer"`` the parameters are gathered again right after each optimizer step (full parameters at rest); in
   ``"full"`` they stay sharded until the next step's gather.
 

@@ -19,7 +19,7 @@ from torch.utils.data import DataLoader
 from lightning_moe_overlap import ActivationOffload, MoEOverlapStrategy, SelectiveRecompute
 from lightning_moe_overlap.demo import MoEGPT
 from lightning_moe_overlap.demo_hf import HFMoECausalLM
-from lightning_moe_overlap.grads import sync_gradients
+from lightning_moe_overlap.parallel.grads import sync_gradients
 from lightning_moe_overlap.moe.adapters import apply_expert_parallel
 from lightning_moe_overlap.overlap.engine import OverlapEngine
 from lightning_moe_overlap.overlap.runtime import CommRuntime

@@ -16,7 +16,7 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from lightning_moe_overlap.grads import sync_gradients
+from lightning_moe_overlap.parallel.grads import sync_gradients
 from lightning_moe_overlap.moe.adapters import apply_expert_parallel
 from lightning_moe_overlap.moe.layer import MoELayer
 from lightning_moe_overlap.overlap.engine import OverlapEngine

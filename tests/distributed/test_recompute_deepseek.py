@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from lightning_moe_overlap.callbacks import SelectiveRecompute
-from lightning_moe_overlap.grads import sync_gradients
+from lightning_moe_overlap.parallel.grads import sync_gradients
 from lightning_moe_overlap.moe.bias import correction_bias_balancers
 from lightning_moe_overlap.moe.ep import ExpertParallelExperts
 from lightning_moe_overlap.overlap.engine import OverlapEngine

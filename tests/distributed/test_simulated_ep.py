@@ -49,7 +49,7 @@ def test_simulated_ep_overlap_bitwise_equal_to_sequential(one_rank_group: None, 
 
 
 def test_thread_loopback_copies_after_the_wait() -> None:
-    from lightning_moe_overlap.overlap.loopback import Loopback
+    from lightning_moe_overlap.moe.dispatch.loopback import Loopback
 
     inp, out = torch.arange(6.0).view(3, 2), torch.zeros(3, 2)
     work = Loopback(0.01)(out, inp)
@@ -57,7 +57,7 @@ def test_thread_loopback_copies_after_the_wait() -> None:
 
 
 def test_loopback_rejects_a_negative_duration() -> None:
-    from lightning_moe_overlap.overlap.loopback import Loopback
+    from lightning_moe_overlap.moe.dispatch.loopback import Loopback
 
     with pytest.raises(ValueError, match=r"comm_s=-1.*must be >= 0"):
         Loopback(-1)

@@ -6,7 +6,7 @@ import pytest
 import torch
 from torch import nn
 
-from lightning_moe_overlap.grads import clip_grad_norm
+from lightning_moe_overlap.parallel.grads import clip_grad_norm
 
 pytestmark = [
     pytest.mark.gpu,

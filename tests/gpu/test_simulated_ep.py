@@ -16,7 +16,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
 import overlap as bench  # noqa: E402
 from simulated_ep import make_deterministic  # noqa: E402
 
-from lightning_moe_overlap.overlap.loopback import Loopback  # noqa: E402
+from lightning_moe_overlap.moe.dispatch.loopback import Loopback  # noqa: E402
 
 pytestmark = [
     pytest.mark.gpu,

@@ -30,7 +30,7 @@ from lightning_moe_overlap.moe.dispatch.comm import (
 from lightning_moe_overlap.moe.dispatch.dedup import destinations, local_choices
 from lightning_moe_overlap.moe.dispatch.alltoall import DedupHandle
 from lightning_moe_overlap.moe.grouped import RowSplits, grouped_mlp
-from lightning_moe_overlap.overlap.loopback import Loopback
+from lightning_moe_overlap.moe.dispatch.loopback import Loopback
 from lightning_moe_overlap.moe.permute import chunk_permutation, inverse_permutation, sort_by_expert
 from tests.unit.test_dispatch_flex import CountingRuntime
 
@@ -233,7 +233,7 @@ def test_the_strategy_setting_reaches_the_alltoall_dispatcher(dedup: bool) -> No
     from lightning_moe_overlap.moe.ep import ExpertParallelExperts
     from lightning_moe_overlap.moe.layer import MoELayer
     from lightning_moe_overlap.overlap.runtime import CommRuntime
-    from lightning_moe_overlap.wrap import MoEModelHandle
+    from lightning_moe_overlap.moe.handle import MoEModelHandle
 
     model = torch.nn.Sequential(MoELayer(hidden_size=8, ffn_hidden_size=4, num_experts=E, top_k=2))
     handle = MoEModelHandle(model)

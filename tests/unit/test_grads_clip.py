@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from lightning_moe_overlap.grads import allreduce_mean, clip_grad_norm, global_grad_norm
+from lightning_moe_overlap.parallel.grads import allreduce_mean, clip_grad_norm, global_grad_norm
 
 SYNCING_METHODS = ("cpu", "item", "tolist", "numpy", "__float__", "__int__", "__bool__")
 

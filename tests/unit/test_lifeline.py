@@ -10,8 +10,8 @@ import time
 import pytest
 import torch.distributed as dist
 
-from lightning_moe_overlap.parallel.exits import ExitBoard
-from lightning_moe_overlap.parallel.lifeline import ChildReaper, describe_exit
+from lightning_moe_overlap.processes.exits import ExitBoard
+from lightning_moe_overlap.processes.lifeline import ChildReaper, describe_exit
 
 IGNORES_SIGTERM = "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); print('ready', flush=True); time.sleep(600)"
 

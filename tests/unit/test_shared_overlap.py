@@ -107,7 +107,7 @@ def test_strategy_flag_reaches_the_layers() -> None:
 
     from lightning_moe_overlap.config import OverlapConfig
     from lightning_moe_overlap.demo import MoEGPT
-    from lightning_moe_overlap.wrap import MoEModelHandle
+    from lightning_moe_overlap.moe.handle import MoEModelHandle
 
     def wrapped(flag: bool) -> MoEGPT:
         model = MoEGPT(vocab_size=32, hidden_size=16, num_layers=2, num_heads=2, num_experts=4,

@@ -8,7 +8,7 @@ from lightning.pytorch import Trainer
 from lightning.pytorch.plugins.environments import SLURMEnvironment
 
 from lightning_moe_overlap import MoEOverlapStrategy
-from lightning_moe_overlap.launcher import ExpertParallelScriptLauncher
+from lightning_moe_overlap.processes.launcher import ExpertParallelScriptLauncher
 
 # task 11 of `srun --nodes=2 --ntasks-per-node=8`: node 1, local rank 3
 SLURM_TASK_11 = {

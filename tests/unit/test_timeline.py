@@ -18,7 +18,7 @@ from lightning_moe_overlap.overlap.timeline import (
     timelines_from_trace,
     write_chrome_trace,
 )
-from lightning_moe_overlap.overlap.timeline_plot import plot_timelines
+from lightning_moe_overlap.callbacks.timeline_plot import plot_timelines
 
 
 class DoneWork:

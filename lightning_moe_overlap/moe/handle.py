@@ -17,7 +17,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
 from lightning_moe_overlap.config import OverlapConfig
-from lightning_moe_overlap.grads import sync_expert_gradients
+from lightning_moe_overlap.parallel.grads import sync_expert_gradients
 from lightning_moe_overlap.moe.adapters import apply_expert_parallel, find_moe_blocks
 from lightning_moe_overlap.moe.bias import CorrectionBiasBalancer, correction_bias_balancers
 from lightning_moe_overlap.moe.ep import ExpertParallelExperts

@@ -5,9 +5,9 @@ The script launcher (``popen``, also every rank under ``torchrun`` or SLURM) add
 - checks that need the ``fit`` arguments (the datamodule's batch size, the checkpoint path), made before any
   process is spawned;
 - no orphaned ranks: children die with the launching process, and it ends them when it fails or exits
-  (``parallel/lifeline.py``);
+  (``processes/lifeline.py``);
 - one line per rank on failure: a rank whose error follows another rank's says which rank and why
-  (``parallel/exits.py``); errors that every rank finds alike are shown once, by rank 0.
+  (``processes/exits.py``); errors that every rank finds alike are shown once, by rank 0.
 
 The multiprocessing launcher sends rank 0's ``state_dict()`` back to the main process, whose model was never made
 expert-parallel: rank 0 holds only its own experts, so the shapes would not match and the other ranks' experts
@@ -31,8 +31,8 @@ from torch.nn import Module
 
 from lightning_moe_overlap._compat import lightning as pl_compat
 from lightning_moe_overlap.overlap.failures import PeerFailure
-from lightning_moe_overlap.parallel.exits import ExitBoard
-from lightning_moe_overlap.parallel.lifeline import LAUNCHER_PID_ENV, ChildReaper, describe_exit, die_with_parent
+from lightning_moe_overlap.processes.exits import ExitBoard
+from lightning_moe_overlap.processes.lifeline import LAUNCHER_PID_ENV, ChildReaper, describe_exit, die_with_parent
 from lightning_moe_overlap.validation import (
     SAME_ON_EVERY_RANK,
     Problem,
@@ -42,7 +42,7 @@ from lightning_moe_overlap.validation import (
     known_batch_size,
     raise_problems,
 )
-from lightning_moe_overlap.wrap import MoEModelHandle
+from lightning_moe_overlap.moe.handle import MoEModelHandle
 
 if TYPE_CHECKING:
     from lightning.pytorch import Trainer

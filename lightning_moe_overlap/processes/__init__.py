@@ -1,0 +1,1 @@
+"""The processes of a run: launching, supervision (no orphans, exits attributed), shutdown."""
