@@ -39,6 +39,7 @@ from lightning_moe_overlap.moe.grouped import GemmImpl
 from lightning_moe_overlap.moe.te_backend import ExpertBackend
 from lightning_moe_overlap.moe.layer import MoELayer
 from lightning_moe_overlap.moe.layout import ExpertsLayout, method_without_weights
+from lightning_moe_overlap.moe.layout_check import check_layout_math, check_layout_tensors
 from lightning_moe_overlap.moe.shared import overlap_shared_experts
 from lightning_moe_overlap.overlap.runtime import CommRuntime
 from lightning_moe_overlap.registry import Registry
@@ -205,6 +206,10 @@ def find_experts(model: nn.Module) -> dict[str, FoundExperts]:
 
     Modules nested inside a found experts module are not searched, and already expert-parallel modules are not
     reported.
+
+    Raises:
+        TypeError: an adapter's layout names something that is not a tensor of the module it matched (e.g. a
+            list of per-expert modules), or projections that are not 3-D.
     """
     found: dict[str, FoundExperts] = {}
     _walk(model, "", found)
@@ -221,6 +226,7 @@ def _walk(parent: nn.Module, prefix: str, found: dict[str, FoundExperts]) -> Non
             _walk(child, f"{name}.", found)
             continue
         layout = adapter.layout(child)
+        check_layout_tensors(name, child, adapter.name, layout)
         num_experts = getattr(child, layout.up_name).shape[0]
         found[name] = FoundExperts(name, child, parent, attr, adapter, num_experts)
 
@@ -292,9 +298,12 @@ def apply_expert_parallel(
         The new modules, in model order.
 
     Raises:
-        ValueError: a block's ``num_experts`` is not divisible by ep (checked for every block before any change),
-            or a bad capacity setting, or one that differs from a ``MoELayer``'s own.
-        TypeError: ``groups_or_ep_group`` of the wrong kind, or an unknown knob.
+        ValueError: a block's ``num_experts`` is not divisible by ep, or its own forward and its layout's math
+            disagree on a few test tokens (both checked for every block before any change; see
+            :func:`~lightning_moe_overlap.moe.layout_check.check_layout_math`), or a bad capacity setting, or one
+            that differs from a ``MoELayer``'s own.
+        TypeError: ``groups_or_ep_group`` of the wrong kind, an unknown knob, or a layout naming something that is
+            not a 3-D per-expert tensor of its module (e.g. a list of per-expert modules).
         NotImplementedError: an experts module variant that cannot be sharded (or mapped onto TE).
         ImportError: ``dispatcher="flex"`` without DeepEP / CUDA.
     """
@@ -303,15 +312,18 @@ def apply_expert_parallel(
     ep = group_size(ep_group)
     found = find_experts(model)
     experts_capacity: dict[str, float | None] = {}
+    layouts: dict[str, ExpertsLayout] = {}
     for name, item in found.items():
         check_expert_split(item.num_experts, ep, owner=f"`apply_expert_parallel` ({name})")
         experts_capacity[name] = _experts_capacity(item, capacity_factor, token_drop_policy)
+        layouts[name] = item.adapter.layout(item.module)
+        check_layout_math(name, item.module, item.adapter.name, layouts[name])  # its forward is not called after
     if dispatcher == "flex" and knobs.get("deepep_buffers") is None and knobs.get("deepep_buffer") is None:
         # One DeepEP buffer per process, shared by every layer (each buffer pins hundreds of MB of NVLink memory).
         knobs = {**knobs, "deepep_buffers": DeepEPBuffers(knobs.get("deepep_num_sms", 20))}
     wrapped: list[ExpertParallelExperts] = []
     for name, item in found.items():
-        layout = item.adapter.layout(item.module)
+        layout = layouts[name]
         token_dispatcher = build_dispatcher(dispatcher, ep_group, item.num_experts, runtime, **knobs)
         ep_module = ExpertParallelExperts(
             item.module,
