@@ -690,12 +690,15 @@ class MoEOverlapStrategy(ParallelStrategy):
         self._path = None
         if self._sharded is not None and not self._failed:
             self._sharded.release()
-        if self._pipeline is None:
+        if self._pipeline is None and not self._failed:
             super().teardown()
             return
-        # Strategy.teardown, except that the module moves to the CPU without the other pp ranks' chunks (meta)
-        pl_compat.optimizers_to_device(self.optimizers, torch.device("cpu"))
-        self._pipeline.place(torch.device("cpu"), seed=torch.initial_seed())
+        # Strategy.teardown without moving the whole module: at pp > 1 the other pp ranks' chunks stay on meta; after
+        # a failure the modules stay as the step left them (FSDP's parameters gathered mid-step: moving them fails)
+        if not self._failed:
+            pl_compat.optimizers_to_device(self.optimizers, torch.device("cpu"))
+            assert self._pipeline is not None
+            self._pipeline.place(torch.device("cpu"), seed=torch.initial_seed())
         self.precision_plugin.teardown()
         assert self.accelerator is not None and self.cluster_environment is not None
         self.accelerator.teardown()

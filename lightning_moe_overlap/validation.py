@@ -330,7 +330,8 @@ def check_world(cfg: OverlapConfig, world_size: int, ep_choices: list[int] | Non
             _warn(
                 "overlap-ep1",
                 f"{OWNER}: `overlap=True` with `ep=1`: no all-to-all crosses processes, so there is nothing to hide. "
-                "Set `ep>1` for expert parallelism.",
+                "Set `ep>1` for expert parallelism where the world allows it (the `ep-divides-dp-cp` rule), or leave "
+                "`overlap` unset.",
             )
         ]
     return []

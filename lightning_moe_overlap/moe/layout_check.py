@@ -64,6 +64,15 @@ def layout_experts_forward(
     return scatter_weighted(y_AD, assign_A, weights_TK, hidden_TD.shape[0], hidden_TD.dtype)
 
 
+def _what(name: str, value: object) -> str:
+    """How a layout name fails: not an attribute (a dotted path is not looked up), or not a tensor."""
+    if value is None:
+        dotted = " (a layout names attributes of the module itself; dotted paths are not followed)"
+        dotted = dotted if "." in name else ""
+        return f"not an attribute of the module{dotted}"
+    return f"a {type(value).__name__}, not a tensor"
+
+
 def check_layout_tensors(name: str, module: nn.Module, adapter: str, layout: ExpertsLayout) -> None:
     """``TypeError`` unless every name of ``layout`` is a tensor of ``module`` (the experts module ``name``), the two
     projections 3-D.
@@ -76,7 +85,7 @@ def check_layout_tensors(name: str, module: nn.Module, adapter: str, layout: Exp
     if not bad:
         _check_weight_dims(name, module, adapter, layout)
         return
-    found = ", ".join(f"`{n}` is {'missing' if v is None else type(v).__name__}" for n, v in bad.items())
+    found = ", ".join(f"`{n}` is {_what(n, v)}" for n, v in bad.items())
     lists = isinstance(module, (nn.ModuleList, nn.ModuleDict, nn.Sequential)) or any(
         isinstance(v, nn.Module) for v in bad.values()
     )
@@ -88,7 +97,7 @@ def check_layout_tensors(name: str, module: nn.Module, adapter: str, layout: Exp
     raise TypeError(
         f"`{name}` ({type(module).__name__}), matched by adapter {adapter!r}: its layout names "
         f"{list(layout.parameter_names)}, but {found}. An experts module must be one module holding per-expert "
-        f"tensors whose first dimension is the expert, e.g. `gate_up_proj [E, 2F, D]`, `down_proj [E, D, F]`; "
+        f"tensors whose first dimension is the expert, e.g. `gate_up_proj [E, 2F, D]`, `down_proj [E, D, F]`. "
         f"{why}Stack the experts' weights into 3-D tensors as Hugging Face transformers v5 does, in a module with "
         "forward(hidden_states, top_k_index, top_k_weights), or register an adapter whose layout names such "
         "tensors (docs/adapters.md)."

@@ -3,7 +3,9 @@
     python rank_exits_job.py <mode> <rank> <pid_dir> <devices> <timeout_s>
 
 Modes: ``hang`` (sleeps in ``training_step``, ignoring SIGTERM), ``sigkill`` (kills itself with SIGKILL),
-``raise`` (raises ValueError in ``on_train_batch_end``, outside the micro-batch schedule), ``wait`` (every rank
+``raise`` (raises ValueError in ``on_train_batch_end``, outside the micro-batch schedule), ``raise-in-step`` (the demo
+MoE model at ep=2 raises ValueError in ``training_step`` at the first step: the other rank stops inside the
+overlapped schedule, its parameters gathered mid-step), ``wait`` (every rank
 sleeps in ``training_step``, for a test that kills the launching process), ``late-config`` (the model builds, in
 ``configure_model``, experts that ep=2 does not divide: an error every rank finds after spawning). Each rank writes its pid to
 ``<pid_dir>/rank<r>.pid`` before it starts training.
@@ -20,6 +22,7 @@ from lightning.pytorch import Trainer
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from lightning_moe_overlap import MoEOverlapStrategy  # noqa: E402
+from lightning_moe_overlap.demo import MoEGPT, SyntheticTokens  # noqa: E402
 from lightning_moe_overlap.moe import MoELayer  # noqa: E402
 from tests.helpers.models import DenseRegressor  # noqa: E402
 
@@ -50,7 +53,30 @@ class Misbehaving(DenseRegressor):
             raise ValueError("boom outside the schedule")
 
 
-if __name__ == "__main__":
+class RaisingGPT(MoEGPT):
+    def on_train_start(self):
+        (PID_DIR / f"rank{self.global_rank}.pid").write_text(str(os.getpid()))
+
+    def training_step(self, batch, batch_idx):
+        if self.global_rank == BAD_RANK:
+            raise ValueError("boom inside the step")
+        return super().training_step(batch, batch_idx)
+
+
+def _raise_in_step() -> None:
+    trainer = Trainer(
+        accelerator="cpu", devices=DEVICES, max_steps=2, logger=False, enable_checkpointing=False,
+        enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0, default_root_dir=str(PID_DIR),
+        strategy=MoEOverlapStrategy(ep=2, num_microbatches=2, timeout=TIMEOUT),
+    )
+    model = RaisingGPT(vocab_size=64, hidden_size=32, num_experts=4, ffn_hidden_size=32)
+    trainer.fit(model, datamodule=SyntheticTokens(vocab_size=64, seq_len=16, batch_size=4))
+
+
+if __name__ == "__main__" and MODE == "raise-in-step":
+    torch.set_num_threads(1)
+    _raise_in_step()
+elif __name__ == "__main__":
     torch.set_num_threads(1)
     trainer = Trainer(
         accelerator="cpu", devices=DEVICES, max_steps=6, logger=False, enable_checkpointing=False,

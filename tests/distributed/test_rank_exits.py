@@ -105,6 +105,19 @@ def test_a_failure_outside_the_schedule_is_attributed_to_its_rank(tmp_path):
     assert _wait_gone(pids, wait_s=5) == []
 
 
+def test_a_failure_inside_the_step_is_attributed_and_the_teardown_leaves_fsdp_alone(tmp_path):
+    """Rank 1 raises in ``training_step``: rank 0 stops mid-step (its parameters gathered by FSDP) and its teardown
+    must not touch that state (moving the module to the CPU crashed inside FSDP before)."""
+    job = _start("raise-in-step", 1, tmp_path, devices=2, timeout_s=120)
+    pids = _pids(tmp_path, 2)
+    code, out, _ = _finish(job, limit_s=120)
+    assert code != 0
+    assert "ValueError: boom inside the step" in out
+    assert "stopped on rank 0 because another rank failed first: rank 1: ValueError: boom inside the step." in out
+    assert "_local_tensor" not in out and "During handling of the above exception" not in out, out[-4000:]
+    assert _wait_gone(pids, wait_s=5) == []
+
+
 def test_an_error_every_rank_finds_after_spawning_is_shown_once(tmp_path):
     job = _start("late-config", -1, tmp_path, devices=2, timeout_s=120)
     code, out, _ = _finish(job, limit_s=120)
