@@ -305,10 +305,7 @@ def main(argv: list[str]) -> int:
     )
     parser.add_argument("source", help="the sharded checkpoint directory (format version 1 or 2)")
     parser.add_argument("destination", help="the file to write")
-    parser.add_argument(
-        "--no-weights-only", dest="weights_only", action="store_false",
-        help="unpickle the checkpoint's files without restriction (runs code they name: trusted sources only)",
-    )
+    safe_load.add_weights_only_flag(parser)
     args = parser.parse_args(argv)
     try:
         source = local_path(args.source, "`consolidate-checkpoint`")

@@ -208,10 +208,7 @@ def main(argv: list[str]) -> int:
     )
     parser.add_argument("source", help="the version-1 checkpoint directory")
     parser.add_argument("destination", help="where to write the version-2 directory")
-    parser.add_argument(
-        "--no-weights-only", dest="weights_only", action="store_false",
-        help="unpickle the checkpoint's files without restriction (runs code they name: trusted sources only)",
-    )
+    safe_load.add_weights_only_flag(parser)
     args = parser.parse_args(argv)
     try:
         out = convert_legacy_checkpoint(args.source, args.destination, weights_only=args.weights_only)

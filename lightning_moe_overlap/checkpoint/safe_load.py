@@ -43,6 +43,14 @@ _PATHS = frozenset({"Path", "PosixPath", "WindowsPath", "PurePath", "PurePosixPa
 _GLOBAL = re.compile(r"GLOBAL ([\w.]+)")
 
 
+def add_weights_only_flag(parser: Any) -> None:
+    """The ``--no-weights-only`` option of the checkpoint subcommands (``args.weights_only``, default True)."""
+    parser.add_argument(
+        "--no-weights-only", dest="weights_only", action="store_false",
+        help="unpickle the checkpoint's files without restriction (runs code they name: trusted sources only)",
+    )
+
+
 def resolve(weights_only: bool | None) -> bool:
     """Whether to load weights-only, as ``torch.load`` decides it: ``None`` (Lightning's default) means ``True``
     unless ``TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD`` is set; ``TORCH_FORCE_WEIGHTS_ONLY_LOAD`` forces ``True``."""

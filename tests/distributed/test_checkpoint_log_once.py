@@ -12,21 +12,13 @@ from lightning_moe_overlap import MoEOverlapStrategy
 from lightning_moe_overlap._noise import ONCE_PER_PROCESS_LOGS
 from lightning_moe_overlap.demo import MoEGPT, SyntheticTokens
 from tests.helpers.distributed import run_distributed
+from tests.helpers.records import LogRecords
 
 LOGGER, WEIGHTS_ONLY = ONCE_PER_PROCESS_LOGS[0]
 
 
-class _Records(logging.Handler):
-    def __init__(self) -> None:
-        super().__init__(logging.DEBUG)
-        self.messages: list[str] = []
-
-    def emit(self, record: logging.LogRecord) -> None:
-        self.messages.append(record.getMessage())
-
-
 def _worker(rank: int, world: int, root: Path) -> list[str]:
-    records = _Records()
+    records = LogRecords()
     logging.getLogger(LOGGER).addHandler(records)  # what reaches Lightning's console handler
     model = MoEGPT(vocab_size=32, hidden_size=16, num_layers=1, num_heads=2, num_experts=4, ffn_hidden_size=16)
     trainer = Trainer(

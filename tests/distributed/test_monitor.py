@@ -18,6 +18,7 @@ from lightning_moe_overlap import MoEMonitor, MoEOverlapStrategy, OverlapTimelin
 from lightning_moe_overlap.demo import MoEGPT, SyntheticTokens
 from lightning_moe_overlap.overlap.timeline import timelines_from_trace
 from tests.helpers.distributed import run_distributed
+from tests.helpers.records import record_routing
 
 WORLD, EP, MICRO, STEPS, EVERY, BATCH, SEQ, TOP_K, EXPERTS, CAPACITY = 4, 2, 2, 4, 2, 8, 32, 2, 8, 1.0
 
@@ -26,12 +27,7 @@ def _worker(rank: int, world: int, root: str) -> dict:
     torch.manual_seed(0)
     model = MoEGPT(vocab_size=128, hidden_size=32, num_layers=2, num_heads=4, num_experts=EXPERTS, top_k=TOP_K,
                    ffn_hidden_size=32)
-    routed: dict[int, list[torch.Tensor]] = {0: [], 1: []}  # the independent count: every training forward's indices
-    for i, layer in enumerate(model.layers):
-        def keep(module, args, output, i=i):  # noqa: ANN001
-            if module.training:
-                routed[i].append(output[2].detach().clone())
-        layer.mlp.gate.register_forward_hook(keep)
+    routed = record_routing(model)  # the independent count: every training forward's indices
     trainer = Trainer(
         accelerator="cpu", devices=world, max_steps=STEPS, log_every_n_steps=EVERY, limit_val_batches=0,
         enable_checkpointing=False, enable_model_summary=False, enable_progress_bar=False, num_sanity_val_steps=0,

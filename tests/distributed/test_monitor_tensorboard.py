@@ -12,6 +12,7 @@ from lightning.pytorch import Trainer
 from lightning_moe_overlap import MoEMonitor, MoEOverlapStrategy
 from lightning_moe_overlap.demo import MoEGPT, SyntheticTokens
 from tests.helpers.distributed import run_distributed
+from tests.helpers.records import record_routing
 
 pytest.importorskip("tensorboard", reason="Requires: tensorboard (`pip install -e '.[loggers]'`)")
 
@@ -25,13 +26,7 @@ def _worker(rank: int, world: int, root: str) -> dict[int, list[list[int]]]:
     torch.manual_seed(0)
     model = MoEGPT(vocab_size=64, hidden_size=16, num_layers=LAYERS, num_heads=2, num_experts=EXPERTS, top_k=TOP_K,
                    ffn_hidden_size=16)
-    routed: dict[int, list[torch.Tensor]] = {i: [] for i in range(LAYERS)}  # the oracle: every training forward
-
-    for i, layer in enumerate(model.layers):
-        def keep(module, args, output, i=i):  # noqa: ANN001
-            if module.training:
-                routed[i].append(output[2].detach().clone())
-        layer.mlp.gate.register_forward_hook(keep)
+    routed = record_routing(model)  # the independent count: every training forward's indices
     trainer = Trainer(
         accelerator="cpu", devices=world, max_steps=STEPS, log_every_n_steps=1, limit_val_batches=0,
         enable_checkpointing=False, enable_model_summary=False, enable_progress_bar=False, num_sanity_val_steps=0,

@@ -10,6 +10,7 @@ from lightning.pytorch import Trainer
 from lightning.pytorch.demos.boring_classes import BoringModel
 
 from lightning_moe_overlap._noise import ONCE_PER_PROCESS_LOGS, OnceFilter, quiet_third_party_noise
+from tests.helpers.records import LogRecords
 
 @pytest.fixture(autouse=True)
 def _log_filters_restored():
@@ -69,20 +70,11 @@ def test_fsdp_view_warning_is_filtered_only_where_the_strategy_introduced_fsdp()
 CHECKPOINT_LOGGER, WEIGHTS_ONLY = ONCE_PER_PROCESS_LOGS[0]
 
 
-class _Records(logging.Handler):
-    def __init__(self) -> None:
-        super().__init__(logging.DEBUG)
-        self.messages: list[str] = []
-
-    def emit(self, record: logging.LogRecord) -> None:
-        self.messages.append(record.getMessage())
-
-
 @pytest.fixture
 def checkpoint_log():
     """The messages Lightning's checkpoint connector lets through."""
     logger = logging.getLogger(CHECKPOINT_LOGGER)
-    records, level = _Records(), logger.level
+    records, level = LogRecords(), logger.level
     logger.addHandler(records)
     logger.setLevel(logging.INFO)
     yield records.messages
