@@ -26,7 +26,7 @@ import warnings
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Optional
 
 import torch
 from lightning.pytorch import LightningModule, Trainer
@@ -68,14 +68,37 @@ class SaveConfigToLogDir(SaveConfigCallback):
         super().setup(trainer, pl_module, stage)
 
 
-class _RunCLI(LightningCLI):
+class _TraceArgs(LightningCLI):
+    """``--trace_step`` / ``--trace_dir`` as keys of the ``fit`` parser: listed by ``fit --help``, accepted in a
+    config file. On the command line :func:`main` takes them out first (:func:`pop_trace_args`)."""
+
+    @override
+    def add_arguments_to_parser(self, parser: Any) -> None:
+        parser.add_argument(
+            "--trace_step", type=Optional[int], default=None,
+            help="Write a timeline (Chrome trace and PNG) of this global step (OverlapTimeline callback).",
+        )  # fmt: skip
+        parser.add_argument(
+            "--trace_dir", type=Optional[str], default=None,
+            help="Where --trace_step writes (default <default_root_dir>/timeline).",
+        )  # fmt: skip
+
+
+class _RunCLI(_TraceArgs):
     """LightningCLI that refuses a logger or callback whose optional package is missing, in one line, before
-    jsonargparse tries to build it (its error is a traceback naming no extra)."""
+    jsonargparse tries to build it (its error is a traceback naming no extra), and adds the timeline callback a
+    config file's ``trace_step`` asks for."""
 
     @override
     def before_instantiate_classes(self) -> None:
-        config = self.config[self.subcommand] if self.subcommand else self.config
-        raise_missing_extras(config.as_dict().get("trainer") or {})
+        config = (self.config[self.subcommand] if self.subcommand else self.config).as_dict()
+        raise_missing_extras(config.get("trainer") or {})
+        traced = trace_defaults(config.get("trace_step"), config.get("trace_dir"))
+        callbacks = self.trainer_defaults.get("callbacks") or []
+        callbacks = list(callbacks) if isinstance(callbacks, (list, tuple)) else [callbacks]
+        if traced is not None and not any(type(c).__name__ == "OverlapTimeline" for c in callbacks):
+            # (the command line's --trace_step, taken out by `main`, wins over a config file's)
+            self.trainer_defaults = {**self.trainer_defaults, "callbacks": [*callbacks, *traced["callbacks"]]}
 
 
 def run_cli(args: Sequence[str] | None = None, trainer_defaults: dict[str, Any] | None = None) -> LightningCLI:
@@ -101,24 +124,29 @@ def run_cli(args: Sequence[str] | None = None, trainer_defaults: dict[str, Any] 
 def pop_trace_args(argv: list[str]) -> tuple[list[str], dict[str, Any] | None]:
     """Take ``--trace_step N`` / ``--trace_dir D`` out of ``argv``; returns the rest and the trainer defaults that
     add the :class:`OverlapTimeline` callback (``None`` without ``--trace_step``)."""
-    from lightning_moe_overlap.callbacks import OverlapTimeline
-
     parser = argparse.ArgumentParser(add_help=False)
     parser.add_argument("--trace_step", type=int, default=None)
     parser.add_argument("--trace_dir", default=None)
     known, rest = parser.parse_known_args(argv)
-    if known.trace_step is None:
-        if known.trace_dir is not None:
+    return rest, trace_defaults(known.trace_step, known.trace_dir)
+
+
+def trace_defaults(step: int | None, dirpath: str | None) -> dict[str, Any] | None:
+    """The trainer defaults that add the :class:`OverlapTimeline` of global step ``step`` (``None`` without one)."""
+    from lightning_moe_overlap.callbacks import OverlapTimeline
+
+    if step is None:
+        if dirpath is not None:
             raise ValueError(
-                f"`--trace_dir {known.trace_dir}` was given without `--trace_step`; the directory is where the "
+                f"`--trace_dir {dirpath}` was given without `--trace_step`; the directory is where the "
                 "timeline of that step goes. Add `--trace_step N` (a global step), or drop `--trace_dir`."
             )
-        return rest, None
-    return rest, {"callbacks": [OverlapTimeline(step=known.trace_step, dirpath=known.trace_dir)]}
+        return None
+    return {"callbacks": [OverlapTimeline(step=step, dirpath=dirpath)]}
 
 
 # -- check: the fit parser, without instantiating anything --------------------------------------------------------
-class _ParseOnlyCLI(LightningCLI):
+class _ParseOnlyCLI(_TraceArgs):
     """Parses and validates a ``fit`` command line like :func:`run_cli`, and stops there."""
 
     @override

@@ -287,6 +287,20 @@ def load_consolidated_state_dict(
     return {k[len(prefix) :]: v for k, v in state.items() if k.startswith(prefix)}
 
 
+def _check_destination(destination: Path, *, overwrite: bool) -> None:
+    """Refuse to replace what is at ``destination`` unless ``overwrite`` (and a directory always)."""
+    if destination.is_dir():
+        raise ValueError(
+            f"`consolidate-checkpoint`: the destination {destination} is a directory; the consolidated checkpoint is "
+            f"one file. Pass a file path, e.g. {destination}/consolidated.ckpt."
+        )
+    if destination.exists() and not overwrite:
+        raise ValueError(
+            f"`consolidate-checkpoint`: the destination {destination} exists; writing would replace it. Pass "
+            "--overwrite to replace it, or choose another path."
+        )
+
+
 def main(argv: list[str]) -> int:
     """``consolidate-checkpoint SRC DST``: the command-line form of :func:`consolidate_checkpoint`.
 
@@ -304,7 +318,8 @@ def main(argv: list[str]) -> int:
         "single-process run would write, in one process (needs the memory of the whole checkpoint).",
     )
     parser.add_argument("source", help="the sharded checkpoint directory (format version 1 or 2)")
-    parser.add_argument("destination", help="the file to write")
+    parser.add_argument("destination", help="the file to write (refused when it exists, unless --overwrite)")
+    parser.add_argument("--overwrite", action="store_true", help="replace an existing destination file")
     safe_load.add_weights_only_flag(parser)
     args = parser.parse_args(argv)
     try:
@@ -314,6 +329,7 @@ def main(argv: list[str]) -> int:
                 f"`consolidate-checkpoint`: {source} is a file, not a sharded checkpoint directory; a file is "
                 "already consolidated. Load it directly, or pass the directory a sharded save wrote."
             )
+        _check_destination(Path(args.destination), overwrite=args.overwrite)
         out = consolidate_checkpoint(source, args.destination, weights_only=args.weights_only)
     except (OSError, ValueError, TypeError, RuntimeError, NotImplementedError, pickle.UnpicklingError) as err:
         print(f"{prog}: error: {err}", file=sys.stderr)

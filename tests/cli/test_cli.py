@@ -69,6 +69,12 @@ def test_cli_help_of_each_added_subcommand(name):
     assert out.returncode == 0 and f"usage: lightning-moe-overlap {name}" in out.stdout, out.stderr
 
 
+def test_cli_fit_help_lists_the_trace_options():
+    out = _run("fit", "--help", timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert "--trace_step TRACE_STEP" in out.stdout and "--trace_dir TRACE_DIR" in out.stdout
+
+
 def test_cli_fit_hf_yaml_with_registered_strategy_name():
     out = _run(
         "fit", "--config", str(CONFIGS / "cpu_hf_qwen3.yaml"), "--trainer.strategy=moe_overlap",
@@ -112,8 +118,13 @@ def test_cli_check_invalid_config_lists_every_problem_and_fails():
     assert "5 error(s)" in out.stdout
 
 
-def test_cli_fit_trace_step_writes_the_timeline(tmp_path):
-    out = _run("fit", "--config", str(CONFIGS / "cpu.yaml"), *SHORT, "--trace_step", "1", "--trace_dir", "tl")
+@pytest.mark.parametrize("where", ["command line", "config file"])
+def test_cli_fit_trace_step_writes_the_timeline(tmp_path, where):
+    trace = ["--trace_step", "1", "--trace_dir", "tl"]
+    if where == "config file":
+        (tmp_path / "trace.yaml").write_text("trace_step: 1\ntrace_dir: tl\n")
+        trace = ["--config", str(tmp_path / "trace.yaml")]
+    out = _run("fit", "--config", str(CONFIGS / "cpu.yaml"), *SHORT, *trace)
     assert out.returncode == 0, out.stderr[-3000:]
     import json
 

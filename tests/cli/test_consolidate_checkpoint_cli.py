@@ -51,6 +51,14 @@ def test_a_two_process_checkpoint_consolidates_into_the_runs_full_state(tmp_path
         assert torch.equal(written[name], tensor), name
     assert written["layers.0.mlp.experts.gate_up_proj"].shape[0] == 4  # every expert, from both ranks
 
+    torch.save({"state_dict": {}}, tmp_path / "one.ckpt")  # an existing destination is kept ...
+    code, _, err = _main(capsys, str(tmp_path / "sharded.ckpt"), str(tmp_path / "one.ckpt"))
+    assert code == 1 and "exists; writing would replace it. Pass --overwrite" in err, err
+    assert torch.load(tmp_path / "one.ckpt", weights_only=True)["state_dict"] == {}
+    code, _, err = _main(capsys, str(tmp_path / "sharded.ckpt"), str(tmp_path / "one.ckpt"), "--overwrite")
+    assert code == 0, err  # ... unless replacing it is asked for
+    assert torch.load(tmp_path / "one.ckpt", weights_only=True)["state_dict"].keys() == full.keys()
+
 
 @pytest.mark.parametrize(
     "case,match",
@@ -73,6 +81,12 @@ def test_a_source_it_cannot_read_prints_the_message_and_exits_1(tmp_path, capsys
     assert code == 1 and err.startswith(PROG) and "Traceback" not in err, err
     assert __import__("re").search(match, err), err
     assert not (tmp_path / "out.ckpt").exists()
+
+
+def test_a_directory_as_destination_is_refused(tmp_path, capsys):
+    (tmp_path / "src").mkdir()
+    code, _, err = _main(capsys, str(tmp_path / "src"), str(tmp_path))
+    assert code == 1 and "is a directory; the consolidated checkpoint is one file" in err, err
 
 
 def test_bad_arguments_exit_with_the_usage(capsys):
