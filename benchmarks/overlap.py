@@ -48,14 +48,15 @@ import torch.multiprocessing as mp
 from torch import Tensor, nn
 
 import pipelined
-from simulated_ep import attach_loopback, count_host_syncs, export_trace, make_deterministic
+from simulated_ep import count_host_syncs, export_trace, loopback, make_deterministic
 
 from lightning_moe_overlap.parallel.grads import sync_gradients
 from lightning_moe_overlap.moe.adapters import apply_expert_parallel
 from lightning_moe_overlap.moe.layer import MoELayer
 from lightning_moe_overlap.moe.stats import RoutingStats, summarize
 from lightning_moe_overlap.overlap.engine import OverlapEngine
-from lightning_moe_overlap.overlap.runtime import CommRuntime, CommTimer, CommTraffic
+from lightning_moe_overlap.overlap.observers import CommTimer, CommTraffic
+from lightning_moe_overlap.overlap.runtime import CommRuntime
 from lightning_moe_overlap.overlap.schedule import Task
 from lightning_moe_overlap.config import default_schedule
 from lightning_moe_overlap.parallel import ParallelDims, ParallelDimsError, ParallelGroups, build_groups
@@ -252,6 +253,7 @@ class Trainer:
     net: Net
     runtime: CommRuntime
     timer: CommTimer
+    traffic: CommTraffic
     run_delay: RunDelay
     engine: OverlapEngine
     optimizer: torch.optim.Optimizer
@@ -263,22 +265,22 @@ class Trainer:
 def build_trainer(cfg: Config, mode: str, groups: ParallelGroups, device: torch.device) -> Trainer:
     """Build the model of ``cfg`` for ``mode`` on ``device``, expert-parallel over ``groups.ep``."""
     overlap, delay_wgrad = ALL_MODES[mode]
-    runtime = CommRuntime(delay_wgrad=delay_wgrad)
-    if cfg.simulate_ep_ms > 0:
-        attach_loopback(runtime, cfg.simulate_ep_ms, device)
+    communicator = loopback(cfg.simulate_ep_ms, device) if cfg.simulate_ep_ms > 0 else None
+    runtime = CommRuntime(delay_wgrad=delay_wgrad, communicator=communicator)
     net = Net(cfg).to(device)
     knobs = {"dedup": cfg.dedup and mode not in PLAIN_MODES} if cfg.dispatcher == "alltoall" else {}
     experts = apply_expert_parallel(net, groups.ep, dispatcher=cfg.dispatcher, runtime=runtime, **knobs)
-    runtime.traffic = CommTraffic()
+    traffic, timer = CommTraffic(), CommTimer()
+    runtime.attach(traffic)
+    runtime.attach(timer)
     expert_ids = {id(p) for module in experts for p in module.parameters()}
     params = list(net.parameters())
-    timer = CommTimer()
-    runtime.timing = timer
     run_delay = RunDelay()
     return Trainer(
         net=net,
         runtime=runtime,
         timer=timer,
+        traffic=traffic,
         run_delay=run_delay,
         engine=OverlapEngine(runtime, overlap=overlap, context_factory=run_delay.lane, timeout_s=600),
         optimizer=torch.optim.SGD(params, lr=1e-3),
@@ -309,7 +311,7 @@ def train_step(t: Trainer, cfg: Config, groups: ParallelGroups, batch: tuple[Ten
     x, y = batch
     m = cfg.microbatches
     t.timer.reset()
-    t.runtime.traffic.reset()
+    t.traffic.reset()
     t.run_delay.start()
     cpu_start = time.process_time()
     start = time.perf_counter()
@@ -325,7 +327,7 @@ def train_step(t: Trainer, cfg: Config, groups: ParallelGroups, batch: tuple[Ten
     end = time.perf_counter()
     cpu = time.process_time() - cpu_start
     comm = t.timer.snapshot()
-    _, sent_bytes, remote_bytes = t.runtime.traffic.reset()
+    _, sent_bytes, remote_bytes = t.traffic.reset()
     return {
         "sent_bytes": sent_bytes,
         "remote_bytes": remote_bytes,
@@ -354,13 +356,10 @@ def align(device: torch.device) -> None:
 
 def device_comm_probe(t: Trainer, cfg: Config, groups: ParallelGroups, batch: tuple[Tensor, Tensor]) -> float:
     """CUDA only: EP communication of one sequential step, timed on the device (blocks the host at each wait)."""
-    t.runtime.timing = CommTimer(synchronize=lambda: torch.cuda.current_stream().synchronize())
-    try:
+    with t.runtime.attach(CommTimer(synchronize=lambda: torch.cuda.current_stream().synchronize())) as probe:
         align(batch[0].device)
         train_step(t, cfg, groups, batch)
-        return t.runtime.timing.snapshot().blocked_s
-    finally:
-        t.runtime.timing = t.timer
+        return probe.snapshot().blocked_s
 
 
 # -- one rank ------------------------------------------------------------------------------------------------------

@@ -49,7 +49,8 @@ from overlap import Config, Net, align, build_trainer, busy_warning, make_batch,
 
 from lightning_moe_overlap.parallel.grads import sync_gradients
 from lightning_moe_overlap.moe.dispatch.comm import all_to_all_raw, exchange_counts
-from lightning_moe_overlap.overlap.runtime import CommRuntime, CommTraffic
+from lightning_moe_overlap.overlap.observers import CommTraffic
+from lightning_moe_overlap.overlap.runtime import CommRuntime
 from lightning_moe_overlap.parallel import ParallelDims, ParallelGroups, build_groups
 
 TORCHTITAN_VERSION = "0.3.0"
@@ -205,6 +206,7 @@ class CommFloor:
     cfg: Config
     groups: ParallelGroups
     runtime: CommRuntime
+    traffic: CommTraffic  # attached to `runtime`
     counts: Tensor  # [experts] int64: the token-count exchange
     rows: Tensor  # [tokens * top_k, hidden] float32: the rows of one dispatch
     dense: list[nn.Parameter]  # zeros shaped like the model's parameters, for the gradient synchronisation
@@ -216,12 +218,12 @@ def comm_floor(cfg: Config, groups: ParallelGroups, dense: list[nn.Parameter], e
     def zeros(params: list[nn.Parameter]) -> list[nn.Parameter]:
         return [nn.Parameter(torch.zeros_like(p)) for p in params]
 
-    runtime = CommRuntime()
-    runtime.traffic = CommTraffic()
+    runtime, traffic = CommRuntime(), CommTraffic()
+    runtime.attach(traffic)
     g = torch.Generator().manual_seed(cfg.seed)
     rows = torch.randn(cfg.tokens * cfg.top_k, cfg.hidden, generator=g)
     counts = torch.zeros(cfg.experts, dtype=torch.long)
-    return CommFloor(cfg, groups, runtime, counts, rows, zeros(dense), zeros(expert))
+    return CommFloor(cfg, groups, runtime, traffic, counts, rows, zeros(dense), zeros(expert))
 
 
 def even_splits(rows: int, ranks: int) -> list[int]:

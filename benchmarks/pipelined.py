@@ -34,7 +34,8 @@ from torch import Tensor, nn
 from lightning_moe_overlap.parallel.grads import sync_gradients
 from lightning_moe_overlap.moe.adapters import apply_expert_parallel
 from lightning_moe_overlap.overlap.engine import OverlapEngine
-from lightning_moe_overlap.overlap.runtime import CommRuntime, CommTimer
+from lightning_moe_overlap.overlap.observers import CommTimer
+from lightning_moe_overlap.overlap.runtime import CommRuntime
 from lightning_moe_overlap.parallel import ParallelGroups
 from lightning_moe_overlap.pipeline.executor import PipelineExecutor
 from lightning_moe_overlap.pipeline.schedules import build_schedule, build_stages, render_order, stage_indices
@@ -153,7 +154,7 @@ def build_pipe_trainer(
         for p in module.parameters()
     }
     timer = CommTimer()
-    runtime.timing = timer
+    runtime.attach(timer)
     stages = build_stages(chunks, indices, num_stages, groups.pp, device)
     clock = ActionClock()
     for stage in stages:

@@ -15,7 +15,6 @@ from collections.abc import Callable
 import torch
 
 from lightning_moe_overlap.moe.dispatch.loopback import Loopback
-from lightning_moe_overlap.overlap.runtime import CommRuntime
 
 
 def make_deterministic() -> None:
@@ -24,9 +23,10 @@ def make_deterministic() -> None:
     torch.use_deterministic_algorithms(True)
 
 
-def attach_loopback(runtime: CommRuntime, comm_ms: float, device: torch.device) -> None:
-    """Issue every all-to-all of ``runtime``'s ep=1 model as a loopback of ``comm_ms`` milliseconds."""
-    runtime.loopback = Loopback(comm_ms / 1e3, device)
+def loopback(comm_ms: float, device: torch.device) -> Loopback:
+    """The communicator of an ep=1 model's runtime that issues every all-to-all as a loopback of ``comm_ms``
+    milliseconds (``CommRuntime(communicator=loopback(...))``)."""
+    return Loopback(comm_ms / 1e3, device)
 
 
 def count_host_syncs(step: Callable[[], None], device: torch.device) -> int | None:

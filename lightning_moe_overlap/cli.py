@@ -37,6 +37,7 @@ import lightning_moe_overlap  # noqa: F401  (registers the strategy names)
 from lightning_moe_overlap.cli_components import MissingExtraError, component_problems, raise_missing_extras
 from lightning_moe_overlap.config import OverlapConfig
 from lightning_moe_overlap.ep_choices import passing_ep_values
+from lightning_moe_overlap.parallel.materialize import build_on_meta
 from lightning_moe_overlap.strategy import MoEOverlapStrategy
 from lightning_moe_overlap.validation import (
     OWNER,
@@ -287,7 +288,9 @@ def run_checks(config: dict[str, Any], world_size: int | None = None, *, machine
     report = None
     if model_problem is not None:
         problems.append(model_problem)
-    elif experts is not None:
+    else:
+        problems += weights_problems(model)
+    if model_problem is None and experts is not None:
         model_parallel = 0 if rule_sizes(cfg) else cfg.pp * cfg.cp * cfg.tp
         known = world is not None and model_parallel and world % model_parallel == 0
         dp_cp = world // (cfg.pp * cfg.tp) if known else None
@@ -309,12 +312,30 @@ def _meta_model_or_problem(model_spec: Any) -> tuple[tuple[Any, bool, dict[str, 
     try:
         with torch.device("meta"):
             model = _instantiate(model_spec)
+            if build_on_meta(model):  # what the strategy builds under the meta device (a no-op for most modules)
+                model.configure_model()
         automatic, experts = _model_structure(model)
     except Exception as err:  # noqa: BLE001 - a finding, never a traceback
         return None, Problem(
             "model", f"`check`: building the model on the meta device failed: {type(err).__name__}: {err}"
         )
     return (model, automatic, experts), None
+
+
+def weights_problems(model: Any) -> list[Problem]:
+    """The published checkpoint the model declares (``hf_weights``) against the model built on meta: the files'
+    headers only, the errors the load would raise at setup (``hf-weights``)."""
+    from lightning_moe_overlap.hf.load import as_hf_weights
+    from lightning_moe_overlap.parallel.held import global_shapes
+
+    declared = getattr(model, "hf_weights", None)
+    if declared is None:
+        return []
+    try:
+        as_hf_weights(declared, f"`{type(model).__name__}`").check(global_shapes(model))
+    except (ValueError, TypeError, OSError) as err:
+        return [Problem("hf-weights", f"`check`: the weights the model declares would not load: {err}")]
+    return []
 
 
 def _model_structure(model: Any) -> tuple[bool, dict[str, int]]:
@@ -394,6 +415,7 @@ SUBCOMMANDS = {
     "check": "validate a fit config for a world size without starting anything (every rule, with its fix)",
     "convert-checkpoint": "convert a sharded checkpoint of format version 1 into version 2, in one process",
     "consolidate-checkpoint": "write a sharded checkpoint directory as one consolidated file, in one process",
+    "export-hf": "write a checkpoint as a Hugging Face folder (config.json + safetensors), in one process",
 }
 
 
@@ -432,6 +454,10 @@ def main(argv: Sequence[str] | None = None) -> None:
         from lightning_moe_overlap.checkpoint.consolidated import main as consolidate_main
 
         raise SystemExit(consolidate_main(command[1:]))
+    if command and command[0] == "export-hf":
+        from lightning_moe_overlap.hf.export import main as export_main
+
+        raise SystemExit(export_main(command[1:]))
     try:
         _run(command, from_sys_argv=argv is None)
     except MissingExtraError as err:

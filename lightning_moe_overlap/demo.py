@@ -146,6 +146,11 @@ class MoEGPT(LightningModule):
         """The most likely next token after each position: ``[B, S]`` token ids."""
         return self(token_ids(batch, type(self).__name__)).argmax(dim=-1)
 
+    def init_module(self, module: nn.Module) -> None:
+        """The initialisation of one module (:func:`gpt_init_module`): the strategy's hook for a model built on the
+        meta device (docs/index.md, "Built on the meta device")."""
+        gpt_init_module(module)
+
     def configure_pipeline(self, layout: PipelineLayout) -> PipelineChunks:
         """The pipeline chunks at ``pp > 1`` (docs/pipeline.md): :func:`split_moegpt`, its loss logged as
         ``training_step`` / ``validation_step`` log it (on the last stage; the strategy replays it on every rank)."""

@@ -1,4 +1,5 @@
-"""A Hugging Face transformers v5 MoE causal LM in a LightningModule (built from a config: random init, no download).
+"""A Hugging Face transformers v5 MoE causal LM in a LightningModule (built from a config: random init, no download;
+or from a saved model's ``config.json``, its weights declared for loading).
 
 The module is plain HF code: the strategy finds the experts of its sparse MoE blocks and makes them
 expert-parallel; the model's own routers, shared experts and loss are untouched. Needs ``transformers>=5``
@@ -7,6 +8,7 @@ expert-parallel; the model's own routers, shared experts and loss are untouched.
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any, Literal
 
 import torch
@@ -15,6 +17,7 @@ from torch import Tensor
 
 from lightning_moe_overlap._install import install_hint
 from lightning_moe_overlap.demo import log_loss, with_logged_loss
+from lightning_moe_overlap.hf.load import HFWeights
 from lightning_moe_overlap.pipeline.batches import lm_batch
 from lightning_moe_overlap.pipeline.layout import PipelineLayout
 from lightning_moe_overlap.pipeline.split import PipelineChunks
@@ -45,37 +48,95 @@ TINY_CONFIGS: dict[str, dict[str, Any]] = {
 
 def build_hf_model(model_type: str, **overrides: Any) -> torch.nn.Module:
     """An HF ``AutoModelForCausalLM`` from a tiny config of ``model_type`` (overrides update the config)."""
-    try:
-        from transformers import AutoConfig, AutoModelForCausalLM
-    except ImportError as err:  # pragma: no cover - depends on the environment
-        raise ImportError(
-            f"`build_hf_model` needs Hugging Face transformers>=5, which is not installed. Install it with "
-            f"{install_hint('hf')}."
-        ) from err
+    AutoConfig, AutoModelForCausalLM = _transformers("build_hf_model")
     if model_type not in TINY_CONFIGS:
         raise ValueError(f"`build_hf_model`: model_type={model_type!r} is not one of {sorted(TINY_CONFIGS)}.")
     config = AutoConfig.for_model(model_type, **{**TINY_CONFIGS[model_type], **overrides})
     return AutoModelForCausalLM.from_config(config)
 
 
+def build_hf_model_from(path: str, **overrides: Any) -> torch.nn.Module:
+    """An HF ``AutoModelForCausalLM`` from the ``config.json`` of the folder ``path`` (overrides update it), with
+    the random init of its config: no weights are read (under the meta device, no memory either).
+
+    Its parameters are float32 (the master weights the Trainer's precision computes from; a published config's
+    ``"dtype": "bfloat16"`` says how the files are stored), unless the overrides name a ``dtype``.
+    """
+    AutoConfig, AutoModelForCausalLM = _transformers("build_hf_model_from")
+    check_pretrained_folder(path)
+    config = AutoConfig.from_pretrained(path, **overrides)
+    dtype = overrides.get("dtype", torch.float32)
+    return AutoModelForCausalLM.from_config(config, dtype=dtype)
+
+
+def check_pretrained_folder(path: str) -> None:
+    """``ValueError`` unless ``path`` is a folder with a ``config.json`` (as ``save_pretrained`` writes it)."""
+    where = Path(path)
+    problem = "does not exist" if not where.exists() else "has no config.json"
+    if not (where / "config.json").is_file():
+        raise ValueError(
+            f"`HFMoECausalLM`: pretrained={str(path)!r} {problem}. Rule: `pretrained` is a folder as "
+            "`save_pretrained` or the Hub writes it (config.json, and the *.safetensors to load). Fix: pass such a "
+            "folder (download it first, e.g. `hf download ORG/NAME --local-dir DIR`), or leave `pretrained` out to "
+            "build the tiny model of `model_type`."
+        )
+
+
+def _transformers(owner: str) -> tuple[Any, Any]:
+    try:
+        from transformers import AutoConfig, AutoModelForCausalLM
+    except ImportError as err:  # pragma: no cover - depends on the environment
+        raise ImportError(
+            f"`{owner}` needs Hugging Face transformers>=5, which is not installed. Install it with "
+            f"{install_hint('hf')}."
+        ) from err
+    return AutoConfig, AutoModelForCausalLM
+
+
 class HFMoECausalLM(LightningModule):
     """Next-token training of a tiny HF MoE model.
 
     Args:
-        model_type: ``"qwen3_moe"``, ``"mixtral"``, ``"qwen2_moe"`` or ``"olmoe"``.
+        model_type: ``"qwen3_moe"``, ``"mixtral"``, ``"qwen2_moe"`` or ``"olmoe"``; ignored with ``pretrained``.
         lr: AdamW learning rate.
         seed: Seed of the random initialisation (the same model on every rank).
-        config_overrides: Updates to the tiny config (e.g. ``{"num_hidden_layers": 4}``).
+        config_overrides: Updates to the tiny config (e.g. ``{"num_hidden_layers": 4}``), or to the pretrained one.
+        pretrained: A folder with ``config.json`` (and the ``*.safetensors`` to load), as ``save_pretrained`` or the
+            Hub writes it. The model is then built from that config in ``configure_model`` (on the meta device under
+            ``MoEOverlapStrategy``: no rank allocates what it does not hold), and ``hf_weights`` names the folder for
+            the loader (the strategy reads each rank's part after sharding; under another strategy the module reads
+            the whole checkpoint in ``configure_model``). None: the tiny model of ``model_type``, built in
+            ``__init__``.
     """
 
     def __init__(
         self, model_type: ModelType = "qwen3_moe", lr: float = 1e-2, seed: int = 0,
-        config_overrides: dict[str, Any] | None = None,
+        config_overrides: dict[str, Any] | None = None, pretrained: str | None = None,
     ) -> None:
         super().__init__()
         self.save_hyperparameters()
+        # the weights the strategy reads into the sharded model after setup (it skips their random init)
+        self.hf_weights = None if pretrained is None else HFWeights(pretrained)
+        if pretrained is not None:
+            check_pretrained_folder(pretrained)  # here, before any process is started
         torch.manual_seed(seed)
-        self.model = build_hf_model(model_type, **(config_overrides or {}))
+        self.model = None if pretrained is not None else build_hf_model(model_type, **(config_overrides or {}))
+
+    def configure_model(self) -> None:
+        """With ``pretrained``: build the model from its ``config.json`` (once). Under ``MoEOverlapStrategy`` it is
+        built on the meta device and the strategy reads the weights into the sharded model; under any other strategy
+        it is built here with values and the weights are read right away, whole, on every rank."""
+        if self.model is not None:
+            return
+        self.model = build_hf_model_from(self.hparams.pretrained, **(self.hparams.config_overrides or {}))
+        if self.hf_weights is not None and _other_strategy(self):
+            with torch.no_grad():
+                self.hf_weights.load_into(self)
+
+    def init_module(self, module: torch.nn.Module) -> None:
+        """HF's own initialisation of one module (``_init_weights``): the strategy's hook for a model built on the meta
+        device, the one the pipeline split uses too."""
+        self.model._init_weights(module)
 
     def training_step(self, batch: Any, batch_idx: int) -> Tensor:
         return log_loss(self, self._hf_loss(batch))
@@ -105,3 +166,16 @@ class HFMoECausalLM(LightningModule):
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
         return torch.optim.AdamW(self.parameters(), lr=self.hparams.lr)
+
+
+def _other_strategy(module: LightningModule) -> bool:
+    """Whether ``module`` runs under a Trainer whose strategy is not ``MoEOverlapStrategy`` (which loads the weights
+    itself, after sharding)."""
+    from lightning_moe_overlap.strategy import MoEOverlapStrategy
+
+    try:
+        trainer = module.trainer
+    except RuntimeError:  # not attached to a Trainer: whoever calls configure_model loads the weights
+        return False
+    return not isinstance(trainer.strategy, MoEOverlapStrategy)
+

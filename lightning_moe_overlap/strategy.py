@@ -19,7 +19,7 @@ from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies.parallel import ParallelStrategy
 from lightning.pytorch.strategies.strategy import TBroadcast
 from lightning.pytorch.trainer.states import TrainerFn
-from lightning.pytorch.utilities.rank_zero import rank_zero_only
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_only
 from torch import Tensor
 from torch.distributed.fsdp import MixedPrecisionPolicy
 from torch.nn import Module
@@ -43,11 +43,20 @@ from lightning_moe_overlap.parallel.grads import clip_grad_norm, global_grad_nor
 from lightning_moe_overlap.processes.launcher import ExpertParallelScriptLauncher, ExpertParallelSpawnLauncher
 from lightning_moe_overlap.loop import LoopPath, MicroBatchLoop, StepHooks, StepPath
 from lightning_moe_overlap.moe.adapters import expert_parallel_modules
+from lightning_moe_overlap.hf.load import HFLoadReport
 from lightning_moe_overlap.overlap.engine import OverlapEngine
 from lightning_moe_overlap.overlap.failures import default_nccl_error_handling, safety_nets
 from lightning_moe_overlap.overlap.runtime import CommRuntime
 from lightning_moe_overlap.parallel import ParallelDims, ParallelGroups
-from lightning_moe_overlap.parallel.apply import apply_ep, apply_fsdp, apply_pipeline
+from lightning_moe_overlap.parallel.apply import (
+    apply_ep,
+    apply_fsdp,
+    apply_materialize,
+    apply_pipeline,
+    apply_pretrained,
+)
+from lightning_moe_overlap.parallel.held import global_shapes, held_tensors
+from lightning_moe_overlap.parallel.materialize import build_on_meta, meta_init_of
 from lightning_moe_overlap.parallel.mesh import ParallelMesh, build_mesh
 from lightning_moe_overlap.parallel.sharding import ShardedModel
 from lightning_moe_overlap.processes.shutdown import destroy_process_groups_at_exit
@@ -214,6 +223,8 @@ class MoEOverlapStrategy(ParallelStrategy):
         self._ep_model: MoEModelHandle | None = None
         self._path: StepPath | None = None  # how the step methods run (loop.py, pipeline/path.py)
         self._pipeline: PipelinedModel | None = None  # at pp > 1: this rank's chunks and their schedule
+        # what this rank read of the module's `hf_weights` in setup (None: it declares none)
+        self.loaded_weights: HFLoadReport | None = None
         self._loop_trainer: Trainer | None = None  # whose automatic optimization skips backward for the loop
         self._fsdp_mp_policy = fsdp_mp_policy
         self.checkpoint_format = checkpointer.check_format(checkpoint_format)
@@ -360,14 +371,16 @@ class MoEOverlapStrategy(ParallelStrategy):
     @contextmanager
     @override
     def model_sharded_context(self) -> Generator[None, None, None]:
-        """At ``pp > 1`` ``configure_model`` builds on the meta device: each rank then allocates only its own chunks.
+        """``configure_model`` builds on the meta device, at every pp: each rank then allocates only what it holds
+        (its experts' slice, its dense tensors, its pipeline chunks; ``parallel/materialize.py``), initialised with
+        the LightningModule's ``init_module`` hook under the run's seed.
 
-        A LightningModule with ``pipeline_build_on_meta = False`` builds with real tensors instead (e.g. HF's
-        ``from_pretrained``, which refuses the meta device); each rank then keeps its own chunks' values and frees
-        the others' (docs/pipeline.md, "Pretrained weights at pp > 1").
+        A LightningModule with ``build_on_meta = False`` builds with real tensors instead (e.g. HF's
+        ``from_pretrained``, which refuses the meta device); each rank then keeps its own values and frees what it
+        does not hold (docs/pipeline.md, "Pretrained weights"). A model built in ``__init__`` is unaffected.
         """
         module = self.lightning_module
-        if self.config.pp == 1 or not getattr(module, "pipeline_build_on_meta", True):
+        if not build_on_meta(module):
             yield
             return
         try:
@@ -378,11 +391,11 @@ class MoEOverlapStrategy(ParallelStrategy):
                 raise
             raise RuntimeError(
                 f"`MoEOverlapStrategy(pp={self.config.pp})`: `{type(module).__name__}.configure_model` runs under the "
-                "meta device at pp > 1 (each rank allocates only its own chunks), and Hugging Face's "
-                "`from_pretrained` refuses to load weights there. Rule: a model loaded in configure_model at "
-                "pp > 1 opts out of the meta device. Fix: set `pipeline_build_on_meta = False` on the "
-                "LightningModule (every rank loads the whole checkpoint into host memory, then keeps only its "
-                "chunks), or load the model in `__init__` (a model built with values keeps them at pp > 1)."
+                "meta device (at every pp, each rank allocates only what it holds), and Hugging Face's "
+                "`from_pretrained` refuses to load weights there. Rule: a model loaded in configure_model opts out "
+                "of the meta device. Fix: set `build_on_meta = False` on the LightningModule (every rank loads the "
+                "whole checkpoint into host memory, then keeps only what it holds), or build the model from its "
+                "config in configure_model and declare the weights to load (`hf_weights`), or load it in `__init__`."
             ) from err
 
     @override
@@ -441,13 +454,19 @@ class MoEOverlapStrategy(ParallelStrategy):
         rank = self.global_rank
         self._pipeline = apply_pipeline(self.lightning_module, self.config, self.parallel_mesh, self.root_device,
                                         rank=rank)  # fmt: skip
-        apply_ep(ep_model, self.config, self.parallel_mesh, self.runtime, self._pipeline, rank=rank)
+        split = None if self._pipeline is None else self._pipeline.split
+        init = meta_init_of(self.lightning_module, self.root_device, torch.initial_seed(), split)
+        apply_materialize(self.model, init, self._pipeline)
+        apply_ep(ep_model, self.config, self.parallel_mesh, self.runtime, self._pipeline, rank=rank, init=init)
         self._ep_model = ep_model
         self.precision_plugin.convert_module(self.model)
         self.model_to_device()
         ep_model.broadcast_replicas(self.parallel_groups)
         self._sharded = apply_fsdp(self.model, ep_model, self.config, self.parallel_mesh, self._pipeline,
                                    mp_policy=self._fsdp_mp_policy)  # fmt: skip
+        self.loaded_weights = apply_pretrained(self.lightning_module, self._pipeline)
+        if self.loaded_weights is not None:  # Lightning's INFO log: shown by default, once
+            rank_zero_info(f"{type(self).__name__}: {self.loaded_weights.describe()} (rank 0)")
         record(self.model, PreparedModel(self.config, self.dims, self.parallel_groups, self.parallel_mesh,
                                          self.runtime, self._ep_model, self._pipeline, self._sharded))  # fmt: skip
 
@@ -582,6 +601,16 @@ class MoEOverlapStrategy(ParallelStrategy):
         """Ranks that together hold one copy of the model (those of a pp stage): ``dp * cp * tp``."""
         dims = self.dims
         return dims.dp * dims.cp * dims.tp
+
+    def held_tensors(self) -> dict[str, Tensor]:
+        """``{unsplit name: tensor}`` of every parameter and persistent buffer this rank holds, from ``setup`` on
+        (plain or ``DTensor``; at ``pp > 1`` its own chunks'): what a checkpoint loader fills (``parallel/held.py``)."""
+        return held_tensors(self.lightning_module, self._pipeline)
+
+    def global_shapes(self) -> dict[str, tuple[int, ...]]:
+        """``{unsplit name: global shape}`` of every parameter and persistent buffer of the whole model, held here
+        or not (``parallel/held.py``)."""
+        return global_shapes(self.lightning_module)
 
     # -- checkpoints (docs/checkpoints.md): layout-free state, sharded or consolidated, committed atomically ------
     @property

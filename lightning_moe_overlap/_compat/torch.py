@@ -143,6 +143,16 @@ def fsdp_set_hooks_idle(module: nn.Module, idle: bool) -> None:
         each._training_state = TrainingState.PRE_BACKWARD if idle else TrainingState.IDLE
 
 
+def local_shape_and_offset(tensor: Any) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """The shape of this rank's chunk of a ``DTensor`` and the chunk's offset in the global tensor
+    (``torch.distributed.tensor._utils.compute_local_shape_and_global_offset``: any mesh, any ``Shard`` /
+    ``Replicate`` placements, uneven shards as ``torch.chunk`` cuts them)."""
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset  # noqa: PLC0415
+
+    shape, offset = compute_local_shape_and_global_offset(tensor.shape, tensor.device_mesh, tensor.placements)
+    return tuple(int(s) for s in shape), tuple(int(o) for o in offset)
+
+
 class Float32Buffers(nn.Module):
     """A module whose buffers named in ``float32_buffers`` stay float32 through ``.to(dtype)``, ``.half()``,
     ``.bfloat16()``: it extends ``torch.nn.Module._apply``, the method every such conversion goes through."""

@@ -34,7 +34,8 @@ from lightning_moe_overlap._compat import lightning as pl_compat
 from lightning_moe_overlap.moe.capacity import validate_capacity
 from lightning_moe_overlap.moe.stats import RoutingStats, Summary, summarize
 from lightning_moe_overlap.overlap.event_timer import EventCommTimer
-from lightning_moe_overlap.overlap.runtime import CommRuntime, CommTimer
+from lightning_moe_overlap.overlap.observers import CommTimer
+from lightning_moe_overlap.overlap.runtime import CommRuntime, ObserverHandle
 from lightning_moe_overlap.strategy import MoEOverlapStrategy
 
 PROGRESS_BAR = ("moe/tokens_per_s", "moe/a2a_hidden_fraction")
@@ -57,9 +58,8 @@ class MoEMonitor(Callback):
         self.progress_bar = progress_bar
         self.stats: RoutingStats | None = None
         self.last: dict[str, float] = {}  # the metrics logged last (also in trainer.callback_metrics)
-        self._runtime: CommRuntime | None = None
         self._timer: CommTimer | None = None
-        self._previous_timer: CommTimer | None = None
+        self._attached: ObserverHandle | None = None  # the timer attached to the strategy's comm runtime
         self._steps = 0
         self._step_s = 0.0
         self._step_start: float | None = None
@@ -70,9 +70,8 @@ class MoEMonitor(Callback):
         self.stats = RoutingStats(pl_module, capacity_factor=self.capacity_factor)
         runtime = getattr(trainer.strategy, "runtime", None)
         if isinstance(runtime, CommRuntime):
-            self._runtime = runtime
             self._timer = EventCommTimer() if pl_module.device.type == "cuda" else CommTimer()
-            self._previous_timer, runtime.timing = runtime.timing, self._timer
+            self._attached = runtime.attach(self._timer)
         self._reset_interval()
 
     @override
@@ -86,9 +85,9 @@ class MoEMonitor(Callback):
     def _detach(self) -> None:
         if self.stats is not None:
             self.stats.remove()
-        if self._runtime is not None and self._runtime.timing is self._timer:
-            self._runtime.timing = self._previous_timer
-        self._runtime = self._timer = None
+        if self._attached is not None:
+            self._attached.remove()
+        self._attached = self._timer = None
 
     # -- per step --------------------------------------------------------------------------------------------------
     @override

@@ -133,7 +133,7 @@ def _decoder_targets(attn: str, attn_norm: str, mlp_norm: str, attn_proj: str) -
         "mlp": "mlp",
         "moe": _moe_block("mlp"),
         "moe_act": ExpertStage(experts, "act"),
-        "shared_experts": _first_of("mlp.shared_experts", "mlp.shared_expert"),
+        "shared_experts": _first_of("mlp.shared_stage", "mlp.shared_experts", "mlp.shared_expert"),  # moe/shared.py
         "routed_experts": experts,
         "layernorm": (attn_norm, mlp_norm),
         "mla_up_proj": (f"{attn}.q_b_proj", f"{attn}.kv_b_proj"),

@@ -4,7 +4,7 @@ For the step whose ``trainer.global_step`` is ``step`` when it starts, a
 :class:`~lightning_moe_overlap.overlap.timeline.TimelineRecorder` is attached to the strategy's comm runtime; at
 the end of the step every rank's records are gathered (one ``all_gather_object``) and global rank 0 writes
 ``<dirpath>/step<N>.trace.json`` (Perfetto / ``chrome://tracing``) and ``<dirpath>/step<N>.png`` (matplotlib).
-Other steps pay one attribute test per comm point. The CLI adds it with ``--trace_step N``.
+Other steps pay one emptiness test per comm point. The CLI adds it with ``--trace_step N``.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.utilities import rank_zero_info
 from typing_extensions import override
 
-from lightning_moe_overlap.overlap.runtime import CommRuntime
+from lightning_moe_overlap.overlap.runtime import CommRuntime, ObserverHandle
 from lightning_moe_overlap.overlap.timeline import StepTimeline, TimelineRecorder, write_chrome_trace
 from lightning_moe_overlap.callbacks.timeline_plot import DEFAULT_TITLE, PLOT_HINT, plot_timelines
 
@@ -49,26 +49,26 @@ class OverlapTimeline(Callback):
         self.png = has_matplotlib if png is None else png
         self._png_requested = png
         self.written: list[Path] = []  # on global rank 0, once the step ran
-        self._runtime: CommRuntime | None = None
         self._recorder: TimelineRecorder | None = None
+        self._attached: ObserverHandle | None = None
 
     @override
     def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int) -> None:
         runtime = getattr(trainer.strategy, "runtime", None)
         if trainer.global_step != self.step or not isinstance(runtime, CommRuntime) or self.written:
             return
-        self._runtime = runtime
-        self._recorder = runtime.trace = TimelineRecorder(rank=trainer.global_rank)
+        self._recorder = TimelineRecorder(rank=trainer.global_rank)
+        self._attached = runtime.attach(self._recorder)
 
     @override
     def on_train_batch_end(
         self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
-        recorder, runtime = self._recorder, self._runtime
-        if recorder is None or runtime is None:
+        recorder, attached = self._recorder, self._attached
+        if recorder is None or attached is None:
             return
-        runtime.trace = None
-        self._recorder = self._runtime = None
+        attached.remove()
+        self._recorder = self._attached = None
         mine = recorder.timeline().to_dict()
         gathered: list[Any] = [mine]
         if dist.is_available() and dist.is_initialized():

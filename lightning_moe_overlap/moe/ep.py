@@ -24,6 +24,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import torch
 from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
@@ -42,7 +43,7 @@ from lightning_moe_overlap.moe.grouped import (
 from lightning_moe_overlap.moe.layout import ExpertsLayout
 from lightning_moe_overlap.moe.stages import STAGE_NAMES, ExpertsStage
 from lightning_moe_overlap.moe.te_backend import EXPERT_BACKENDS, ExpertBackend, TEExperts, check_te_layout
-from lightning_moe_overlap.parallel.dtensors import local
+from lightning_moe_overlap.parallel.dtensors import like, local
 
 
 @dataclass(frozen=True)
@@ -240,6 +241,18 @@ class ExpertParallelExperts(nn.Module):
             f"dispatcher={self.dispatcher.name!r}, capacity_factor={self.capacity_factor}"
             + (f", expert_backend={self.expert_backend!r}" if self.expert_backend != "torch" else "")
         )
+
+    def to_empty_shards(self, device: torch.device | str) -> None:
+        """Give each parameter on the meta device (a source built on meta was sliced) an uninitialised local shard on
+        ``device``, in the same layout (a ``DTensor`` over the same mesh, the same global shape); the others stay.
+        The caller fills them (``parallel/materialize.py``: a seeded init or a checkpoint)."""
+        for name, param in list(self.named_parameters(recurse=False)):
+            if not param.is_meta:
+                continue
+            shard = torch.empty_like(local(param), device=device)
+            self.register_parameter(name, nn.Parameter(like(param, shard), requires_grad=param.requires_grad))
+        if self.te_experts is not None:  # TE's views follow the new parameters
+            self.te_experts = TEExperts(getattr(self, self.layout.up_name), getattr(self, self.layout.down_name))
 
     def local_parameter_bytes(self) -> int:
         """Bytes of the expert parameters held on this rank."""

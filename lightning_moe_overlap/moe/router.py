@@ -150,17 +150,26 @@ class TopKRouter(torch_compat.Float32Buffers):
         self.router_dtype = dtype
         self.aux_loss_scale = 1.0
         self.weight = nn.Parameter(torch.empty(num_experts, hidden_size))
-        nn.init.normal_(self.weight, std=0.02)
         self.expert_bias: Tensor | None
         self.local_tokens_per_expert: Tensor | None
         if enable_expert_bias:
-            self.register_buffer("expert_bias", torch.zeros(num_experts, dtype=torch.float32))
-            self.register_buffer("local_tokens_per_expert", torch.zeros(num_experts, dtype=torch.int64))
+            self.register_buffer("expert_bias", torch.empty(num_experts, dtype=torch.float32))
+            self.register_buffer("local_tokens_per_expert", torch.empty(num_experts, dtype=torch.int64))
         else:
             self.expert_bias = None
             self.local_tokens_per_expert = None
+        self.reset_parameters()
         # Detached values of the latest forward, for logging only (nothing reads them back).
         self.metrics: dict[str, Tensor] = {}
+
+    def reset_parameters(self) -> None:
+        """The initial state: ``weight ~ N(0, 0.02)``, expert bias and token counts zero (also what a model built on
+        the meta device gets, ``parallel/materialize.py``)."""
+        nn.init.normal_(self.weight, std=0.02)
+        if self.expert_bias is not None and self.local_tokens_per_expert is not None:
+            with torch.no_grad():
+                self.expert_bias.zero_()
+                self.local_tokens_per_expert.zero_()
 
     def forward(self, hidden_states: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         """``hidden_states [..., D]`` -> ``(logits [T, E], weights [T, K], indices [T, K])``, ``T`` = all tokens."""

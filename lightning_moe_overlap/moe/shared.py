@@ -14,6 +14,15 @@ runtime); HF v5 blocks call their shared experts inline, in one of two orders:
 Either way the same operations run on the same inputs (the copy is exact and its backward the identity), so the
 results are bitwise equal to the inline block. When the routed experts had no comm point, the work runs right
 after them. Per-call state is thread-local: the two contexts of a schedule never share it.
+
+The shared stage: the real computation always runs as one call of an explicit stage module,
+``block.shared_stage`` (an :class:`~lightning_moe_overlap.moe.stages.ExpertsStage` named ``"shared"`` that runs
+the shared experts' own forward; no parameters of its own, so the state-dict keys do not change). Forward hooks,
+``add_wrapper`` and ``torch.utils.checkpoint`` attach to it and see the real input and output once per block call,
+wherever the computation runs (inside the dispatch window, or inline). The block's call of its shared experts
+module itself is what the window intercepts (its forward is replaced on the instance: the block's code calls it
+inline, and no hook can move a call): hooks on that module see the placeholder, not the computation.
+:func:`shared_stage` returns the module to attach to, with or without a window.
 """
 
 from __future__ import annotations
@@ -24,9 +33,12 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from lightning_moe_overlap.overlap.runtime import CommRuntime, SideWork
+from lightning_moe_overlap.moe.stages import SHARED_STAGE, ExpertsStage
+from lightning_moe_overlap.overlap.pending import SideWork
+from lightning_moe_overlap.overlap.runtime import CommRuntime
 
 SHARED_NAMES = ("shared_experts", "shared_expert")  # DeepSeek-V2/V3, Dots1, ... / Qwen2-MoE
+STAGE_ATTR = "shared_stage"  # the window's stage, a child of the block
 
 
 class _CallState:
@@ -50,9 +62,12 @@ class SharedExpertWindow:
     """
 
     def __init__(self, block: nn.Module, shared_name: str, runtime: CommRuntime) -> None:
+        self.block = block
         self.shared: nn.Module = getattr(block, shared_name)
         self.runtime = runtime
         self._forward = self.shared.forward  # the bound original forward (no hooks)
+        self.stage = ExpertsStage(SHARED_STAGE, self._forward)  # every real computation is one call of it
+        block.add_module(STAGE_ATTR, self.stage)
         self._local = threading.local()
         experts = block.experts
         self._handles = [
@@ -67,6 +82,7 @@ class SharedExpertWindow:
         for handle in self._handles:
             handle.remove()
         del self.shared.forward
+        delattr(self.block, STAGE_ATTR)
 
     # -- hooks -----------------------------------------------------------------------------------------------------
     def _state(self) -> _CallState | None:
@@ -89,7 +105,7 @@ class SharedExpertWindow:
         state.experts_started = True
         if not state.shared_called and state.block_input is not None:
             x = state.block_input
-            state.work = self.runtime.submit(lambda: None if state.cancelled else self._forward(x))
+            state.work = self.runtime.submit(lambda: None if state.cancelled else self.stage(x))
 
     def _experts_finished(self, module: nn.Module, args: Any, output: Any) -> None:
         state = self._state()
@@ -100,18 +116,29 @@ class SharedExpertWindow:
     def _shared_forward(self, x: Tensor, *args: Any, **kwargs: Any) -> Tensor:
         state = self._state()
         if state is None or args or kwargs or state.shared_called:
-            return self._forward(x, *args, **kwargs)
+            return self.stage(x, *args, **kwargs)
         state.shared_called = True
         if state.experts_started:  # called after the routed experts (DeepSeek-V3 order)
             if state.work is not None and x is state.block_input:
                 return state.work.result()
-            return self._forward(x)
+            return self.stage(x)
         # Called before the routed experts (Qwen2-MoE order): a placeholder now, the forward in the window.
-        with torch.no_grad():
+        with torch.no_grad():  # the probe is not the computation: not through the stage
             probe = self._forward(x.reshape(-1, x.shape[-1])[:0])
         out = torch.empty(*x.shape[:-1], probe.shape[-1], dtype=probe.dtype, device=probe.device)
-        state.work = self.runtime.submit(lambda: out.copy_(self._forward(x)))
+        state.work = self.runtime.submit(lambda: out.copy_(self.stage(x)))
         return out
+
+
+def shared_stage(block: nn.Module) -> nn.Module | None:
+    """The module whose call is the computation of ``block``'s shared experts, where hooks and checkpoints attach:
+    the window's stage when they run in the dispatch window (``block.shared_stage``), else the shared-experts
+    module itself (this package's ``MoELayer`` calls it as it is, in the window or inline). ``None`` without shared
+    experts."""
+    stage = getattr(block, STAGE_ATTR, None)
+    if isinstance(stage, ExpertsStage):
+        return stage
+    return next((m for m in (getattr(block, n, None) for n in SHARED_NAMES) if isinstance(m, nn.Module)), None)
 
 
 def overlap_shared_experts(block: nn.Module, runtime: CommRuntime) -> SharedExpertWindow | None:

@@ -1,4 +1,4 @@
-"""The stages of the local experts as modules: where hooks, checkpoints and saved-tensor hooks attach.
+"""The stages of the experts as modules: where hooks, checkpoints and saved-tensor hooks attach.
 
 :class:`~lightning_moe_overlap.moe.ep.ExpertParallelExperts` runs its expert MLP (between dispatch and combine)
 as four module calls, reached with ``experts.stage(name)``:
@@ -10,6 +10,10 @@ as four module calls, reached with ``experts.stage(name)``:
 - ``fc2``, ``(h_RF, splits)``: the down projection and its per-expert bias.
 
 (``splits`` is the :class:`~lightning_moe_overlap.moe.grouped.RowSplits` of the call, shared by all stages.)
+
+The shared experts of a block whose shared-expert forward runs in the dispatch window (``moe/shared.py``) have a
+stage too, ``block.shared_stage`` (name ``"shared"``, called with the block's ``(x,)``): the window runs the shared
+experts through it, once per block call, wherever that computation lands.
 
 Because each stage is a module call, the supported extension points of ``nn.Module`` apply to it:
 ``register_forward_pre_hook`` / ``register_forward_hook`` see its inputs and output, a
@@ -34,17 +38,18 @@ from torch import Tensor, nn
 from torch.utils.hooks import RemovableHandle
 
 STAGE_NAMES: tuple[str, ...] = ("local", "fc1", "act", "fc2")
+SHARED_STAGE = "shared"
 
 Compute = Callable[..., Tensor]
 Wrapper = Callable[[Compute], Compute]
 
 
 class ExpertsStage(nn.Module):
-    """One named stage of the local experts (see the module docstring).
+    """One named stage of the local experts, or the shared experts' stage (see the module docstring).
 
     Args:
-        name: the stage's name (one of :data:`STAGE_NAMES`).
-        compute: what the stage computes, a method of the experts module that owns the weights.
+        name: the stage's name (one of :data:`STAGE_NAMES`, or :data:`SHARED_STAGE`).
+        compute: what the stage computes, a method of the module that owns the weights.
     """
 
     def __init__(self, name: str, compute: Compute) -> None:
@@ -64,11 +69,11 @@ class ExpertsStage(nn.Module):
         """Whether a wrapper is installed."""
         return bool(self._wrappers)
 
-    def forward(self, *args: Any) -> Tensor:
+    def forward(self, *args: Any, **kwargs: Any) -> Tensor:
         fn = self.compute
         for wrap in self._wrappers.values():
             fn = wrap(fn)
-        return fn(*args)
+        return fn(*args, **kwargs)
 
     def extra_repr(self) -> str:
         return f"{self.name!r}" + (f", wrappers={len(self._wrappers)}" if self._wrappers else "")

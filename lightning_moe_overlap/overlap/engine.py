@@ -1,10 +1,10 @@
 """The overlap engine: runs one optimizer step's micro-batch schedule as phases of one or two contexts.
 
 Two worker threads ("lanes") live for one step: the forward lane runs ``F0, F1, ...`` and the backward lane
-``B0, B1, ...``, one task per phase, in schedule order. Each phase has its own :class:`Baton`, installed in the
-:class:`CommRuntime` so that every comm point of the model hands over through it. The calling thread supervises:
-it hands the tasks of a phase to the lanes, waits for them, reads other ranks' failure reports meanwhile, and
-re-raises the first error in its own thread.
+``B0, B1, ...``, one task per phase, in schedule order. Each phase has its own :class:`Baton`, bound in the
+:class:`CommRuntime`'s ``phase`` so that every comm point of the model hands over through it. The calling thread
+supervises: it hands the tasks of a phase to the lanes, waits for them, reads other ranks' failure reports
+meanwhile, and re-raises the first error in its own thread.
 
 Both schedules (overlapped and sequential) run through the same lanes, thread-local state and context factory,
 so the sequential run is a faithful oracle: the only difference is which tasks share a phase. With one micro-batch
@@ -225,7 +225,7 @@ class EngineStep:
 
     It owns the lanes, one worker thread per role that lives for the step, the thread state and random generators
     of the thread that started the step, and the step's failure watch. Phases run one at a time, each with its own
-    :class:`Baton` installed in the runtime; the calling thread supervises each.
+    :class:`Baton` bound in the runtime; the calling thread supervises each.
     """
 
     def __init__(self, engine: OverlapEngine, watch: FailureWatch, state: ThreadState, rng: RngSource) -> None:
@@ -271,14 +271,14 @@ class EngineStep:
         """
         engine = self.engine
         baton = Baton((task.role,), phase=task.name, starter=task.role, timeout_s=engine.timeout_s, rng=self.rng)
-        with engine.runtime.overlapping(baton):  # one context: its hand-overs return at once
+        with engine.runtime.phase.bound(baton):  # one context: its hand-overs return at once
             self._execute(task, body)
 
     def run_phase(self, phase: Phase, body: TaskBody) -> None:
         """Run the tasks of ``phase``; ``body(task)`` does each one's work, in that task's lane."""
         engine = self.engine
         baton = Baton(phase.roles, phase=phase.name, starter=phase.starter, timeout_s=engine.timeout_s, rng=self.rng)
-        with engine.runtime.overlapping(baton):
+        with engine.runtime.phase.bound(baton):
             for task in phase.tasks:
                 self._lane(task.role).submit(partial(baton.run, task.role, partial(self._execute, task, body)))
             done = False
@@ -313,17 +313,17 @@ class EngineStep:
 
     def _execute(self, task: Task, body: TaskBody) -> None:
         runtime = self.engine.runtime
-        trace = runtime.trace  # the timeline of a traced step (overlap/timeline.py); usually None
-        if trace is not None:
-            trace.task_started(task)
+        observers = runtime.observers  # e.g. the timeline of a traced step (overlap/timeline.py); usually none
+        for observer in observers:
+            observer.on_task_start(task)
         try:
             with self.state.applied(), self.engine.context_factory(task):
                 body(task)
                 if task.role is Role.BACKWARD:
                     runtime.flush_wgrad()  # this task's weight gradients land before the next backward
         finally:
-            if trace is not None:
-                trace.task_finished(task)
+            for observer in observers:
+                observer.on_task_end(task)
 
 
 def _close(lanes: Iterable[_Lane], timeout_s: float) -> None:

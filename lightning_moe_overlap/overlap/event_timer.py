@@ -1,12 +1,12 @@
 """Comm-point timing on the device: CUDA events, read once when the totals are asked for.
 
 On CUDA a comm point's ``work.wait()`` does not block the host: it makes the current (compute) stream wait for
-the collective. :class:`EventCommTimer` records three events on the current stream per comm point: at the
-hand-over after the issue, right before the wait and right after it. On the device, the last two complete when
-the compute queued before the wait finished and when the stream may continue past the collective: their
-difference is the time the compute stream stalled on the collective, the *exposed* communication; issue to
-after-wait is the time it was in flight. Nothing is read on the hot path: :meth:`EventCommTimer.snapshot` (or
-``reset``) synchronizes on the recorded events once and adds them up.
+the collective. :class:`EventCommTimer`, an observer of the comm runtime like :class:`CommTimer`, records three
+events on the current stream per comm point: at the issue, right before the wait and right after it. On the
+device, the last two complete when the compute queued before the wait finished and when the stream may continue
+past the collective: their difference is the time the compute stream stalled on the collective, the *exposed*
+communication; issue to after-wait is the time it was in flight. Nothing is read on the hot path:
+:meth:`EventCommTimer.snapshot` (or ``reset``) synchronizes on the recorded events once and adds them up.
 
 ``event_factory`` makes the events (``torch.cuda.Event(enable_timing=True)`` by default); the CPU tests pass
 host-clock events with the same ``record`` / ``synchronize`` / ``elapsed_time`` interface.
@@ -15,9 +15,12 @@ host-clock events with the same ``record`` / ``synchronize`` / ``elapsed_time`` 
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
-from lightning_moe_overlap.overlap.runtime import CommTimer, CommTimes, Waitable
+from lightning_moe_overlap.overlap.observers import CommTimer, CommTimes
+
+if TYPE_CHECKING:
+    from lightning_moe_overlap.overlap.schedule import Role
 
 
 class TimingEvent(Protocol):
@@ -49,19 +52,21 @@ class EventCommTimer(CommTimer):
     def mark_issued(self) -> None:
         event = self._event()
         event.record()
-        self._issued.at = event
+        self._point.issued = event
 
-    def wait(self, work: Waitable) -> Any:
+    def on_wait_start(self, holder: Role | None = None) -> None:
         before = self._event()
         before.record()
-        result = work.wait()
+        self._point.wait_start = before
+
+    def on_wait_end(self, holder: Role | None = None) -> None:
         after = self._event()
         after.record()
-        issued = getattr(self._issued, "at", None)
-        self._issued.at = None
+        before = self._point.wait_start
+        issued = getattr(self._point, "issued", None)
+        self._point.issued = None
         with self._lock:
             self._pending.append((issued if issued is not None else before, before, after))
-        return result
 
     def _resolve(self) -> None:
         with self._lock:

@@ -1,7 +1,7 @@
 """The timeline of one step on one rank: which context ran when, and every comm point's issue, wait and exposure.
 
-A :class:`TimelineRecorder` is a :class:`~lightning_moe_overlap.overlap.runtime.TraceSink`: attach it to the
-runtime (``runtime.trace = recorder``) for one step and the engine and the comm points report to it. It keeps
+A :class:`TimelineRecorder` is a :class:`~lightning_moe_overlap.overlap.observers.CommObserver`: attach it to the
+runtime (``runtime.attach(recorder)``) for one step and the engine and the comm points report to it. It keeps
 three kinds of record, all on the host clock (``time.perf_counter``), relative to the step's first task:
 
 - :class:`RunSpan`: a context held the baton and ran (``F1`` from its start, or its return from a hand-over,
@@ -29,6 +29,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from lightning_moe_overlap.overlap.observers import CommObserver
 from lightning_moe_overlap.overlap.schedule import Role, Task
 
 Clock = Callable[[], float]
@@ -84,8 +85,8 @@ class StepTimeline:
         )
 
 
-class TimelineRecorder:
-    """Records one step's :class:`StepTimeline` (see the module docstring); attach as ``runtime.trace``.
+class TimelineRecorder(CommObserver):
+    """Records one step's :class:`StepTimeline` (see the module docstring); ``runtime.attach(recorder)``.
 
     Args:
         rank: written into the timeline (the trace's process id).
@@ -100,53 +101,51 @@ class TimelineRecorder:
         self._task: dict[Role, str] = {}
         self._running_since: dict[Role, float] = {}
         self._issued: dict[Role, float] = {}
+        self._wait_start: dict[Role, float] = {}  # absolute clock, per context (one wait at a time each)
         self._comm_index: dict[str, int] = {}
 
     # -- engine side -----------------------------------------------------------------------------------------------
-    def task_started(self, task: Task) -> None:
+    def on_task_start(self, task: Task) -> None:
         with self._lock:
             now = self._now()
             self._task[task.role] = task.name
             self._running_since[task.role] = now
 
-    def task_finished(self, task: Task) -> None:
+    def on_task_end(self, task: Task) -> None:
         with self._lock:
             self._close_run(task.role, self._now())
 
-    # -- comm points (called by the runtime; the baton says which context runs) ----------------------------------
-    def comm_issued(self, baton: Any) -> None:
-        role = _role(baton)
-        if role is not None:
+    # -- comm points (``holder``: the context that runs; ``None`` outside a schedule, not recorded) -------------------
+    def on_issue(self, holder: Role | None) -> None:
+        if holder is not None:
             with self._lock:
-                self._issued[role] = self._now()
+                self._issued[holder] = self._now()
 
-    def handing_over(self, baton: Any) -> None:
-        role = _role(baton)
-        if role is not None:
+    def on_handoff(self, holder: Role | None) -> None:
+        if holder is not None:
             with self._lock:
-                self._close_run(role, self._now())
+                self._close_run(holder, self._now())
 
-    def resumed(self, baton: Any) -> None:
-        role = _role(baton)
-        if role is not None:
+    def on_resume(self, holder: Role | None) -> None:
+        if holder is not None:
             with self._lock:
-                self._running_since[role] = self._now()
+                self._running_since[holder] = self._now()
 
-    def wait_started(self, baton: Any) -> float:
-        return self.clock()
+    def on_wait_start(self, holder: Role | None) -> None:
+        if holder is not None:
+            self._wait_start[holder] = self.clock()
 
-    def wait_ended(self, baton: Any, started: float) -> None:
-        role = _role(baton)
-        if role is None:
+    def on_wait_end(self, holder: Role | None) -> None:
+        if holder is None:
             return
         with self._lock:
             end = self._now()
-            task = self._task.get(role, "?")
-            start = self._relative(started)
-            issued = self._issued.pop(role, start)
+            task = self._task.get(holder, "?")
+            start = self._relative(self._wait_start.pop(holder))
+            issued = self._issued.pop(holder, start)
             index = self._comm_index.get(task, 0)
             self._comm_index[task] = index + 1
-            self._timeline.comms.append(CommSpan(role.value, task, index, issued, start, end))
+            self._timeline.comms.append(CommSpan(holder.value, task, index, issued, start, end))
 
     # -- result ----------------------------------------------------------------------------------------------------
     def timeline(self) -> StepTimeline:
@@ -168,10 +167,6 @@ class TimelineRecorder:
         start = self._running_since.pop(role, None)
         if start is not None:
             self._timeline.runs.append(RunSpan(role.value, self._task.get(role, "?"), start, now))
-
-
-def _role(baton: Any) -> Role | None:
-    return None if baton is None else baton.holder
 
 
 # -- Chrome trace ----------------------------------------------------------------------------------------------------

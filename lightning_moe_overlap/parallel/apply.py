@@ -1,21 +1,30 @@
 """How a model becomes the parallel model: ordered steps over one mesh.
 
 ``MoEOverlapStrategy.setup`` runs them in this order (torchtitan's: pipeline cut, TP, EP, activation checkpointing,
-FSDP), each a function of the module and the mesh that can be called and tested alone:
+FSDP), each a function of the module and the mesh that can be called and tested alone. ``configure_model`` runs under
+the meta device at every pp (``MoEOverlapStrategy.model_sharded_context``), so the model may arrive without memory;
+each rank then allocates only what it holds (``parallel/materialize.py``):
 
-1. :func:`apply_pipeline` (``pp > 1``): cut the model into ``pp * vpp`` chunks and allocate this rank's own
-   (a model built on the meta device is initialised chunk by chunk).
+1. :func:`apply_pipeline` (``pp > 1``): cut the model into ``pp * vpp`` chunks; the other pp ranks' chunks go to the
+   meta device, this rank's stay where they are (on its device, or on meta until the next steps).
 2. tensor / sequence / context parallelism of the dense layers (``parallelize_module`` over ``mesh["tp"]``) plugs
    in here, on the held chunks, before the experts are replaced.
-3. :func:`apply_ep`: every experts module becomes expert-parallel over ``mesh["ep"]`` (``DTensor`` experts), its
-   routers' auxiliary losses scaled like the main loss.
-4. activation checkpointing: the ``Recompute`` callback wraps the chunks at ``on_fit_start``, after these steps.
-5. the precision plugin converts the module, and it moves to the device; replicas are made equal
+3. :func:`apply_materialize`: the held dense tensors built on meta are allocated (whole: step 6 shards them) and
+   given their seeded init; the experts wait for step 4. Before it, so that the routers step 4 scales hold tensors.
+4. :func:`apply_ep`: every experts module becomes expert-parallel over ``mesh["ep"]`` (``DTensor`` experts), its
+   routers' auxiliary losses scaled like the main loss. Experts built on meta get only this rank's slice: one layer
+   at a time the full experts are initialised, the slice kept and the rest freed (left uninitialised when a
+   checkpoint will fill them, ``hf_weights``).
+5. activation checkpointing: the ``Recompute`` callback wraps the chunks at ``on_fit_start``, after these steps.
+6. the precision plugin converts the module, and it moves to the device; replicas are made equal
    (``MoEModelHandle.broadcast_replicas``, ``DTensor``-aware).
-6. :func:`apply_fsdp`: ``fully_shard`` the dense parameters (replicas at ``shard="none"``, shards otherwise) and,
+7. :func:`apply_fsdp`: ``fully_shard`` the dense parameters (replicas at ``shard="none"``, shards otherwise) and,
    when sharded, the experts over ``mesh["edp"]``.
-7. loading published weights into the sharded model (``torch.distributed.checkpoint``) plugs in here, after the
-   parameters have their final placement and before the optimizers are built.
+8. :func:`apply_pretrained`: a LightningModule that declares ``hf_weights`` (a published Hugging Face checkpoint)
+   gets them read into the sharded model (``torch.distributed.checkpoint``'s HF reader, ``hf/load.py``), after the
+   parameters have their final placement and before the optimizers are built: ``parallel/held.py`` gives what this
+   rank holds and the whole model's shapes, by the unsplit model's names; each rank reads only its part, and the
+   load fails before the first step unless every tensor under the prefix was written.
 
 The groups every step uses come from the one mesh (:meth:`ParallelMesh.process_groups`).
 """
@@ -28,7 +37,16 @@ from torch import nn
 from torch.distributed.fsdp import MixedPrecisionPolicy
 
 from lightning_moe_overlap.config import OverlapConfig, ShardMode
+from lightning_moe_overlap.hf.load import HFLoadReport, as_hf_weights, load_hf_weights
 from lightning_moe_overlap.overlap.runtime import CommRuntime
+from lightning_moe_overlap.parallel.materialize import (
+    MetaInit,
+    find_meta_experts,
+    materialize_dense,
+    materialize_experts,
+)
+from lightning_moe_overlap.parallel.held import global_shapes, held_tensors
+from lightning_moe_overlap.parallel.materialize import WEIGHTS_ATTR
 from lightning_moe_overlap.parallel.mesh import ParallelMesh
 from lightning_moe_overlap.parallel.sharding import ShardedModel, replicate_mesh
 from lightning_moe_overlap.pipeline.pipelined import PipelinedModel
@@ -42,8 +60,14 @@ def apply_pipeline(
     if mesh.dims.pp == 1:
         return None
     pipeline = PipelinedModel.cut(module, config, mesh.process_groups(rank))
-    pipeline.place(device, seed=torch.initial_seed())
+    pipeline.place(device, seed=torch.initial_seed(), materialize=False)  # tensors on meta: apply_materialize, apply_ep
     return pipeline
+
+
+def apply_materialize(model: nn.Module, init: MetaInit, pipeline: PipelinedModel | None) -> list[str]:
+    """Allocate and initialise the dense tensors this rank holds that were built on meta (all of ``model`` at
+    ``pp = 1``, the held chunks at ``pp > 1``), the experts excepted (:func:`apply_ep`); the names initialised."""
+    return materialize_dense(model, init, None if pipeline is None else pipeline.held_chunks)
 
 
 def apply_ep(
@@ -54,12 +78,19 @@ def apply_ep(
     pipeline: PipelinedModel | None,
     *,
     rank: int,
+    init: MetaInit | None = None,
 ) -> None:
     """Make the experts of ``ep_model`` (of the chunks this rank holds at ``pp > 1``) expert-parallel over
     ``mesh["ep"]``, and scale the routers' auxiliary losses: by ``1 / num_microbatches`` at ``pp = 1`` (each
-    micro-batch backpropagates ``loss / M``), not at all at ``pp > 1`` (torch's schedules divide every gradient)."""
+    micro-batch backpropagates ``loss / M``), not at all at ``pp > 1`` (torch's schedules divide every gradient).
+
+    Experts built on meta get this rank's slice per ``init`` (``materialize_experts``); without ``init`` they stay
+    on meta."""
     held = None if pipeline is None else pipeline.held_chunks
+    pending = find_meta_experts(ep_model.model, held) if init is not None else []
     ep_model.apply(config, mesh.process_groups(rank), runtime, modules=held, ep_mesh=mesh["ep"])
+    if init is not None:
+        materialize_experts(pending, init)
     ep_model.set_aux_loss_scale(1.0 if held is not None else 1.0 / config.num_microbatches)
 
 
@@ -80,3 +111,20 @@ def apply_fsdp(
         return ShardedModel.replicate(roots, ep_model.expert_parameters(), replicate_mesh(mesh))
     mode: ShardMode = config.shard  # type: ignore[assignment]
     return ShardedModel.shard(model, ep_model.expert_modules(), mesh, mode, mp_policy=mp_policy)
+
+
+def apply_pretrained(module: LightningModule, pipeline: PipelinedModel | None) -> HFLoadReport | None:
+    """Read the checkpoint ``module.hf_weights`` declares (an ``HFWeights`` or a folder path) into the tensors this
+    rank holds, under the weights' prefix; ``None`` when it declares none. Collective: every rank calls it."""
+    declared = getattr(module, WEIGHTS_ATTR, None)
+    if declared is None:
+        return None
+    weights = as_hf_weights(declared, f"`{type(module).__name__}`")
+    prefix = weights.prefix
+    held = {n: t for n, t in held_tensors(module, pipeline).items() if n.startswith(prefix)}
+    shapes = {n: s for n, s in global_shapes(module).items() if n.startswith(prefix)}
+    with torch.no_grad():
+        return load_hf_weights(
+            held, shapes, weights.path, family=weights.family, prefix=prefix, ignore=weights.ignore
+        )
+

@@ -6,6 +6,7 @@ What the strategy does with it, in order (docs/pipeline.md, "With the strategy")
     pipelined = PipelinedModel.cut(module, config, groups)  # layout, split, which chunks this rank holds
     pipelined.place(device, seed)                 # own chunks allocated (seeded init if built on meta), others on meta
     handle.apply(config, groups, runtime, modules=pipelined.held_chunks)   # experts of own chunks expert-parallel
+    (the strategy places with ``materialize=False`` and allocates the held tensors itself: parallel/apply.py)
     pipelined.build_schedule(engine, context)     # torch stages of own chunks, the schedule, the overlap executor
     loss = pipelined.train_step(batch, logs)      # one optimizer step's forwards and backwards
     loss = pipelined.eval_step(batch, logs)       # forward only (validation, test)
@@ -94,21 +95,25 @@ class PipelinedModel:
         return self.layout.num_chunks - 1 in self.held
 
     # -- memory: own chunks on the device, the others on meta ------------------------------------------------------
-    def place(self, device: torch.device, seed: int) -> None:
+    def place(self, device: torch.device, seed: int, *, materialize: bool = True) -> None:
         """Allocate this rank's chunks on ``device`` and free the others (meta).
 
-        A model built on the meta device (``configure_model`` runs under it at ``pp > 1``) gets its chunks
-        initialised with :func:`~lightning_moe_overlap.pipeline.split.seeded_init` under ``seed`` (values equal on
-        every rank and equal to ``seeded_init`` of the unsplit model); a model built with values keeps them.
-        Tensors of the module outside every chunk move to ``device``.
+        A model built on the meta device (``configure_model`` runs under it) gets its chunks initialised with
+        :func:`~lightning_moe_overlap.pipeline.split.seeded_init` under ``seed`` (values equal on every rank and
+        equal to ``seeded_init`` of the unsplit model); a model built with values keeps them. With
+        ``materialize=False`` the held tensors on meta stay there (the strategy allocates them afterwards, the
+        experts as this rank's slice only: ``parallel/materialize.py``). Tensors of the module outside every chunk
+        move to ``device``.
         """
         self.device = torch.device(device)
         held_tensors = {id(t) for chunk in self.held_chunks for t in _tensors(chunk)}
-        if any(t.is_meta for chunk in self.held_chunks for t in _tensors(chunk)):
+        if materialize and any(t.is_meta for chunk in self.held_chunks for t in _tensors(chunk)):
             self.split.materialize(self.held, device, seed=seed)
             held_tensors = {id(t) for chunk in self.held_chunks for t in _tensors(chunk)}
         in_chunks = {id(t) for chunk in self.split.chunks for t in _tensors(chunk)}
         for owner, name, tensor in _owned_tensors(self.split.model):
+            if tensor.is_meta and id(tensor) in held_tensors and not materialize:
+                continue
             if id(tensor) in held_tensors or id(tensor) not in in_chunks:
                 _move(owner, name, tensor, device)
             else:

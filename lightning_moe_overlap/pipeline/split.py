@@ -247,14 +247,19 @@ def seeded_init(
     """
     init = init_module or reset_module
     for name, sub in module.named_modules():
-        if not _own_tensors(sub):
-            continue
-        devices = [t.device for _, t in _own_tensors(sub)]
-        cuda = sorted({d.index or 0 for d in devices if d.type == "cuda"})
-        with torch.random.fork_rng(devices=cuda):
-            torch.manual_seed(module_seed(seed, fqn(name)))
-            with torch.no_grad():
-                init(sub)
+        if _own_tensors(sub):
+            init_one_seeded(sub, seed, fqn(name), init)
+
+
+def init_one_seeded(module: nn.Module, seed: int, fqn: str, init_module: InitModule) -> None:
+    """``init_module(module)`` under ``module_seed(seed, fqn)``: how :func:`seeded_init` initialises each module
+    (``fqn`` its unsplit name), the global random state left as it was."""
+    devices = [t.device for _, t in _own_tensors(module)]
+    cuda = sorted({d.index or 0 for d in devices if d.type == "cuda"})
+    with torch.random.fork_rng(devices=cuda):
+        torch.manual_seed(module_seed(seed, fqn))
+        with torch.no_grad():
+            init_module(module)
 
 
 def reset_module(module: nn.Module) -> None:
@@ -264,8 +269,9 @@ def reset_module(module: nn.Module) -> None:
     elif any(True for _ in module.parameters(recurse=False)):
         raise TypeError(
             f"seeded_init: {type(module).__name__} has parameters and no reset_parameters(). Rule: without an "
-            "init_module every module with parameters resets itself. Fix: give PipelineChunks an init_module, or "
-            "materialize from a state_dict."
+            "init_module every module with parameters resets itself. Fix: define `init_module(self, module)` on the "
+            "LightningModule (it initialises one module's own tensors; used for a model built on the meta device at "
+            "every pp), or give PipelineChunks an init_module, or materialize from a state_dict."
         )
 
 

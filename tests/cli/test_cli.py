@@ -44,6 +44,7 @@ def test_cli_fit_saves_config_into_the_loggers_directory(tmp_path):
     assert [p.parent.name for p in saved] == ["version_0"], saved
 
 
+@pytest.mark.long  # the pipeline at pp=2 on 4 processes: tests/distributed/test_pipeline_strategy.py
 def test_cli_fit_cpu_pp_yaml_pipeline_on_four_processes():
     """The pipeline example (pp=2, vpp=2, ep=2 on 4 processes, interleaved 1F1B with overlap) trains from the CLI."""
     out = _console("fit", "--config", str(CONFIGS / "cpu_pp.yaml"), "--trainer.max_steps=2", timeout=300)
@@ -56,7 +57,7 @@ def test_cli_help_lists_every_subcommand_and_the_trace_options():
     assert out.returncode == 0, out.stderr
     assert "args parameter" not in out.stderr
     lines = out.stdout.splitlines()
-    names = ["fit", "validate", "test", "predict", "check", "convert-checkpoint", "consolidate-checkpoint"]
+    names = ["fit", "validate", "test", "predict", "check", "convert-checkpoint", "consolidate-checkpoint", "export-hf"]
     for name in [*names, "--trace_step N", "--trace_dir DIR"]:
         (i,) = [i for i, line in enumerate(lines) if line.split()[:len(name.split())] == name.split()]
         described = lines[i][len(lines[i].split(name, 1)[0]) + len(name):].strip() or lines[i + 1].strip()
@@ -118,7 +119,7 @@ def test_cli_check_invalid_config_lists_every_problem_and_fails():
     assert "5 error(s)" in out.stdout
 
 
-@pytest.mark.parametrize("where", ["command line", "config file"])
+@pytest.mark.parametrize("where", ["command line", pytest.param("config file", marks=pytest.mark.long)])
 def test_cli_fit_trace_step_writes_the_timeline(tmp_path, where):
     trace = ["--trace_step", "1", "--trace_dir", "tl"]
     if where == "config file":

@@ -205,7 +205,11 @@ def bitwise_worker(rank: int, world_size: int, configs: list[Config]) -> list[st
     return problems
 
 
-@pytest.mark.parametrize(("world_size", "configs"), [(2, ALL_CONFIGS), (4, COVERING_CONFIGS)], ids=["2ranks", "4ranks"])
+@pytest.mark.parametrize(
+    ("world_size", "configs"),
+    [(2, ALL_CONFIGS), pytest.param(4, COVERING_CONFIGS, marks=pytest.mark.long)],  # 4 ranks: test_overlap_bitwise
+    ids=["2ranks", "4ranks"],
+)
 def test_overlapped_bitwise_equal_to_sequential(world_size: int, configs: list[Config]) -> None:
     problems = run_distributed(bitwise_worker, world_size, configs, timeout_s=60)
     assert problems == [[]] * world_size
@@ -248,7 +252,10 @@ PG_TIMEOUT_S = 10.0
 
 @pytest.mark.parametrize(
     ("world_size", "culprit", "where", "raising_frame"),
-    [(2, 0, "forward", "forward: raise ValueError"), (4, 2, "backward", "backward: raise ValueError")],
+    [
+        (2, 0, "forward", "forward: raise ValueError"),
+        pytest.param(4, 2, "backward", "backward: raise ValueError", marks=pytest.mark.long),
+    ],
     ids=["2ranks-store-host-fails-in-forward", "4ranks-rank2-fails-in-autograd-backward"],
 )
 def test_failure_on_one_rank_ends_every_rank_with_its_message(

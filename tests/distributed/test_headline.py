@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import warnings
 
+import pytest
 import torch
 from lightning.pytorch import Trainer
 
@@ -35,6 +36,7 @@ def _worker(rank: int, world: int) -> dict:
     }
 
 
+@pytest.mark.procs8  # 8 processes: `python -m pytest -m procs8`
 def test_headline_ep8_vpp2_runs_on_eight_processes():
     results = run_distributed(_worker, 8, timeout_s=120)
     for r in results:

@@ -11,7 +11,7 @@ import torch
 import torch.distributed as dist
 
 from lightning_moe_overlap.moe import MoELayer, apply_expert_parallel
-from lightning_moe_overlap.moe.dispatch import comm
+from lightning_moe_overlap.moe.dispatch import communicator
 from lightning_moe_overlap.overlap.runtime import CommRuntime
 from tests.helpers.distributed import run_distributed
 from tests.helpers.syncs import SyncCounter
@@ -51,15 +51,15 @@ def _worker(rank: int, world_size: int) -> dict:
         apply_expert_parallel(layer, group, dispatcher=dispatcher, runtime=runtime, impl="loop", **knobs)
         torch.manual_seed(10 + rank)
         x = torch.randn(3 + 2 * rank, 16, requires_grad=True)  # uneven token counts
-        originals = (dist.all_to_all_single, comm._all_gather_single, comm._reduce_scatter_single)
+        originals = (dist.all_to_all_single, communicator._all_gather_single, communicator._reduce_scatter_single)
         dist.all_to_all_single = _logged(log, "all_to_all", originals[0])
-        comm._all_gather_single = _logged(log, "all_gather", originals[1])
-        comm._reduce_scatter_single = _logged(log, "reduce_scatter", originals[2])
+        communicator._all_gather_single = _logged(log, "all_gather", originals[1])
+        communicator._reduce_scatter_single = _logged(log, "reduce_scatter", originals[2])
         try:
             with counter:
                 layer(x).square().sum().backward()
         finally:
-            dist.all_to_all_single, comm._all_gather_single, comm._reduce_scatter_single = originals
+            dist.all_to_all_single, communicator._all_gather_single, communicator._reduce_scatter_single = originals
         # After each issue, the next hand-over comes before the next sync.
         bad = []
         for i, entry in enumerate(log):

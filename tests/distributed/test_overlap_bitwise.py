@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import itertools
 
+import pytest
 import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
@@ -105,10 +106,11 @@ def _worker_matrix(rank: int, world: int, cases: list[tuple]) -> int:
     return checked
 
 
-CASES = [
+PRODUCT = [
     (ep, micro, top_k, recompute, "alltoall")
     for ep, micro, top_k, recompute in itertools.product((2, 4), (2, 5), (1, 2), ("none", "layer"))
-] + [
+]
+EDGES = [
     (1, 2, 2, "none", "alltoall"),  # ep=1: no all-to-all crosses processes
     (1, 5, 1, "layer", "alltoall"),
     (2, 1, 2, "none", "alltoall"),  # one micro-batch: nothing to pair, the schedule is the sequential one
@@ -125,6 +127,9 @@ CASES = [
 ]
 
 
-def test_overlap_bitwise_equals_sequential_matrix():
-    results = run_distributed(_worker_matrix, WORLD, CASES, timeout_s=120)
-    assert results == [3 * len(CASES)] * WORLD
+@pytest.mark.parametrize(
+    "cases", [EDGES, pytest.param(PRODUCT, marks=pytest.mark.long)], ids=["edge-cases", "ep-micro-topk-recompute"]
+)
+def test_overlap_bitwise_equals_sequential_matrix(cases):
+    results = run_distributed(_worker_matrix, WORLD, cases, timeout_s=120)
+    assert results == [3 * len(cases)] * WORLD

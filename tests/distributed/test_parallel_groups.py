@@ -3,6 +3,7 @@ communicate, and each 1-D view of the mesh has exactly the members of the group 
 
 from __future__ import annotations
 
+import pytest
 import torch
 import torch.distributed as dist
 
@@ -78,10 +79,12 @@ def test_groups_single_process():
     assert run_distributed(_worker_groups, 1, SHAPES[1]) == [len(GROUP_KINDS) + 1]
 
 
+@pytest.mark.long  # the groups of one mesh at 4 ranks are also checked by test_one_mesh.py
 def test_groups_four_ranks():
     assert run_distributed(_worker_groups, 4, SHAPES[4]) == [5 * (len(GROUP_KINDS) + 1)] * 4
 
 
+@pytest.mark.procs8  # 8 processes: `python -m pytest -m procs8`
 def test_groups_eight_ranks():
     assert run_distributed(_worker_groups, 8, SHAPES[8], timeout_s=120) == [5 * (len(GROUP_KINDS) + 1)] * 8
 

@@ -28,16 +28,16 @@ def _model_and_floor(rank: int, world_size: int) -> dict:
     groups = build_groups(ParallelDims.from_world_size(world_size, ep=world_size), rank)
     t = bench.build_trainer(CFG, "sequential", groups, cpu)
     x, y = bench.make_batch(CFG, rank, cpu)
-    t.runtime.traffic.reset()
+    t.traffic.reset()
     t.engine.run(
         lambda i: nn.functional.mse_loss(t.net(x[i]), y[i]), lambda i, loss: loss.backward(), CFG.microbatches
     )
-    model = t.runtime.traffic.reset()
+    model = t.traffic.reset()
     floor = peer.comm_floor(CFG, groups, t.dense, t.expert)
     record = peer.comm_step(floor)
     return {
         "model": model,
-        "floor": floor.runtime.traffic.reset(),
+        "floor": floor.traffic.reset(),
         "record": record,
         "synced_zeros": all(torch.count_nonzero(p.grad) == 0 for p in floor.dense + floor.expert),
         "shapes": [p.shape for p in t.dense + t.expert] == [p.shape for p in floor.dense + floor.expert],

@@ -5,7 +5,7 @@ One spawn, several fits on the same processes, every loader in order (``use_dist
   ``attention_mask``, ``position_ids``) at pp=2 under DualPipeV with the overlap, and the same at pp=1 (ep=2 over the
   2 ranks, both reading the same batches): per-step losses on every rank and the parameters after the steps equal
   HF's own ``forward(**batch).loss`` trained in one process on the same weights and micro-batches;
-- ``from_pretrained`` inside ``configure_model`` at pp=2 (a module with ``pipeline_build_on_meta = False``, 1F1B),
+- ``from_pretrained`` inside ``configure_model`` at pp=2 (a module with ``build_on_meta = False``, 1F1B),
   fed a ``TensorDataset``'s list batches: the first loss is HF's next-token loss of the model loaded from the
   ``save_pretrained`` directory;
 - a batch the built-in split does not take (a list of two tensors) fails on every rank before the first step,
@@ -73,7 +73,7 @@ class SGDQwen3(HFMoECausalLM):
 class Pretrained(SGDQwen3):
     """Loads the HF model in ``configure_model`` (Lightning's place for big models), out of the meta device."""
 
-    pipeline_build_on_meta = False
+    build_on_meta = False
 
     def __init__(self, path: str) -> None:
         LightningModule.__init__(self)

@@ -12,12 +12,15 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
+import pytest
+
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
 import overlap as bench  # noqa: E402
 
 M, LAYERS, VPP = 4, 4, 2  # one block per chunk, two chunks per rank
 
 
+@pytest.mark.long  # a benchmark script end to end, 4 processes
 def test_pipeline_benchmark_reports_bubble_and_exposed_all_to_all_per_rank() -> None:
     cfg, _ = bench.parse_args([
         "--ranks", "4", "--pp", "2", "--vpp", str(VPP), "--layers", str(LAYERS), "--hidden", "16", "--ffn", "8",

@@ -63,6 +63,7 @@ def _finish(job: subprocess.Popen, limit_s: float) -> tuple[int, str, float]:
     return job.returncode, out, time.monotonic() - start
 
 
+@pytest.mark.long
 def test_a_hung_rank_ignoring_sigterm_ends_with_the_job(tmp_path):
     job = _start("hang", 1, tmp_path, devices=2, timeout_s=8)
     pids = _pids(tmp_path, 2)
@@ -74,6 +75,7 @@ def test_a_hung_rank_ignoring_sigterm_ends_with_the_job(tmp_path):
     assert "[rank 0] ended rank 1 (SIGKILL)" in out, out[-3000:]
 
 
+@pytest.mark.long
 def test_ranks_die_with_a_launching_process_killed_by_sigkill(tmp_path):
     job = _start("wait", -1, tmp_path, devices=2, timeout_s=120)
     pids = _pids(tmp_path, 2)

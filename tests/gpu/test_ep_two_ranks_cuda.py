@@ -17,7 +17,8 @@ import torch.distributed as dist
 from torch import nn
 
 from lightning_moe_overlap.moe import Experts, apply_expert_parallel
-from lightning_moe_overlap.overlap.runtime import CommRuntime, CommTraffic
+from lightning_moe_overlap.overlap.observers import CommTraffic
+from lightning_moe_overlap.overlap.runtime import CommRuntime
 from tests.helpers.distributed import run_distributed
 
 pytestmark = [
@@ -46,8 +47,8 @@ def _worker(rank: int, world: int, dedup: bool, impl: str) -> dict:
     full(x_ref, idx, w_ref).backward(grad_out.double())
 
     model = nn.ModuleDict({"experts": copy.deepcopy(full).float()}).cuda()
-    runtime = CommRuntime()
-    runtime.traffic = CommTraffic()
+    runtime, traffic = CommRuntime(), CommTraffic()
+    runtime.attach(traffic)
     (ep,) = apply_expert_parallel(model, dist.group.WORLD, runtime=runtime, impl=impl, dedup=dedup)
     x_ep = x.cuda().requires_grad_()
     w_ep = w.cuda().requires_grad_()
@@ -66,7 +67,7 @@ def _worker(rank: int, world: int, dedup: bool, impl: str) -> dict:
         summed = getattr(full, name).grad.clone()
         dist.all_reduce(summed)
         torch.testing.assert_close(torch.cat(parts).double(), summed, **tol, msg=name)
-    return {"remote_bytes": runtime.traffic.remote_bytes, "device": str(out.device)}
+    return {"remote_bytes": traffic.remote_bytes, "device": str(out.device)}
 
 
 @pytest.mark.parametrize("impl", ["grouped_mm", "loop"])

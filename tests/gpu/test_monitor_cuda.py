@@ -29,7 +29,7 @@ class StreamWork:
 
 def test_event_timer_sees_the_stall_of_the_compute_stream() -> None:
     runtime = CommRuntime()
-    runtime.timing = timer = EventCommTimer()
+    runtime.attach(timer := EventCommTimer())
     side = torch.cuda.Stream()
     work = StreamWork(side)
     runtime.handoff()

@@ -192,6 +192,6 @@ def test_baton_rejects_bad_roles(roles: list[Role], starter: Role) -> None:
 def test_schedule_refuses_a_runtime_already_in_use() -> None:
     runtime = CommRuntime()
     other = Baton([Role.FORWARD], phase="other", starter=Role.FORWARD, timeout_s=1)
-    with runtime.overlapping(other), pytest.raises(RuntimeError, match="a schedule is already active"):
+    with runtime.phase.bound(other), pytest.raises(RuntimeError, match="a schedule is already active"):
         run_schedule(lambda i: i, lambda i, out: None, 1, runtime, overlap=True)
     assert not lane_threads()

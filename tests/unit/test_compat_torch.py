@@ -384,3 +384,13 @@ def test_gloo_options_carry_a_timeout_into_a_mesh(world_of_one) -> None:
     assert backend.options._timeout == timedelta(seconds=11), _broken(
         "ProcessGroupGloo._Options", "gloo_options", "no longer carries the timeout into the mesh's group"
     )
+
+
+def test_local_shape_and_offset(world_of_one) -> None:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    tensor = distribute_tensor(torch.zeros(5, 3), init_device_mesh("cpu", (1,)), [Shard(0)])
+    assert torch_compat.local_shape_and_offset(tensor) == ((5, 3), (0, 0)), (
+        f"torch {torch.__version__}: `compute_local_shape_and_global_offset` changed; update `_compat/torch.py`"
+    )

@@ -26,6 +26,7 @@ from lightning_moe_overlap.moe.dispatch import (
     require_flex_backend,
 )
 from lightning_moe_overlap.moe.grouped import grouped_mlp
+from lightning_moe_overlap.overlap.observers import CommTimer
 from lightning_moe_overlap.overlap.runtime import CommRuntime
 
 
@@ -146,8 +147,8 @@ class FakeDeepEPBuffer:
 
 
 class CountingRuntime(CommRuntime):
-    def __init__(self, delay_wgrad: bool = False) -> None:
-        super().__init__(delay_wgrad=delay_wgrad)
+    def __init__(self, delay_wgrad: bool = False, communicator=None) -> None:  # noqa: ANN001
+        super().__init__(delay_wgrad=delay_wgrad, communicator=communicator)
         self.handoffs = 0
         self.waits = 0
 
@@ -188,7 +189,7 @@ def test_flex_matches_alltoall_on_one_rank_forward_and_backward(top_k: int) -> N
     buffer = FakeDeepEPBuffer()
     runtime = CountingRuntime()
     flex = FlexDispatcher(None, E, runtime, deepep_buffer=buffer)
-    with runtime.timed() as timer:
+    with runtime.attach(CommTimer()) as timer:
         x_RD, splits, handle = flex.dispatch(x, idx, w)
         y_RD = grouped_mlp(x_RD, splits, experts.gate_up_proj, experts.down_proj, experts.act_fn, runtime)
         out = flex.combine(y_RD, handle)

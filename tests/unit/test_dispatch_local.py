@@ -121,8 +121,7 @@ def test_dedup_is_bitwise_the_plain_path_on_one_rank(top_k: int, weights_dtype: 
     for dedup in (False, True):
         x = torch.randn(7, D, generator=torch.Generator().manual_seed(1)).requires_grad_()
         w_in = w.to(weights_dtype).requires_grad_()
-        runtime = CountingRuntime()
-        runtime.loopback = Loopback(0.0)  # rows leave the process (simulated ep): the deduplicated path runs
+        runtime = CountingRuntime(communicator=Loopback(0.0))  # rows leave the process (simulated ep): dedup runs
         dispatcher = AllToAllDispatcher(None, E, runtime, dedup=dedup)
         x_RD, splits, handle = dispatcher.dispatch(x, idx, w_in)
         assert isinstance(handle, DedupHandle) is (dedup and top_k > 1)

@@ -158,7 +158,7 @@ def test_event_timer_measures_like_the_host_timer_and_reads_once() -> None:
         return events[-1]
 
     runtime = CommRuntime()
-    runtime.timing = timer = EventCommTimer(event_factory=make)
+    runtime.attach(timer := EventCommTimer(event_factory=make))
     for _ in range(2):
         work = TimedWork(clock, 0.03)
         runtime.handoff()

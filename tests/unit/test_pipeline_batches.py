@@ -125,7 +125,7 @@ class _Loads(LightningModule):
     def __init__(self, path: str, on_meta: bool) -> None:
         super().__init__()
         self.path = path
-        self.pipeline_build_on_meta = on_meta
+        self.build_on_meta = on_meta
 
     def configure_model(self) -> None:
         self.model = transformers.AutoModelForCausalLM.from_pretrained(self.path)
@@ -141,19 +141,21 @@ def saved(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, dict[str, torc
     return path, model.state_dict()
 
 
-def test_error_from_pretrained_under_the_meta_context(saved):
-    strategy = MoEOverlapStrategy(pp=2, num_microbatches=2)
+@pytest.mark.parametrize("pp", [1, 2])
+def test_error_from_pretrained_under_the_meta_context(saved, pp):
+    strategy = MoEOverlapStrategy(pp=pp, num_microbatches=2)
     module = _Loads(saved[0], on_meta=True)
     strategy.connect(module)
-    with pytest.raises(RuntimeError, match=r"_Loads.configure_model` runs under the meta device.*"
-                                           r"Fix: set `pipeline_build_on_meta = False`"):  # fmt: skip
+    with pytest.raises(RuntimeError, match=r"_Loads.configure_model` runs under the meta device \(at every pp.*"
+                                           r"Fix: set `build_on_meta = False`"):  # fmt: skip
         with strategy.model_sharded_context():
             module.configure_model()
 
 
-def test_from_pretrained_with_the_opt_out_loads_the_saved_weights(saved):
+@pytest.mark.parametrize("pp", [1, 2])
+def test_from_pretrained_with_the_opt_out_loads_the_saved_weights(saved, pp):
     path, state = saved
-    strategy = MoEOverlapStrategy(pp=2, num_microbatches=2)
+    strategy = MoEOverlapStrategy(pp=pp, num_microbatches=2)
     module = _Loads(path, on_meta=False)
     strategy.connect(module)
     with strategy.model_sharded_context():
@@ -162,3 +164,17 @@ def test_from_pretrained_with_the_opt_out_loads_the_saved_weights(saved):
     assert loaded.keys() == state.keys()
     for key, value in state.items():
         assert torch.equal(loaded[key], value), key
+
+
+def test_the_former_opt_out_name_still_works_with_a_warning(saved):
+    class Former(_Loads):
+        pipeline_build_on_meta = False
+
+    module = Former(saved[0], on_meta=False)
+    del module.build_on_meta  # only the former name
+    strategy = MoEOverlapStrategy(pp=1)
+    strategy.connect(module)
+    with pytest.warns(FutureWarning, match=r"`Former.pipeline_build_on_meta = False` is deprecated.*Rename it to "
+                                           r"`build_on_meta = False`"):  # fmt: skip
+        with strategy.model_sharded_context():
+            assert torch.empty(1).device.type == "cpu"

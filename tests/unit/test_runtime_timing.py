@@ -1,4 +1,4 @@
-"""Opt-in communication timing of ``CommRuntime``: ``runtime.wait(work)`` with and without a ``CommTimer``.
+"""Opt-in communication timing of ``CommRuntime``: ``runtime.wait(work)`` with and without an attached ``CommTimer``.
 
 The timer reads a virtual clock (tests/helpers/clock.py): compute advances it, a wait moves it to the collective's
 completion, so each assertion is about which waits blocked and for what part of the collective, never about how
@@ -13,8 +13,10 @@ import torch.distributed as dist
 
 from lightning_moe_overlap.moe.dispatch import comm
 from lightning_moe_overlap.overlap import run_schedule
-from lightning_moe_overlap.overlap import runtime as runtime_module
-from lightning_moe_overlap.overlap.runtime import CommRuntime, CommTimer, CommTimes
+from lightning_moe_overlap.overlap import observers as observers_module
+from lightning_moe_overlap.overlap.observers import CommObserver, CommTimer, CommTimes
+from lightning_moe_overlap.overlap.runtime import CommRuntime
+from lightning_moe_overlap.overlap.schedule import Role
 from tests.helpers.clock import TimedWork, VirtualClock
 
 EPS = 1e-12  # float sums of the clock's steps
@@ -22,7 +24,7 @@ EPS = 1e-12  # float sums of the clock's steps
 
 @pytest.fixture
 def clock(monkeypatch) -> VirtualClock:
-    return VirtualClock().install(monkeypatch, runtime_module)
+    return VirtualClock().install(monkeypatch, observers_module)
 
 
 def test_wait_without_timer_is_plain_wait(clock) -> None:
@@ -31,12 +33,12 @@ def test_wait_without_timer_is_plain_wait(clock) -> None:
     runtime.handoff()
     assert runtime.wait(work) is True
     assert work.waits == 1
-    assert runtime.timing is None
+    assert runtime.observers == ()
 
 
 def test_timer_records_blocked_and_in_flight_time(clock) -> None:
     runtime = CommRuntime()
-    runtime.timing = timer = CommTimer()
+    runtime.attach(timer := CommTimer())
     work = TimedWork(clock, 0.05)
     runtime.handoff()
     clock.advance(0.02)  # compute while the collective is in flight: hides part of it
@@ -52,7 +54,7 @@ def test_timer_records_blocked_and_in_flight_time(clock) -> None:
 
 def test_finished_collective_blocks_for_no_time(clock) -> None:
     runtime = CommRuntime()
-    with runtime.timed() as timer:
+    with runtime.attach(CommTimer()) as timer:
         work = TimedWork(clock, 0.0)
         runtime.handoff()
         clock.advance(0.01)
@@ -68,22 +70,77 @@ def test_wait_without_handoff_counts_the_wait_only(clock) -> None:
     assert times.in_flight_s == times.blocked_s == pytest.approx(0.01, abs=EPS)
 
 
-def test_timed_restores_the_previous_timer(clock) -> None:
+def test_attach_in_a_block_detaches_after_it_and_leaves_the_others(clock) -> None:
     runtime = CommRuntime()
-    outer = CommTimer()
-    runtime.timing = outer
+    outer = runtime.attach(CommTimer())
     inner = CommTimer()
-    with runtime.timed(inner) as attached:
-        assert attached is inner and runtime.timing is inner
+    with runtime.attach(inner) as attached:
+        assert attached is inner and runtime.observers == (outer.observer, inner)
         runtime.wait(TimedWork(clock, 0.0))
-    assert runtime.timing is outer
-    assert inner.snapshot().waits == 1 and outer.snapshot().waits == 0
+    assert runtime.observers == (outer.observer,)
+    runtime.wait(TimedWork(clock, 0.0))
+    assert inner.snapshot().waits == 1 and outer.observer.snapshot().waits == 2
+    outer.remove()
+    assert runtime.observers == ()
+
+
+def test_attaching_the_same_observer_twice_is_refused() -> None:
+    runtime = CommRuntime()
+    timer = CommTimer()
+    runtime.attach(timer)
+    with pytest.raises(ValueError, match=r"CommTimer is already attached.*Remove the first handle"):
+        runtime.attach(timer)
+
+
+def test_observers_see_every_comm_point_event_in_order() -> None:
+    """Oracle: the order the module docstring of ``observers.py`` promises, for a comm point inside a schedule
+    (with the hand-over) and outside one (without it, and with no holder)."""
+    events: list[tuple[str, object]] = []
+
+    class Log(CommObserver):
+        def on_task_start(self, task) -> None:  # noqa: ANN001
+            events.append(("task_start", task.name))
+
+        def on_task_end(self, task) -> None:  # noqa: ANN001
+            events.append(("task_end", task.name))
+
+        def on_issue(self, holder) -> None:  # noqa: ANN001
+            events.append(("issue", holder))
+
+        def on_handoff(self, holder) -> None:  # noqa: ANN001
+            events.append(("handoff", holder))
+
+        def on_resume(self, holder) -> None:  # noqa: ANN001
+            events.append(("resume", holder))
+
+        def on_wait_start(self, holder) -> None:  # noqa: ANN001
+            events.append(("wait_start", holder))
+
+        def on_wait_end(self, holder) -> None:  # noqa: ANN001
+            events.append(("wait_end", holder))
+
+    runtime = CommRuntime()
+
+    def point() -> None:
+        runtime.handoff()
+        runtime.wait(TimedWork(VirtualClock(), 0.0))
+
+    with runtime.attach(Log()):
+        point()
+        run_schedule(lambda i: point(), lambda i, out: None, 1, runtime, overlap=True)
+    point()  # detached: nothing more
+    f = Role.FORWARD
+    assert events == [
+        ("issue", None), ("wait_start", None), ("wait_end", None),
+        ("task_start", "F0"), ("issue", f), ("handoff", f), ("resume", f), ("wait_start", f), ("wait_end", f),
+        ("task_end", "F0"), ("task_start", "B0"), ("task_end", "B0"),
+    ]
 
 
 def test_synchronize_hook_runs_at_handoff_and_after_wait(clock) -> None:
     calls: list[str] = []
     runtime = CommRuntime()
-    runtime.timing = CommTimer(synchronize=lambda: calls.append("sync"))
+    runtime.attach(CommTimer(synchronize=lambda: calls.append("sync")))
     work = TimedWork(clock, 0.0)
     runtime.handoff()
     runtime.wait(work)
@@ -94,7 +151,7 @@ def test_comm_helper_waits_with_and_without_runtime(clock) -> None:
     comm.wait(None, work := TimedWork(clock, 0.0))
     assert work.waits == 1
     runtime = CommRuntime()
-    with runtime.timed() as timer:
+    with runtime.attach(CommTimer()) as timer:
         comm.wait(runtime, TimedWork(clock, 0.0))
     assert timer.snapshot().waits == 1
 
@@ -102,7 +159,7 @@ def test_comm_helper_waits_with_and_without_runtime(clock) -> None:
 def test_real_gloo_work_is_timed() -> None:
     pg = dist.ProcessGroupGloo(dist.HashStore(), 0, 1)
     runtime = CommRuntime()
-    with runtime.timed() as timer:
+    with runtime.attach(CommTimer()) as timer:
         t = torch.ones(4)
         work = pg.allreduce([t])
         runtime.handoff()
@@ -129,7 +186,7 @@ def _step(clock: VirtualClock, overlap: bool, duration_s: float, compute_s: floa
         runtime.wait(work)
         clock.advance(compute_s)
 
-    with runtime.timed(Recording()) as timer:
+    with runtime.attach(Recording()) as timer:
         run_schedule(lambda i: segment(), lambda i, out: segment(), 2, runtime, overlap=overlap)
     return timer.snapshot(), blocked
 

@@ -48,7 +48,7 @@ def traced_step(overlap: bool, layers: int = 3, m: int = 3) -> tuple[StepTimelin
     net = nn.ModuleList(nn.Linear(8, 8) for _ in range(layers))
     x = torch.randn(m, 4, 8)
     runtime = CommRuntime()
-    runtime.trace = recorder = TimelineRecorder(rank=0)
+    runtime.attach(recorder := TimelineRecorder(rank=0))
 
     def forward(i: int) -> torch.Tensor:
         h = x[i]
@@ -130,7 +130,7 @@ def test_chrome_trace_format(tmp_path) -> None:  # noqa: ANN001
 
 def test_comm_outside_a_schedule_is_not_recorded() -> None:
     runtime = CommRuntime()
-    runtime.trace = recorder = TimelineRecorder()
+    runtime.attach(recorder := TimelineRecorder())
     runtime.handoff()
     runtime.wait(DoneWork())
     assert recorder.timeline().comms == [] and recorder.timeline().runs == []

@@ -38,7 +38,7 @@ from torch import Tensor
 from torch.distributed import ProcessGroup
 
 from lightning_moe_overlap.moe.dispatch.base import DispatcherBase
-from lightning_moe_overlap.moe.dispatch.comm import all_to_all, all_to_all_many, exchange_counts
+from lightning_moe_overlap.moe.dispatch.comm import all_to_all, all_to_all_many, communicator_of, exchange_counts
 from lightning_moe_overlap.moe.dispatch.dedup import (
     destinations,
     exchange_layout,
@@ -189,10 +189,9 @@ class AllToAllDispatcher(DispatcherBase):
 
     def _worth_deduplicating(self, top_k: int) -> bool:
         """Whether a deduplicated dispatch can save anything: two or more choices per token, and rows that leave
-        the process (more than one rank, or a loopback standing for them). Otherwise both paths give bitwise the
-        same result and the plain one does less."""
-        crosses = self.ep_size > 1 or (self.runtime is not None and self.runtime.loopback is not None)
-        return top_k > 1 and crosses
+        the process (the communicator exchanges them: more than one rank, or a stand-in for the others). Otherwise
+        both paths give bitwise the same result and the plain one does less."""
+        return top_k > 1 and communicator_of(self.runtime).exchanges(self.ep_group)
 
     def _dispatch_dedup(
         self, x_TD: Tensor, indices_TK: Tensor, weights_TK: Tensor

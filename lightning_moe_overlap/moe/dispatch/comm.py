@@ -1,16 +1,18 @@
 """Autograd-correct collectives over the expert-parallel group, each one a comm point.
 
-Every collective here is issued asynchronously, then ``runtime.handoff()`` lets other work run (queued shared
+Every collective here is issued asynchronously through the runtime's communicator (``communicator.py``:
+``torch.distributed``, or a benchmark's loopback), then ``runtime.handoff()`` lets other work run (queued shared
 experts, deferred weight gradients, the other micro-batch), then the collective is waited on through
-``runtime.wait(work)`` (which times it when a timer is attached). Backward passes
+``runtime.wait(work)`` (which reports it to the runtime's observers, a timer for instance). Backward passes
 are collectives too and go through the same comm point: the backward of a dispatch-shaped all-to-all is the
 combine-shaped one, the backward of an all-gather a reduce-scatter, and so on.
 
 Rules that keep ranks in lockstep:
 
 - a collective is never skipped because of local data: a rank with no tokens sends and receives empty tensors;
-- with one rank in the group (``ep=1``, or no group) no communication is issued, but ``runtime.handoff()`` is
-  still called exactly once, so the sequence of hand-overs is the same for every ``ep``.
+- with one rank in the group (``ep=1``, or no group) no communication is issued (unless the communicator stands
+  for other ranks: ``Communicator.exchanges``), but ``runtime.handoff()`` is still called exactly once, so the
+  sequence of hand-overs is the same for every ``ep``.
 
 :func:`backward_handoff` is a hand-over with nothing in flight, in the backward only: the experts place one
 where the forward has a comm point without a backward twin (the token-count exchange), so that both passes of a
@@ -25,25 +27,18 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import torch
-import torch.distributed as dist
 from torch import Tensor
 from torch.distributed import ProcessGroup
 
+from lightning_moe_overlap.moe.dispatch.communicator import TORCH, Communicator, group_size
 from lightning_moe_overlap.moe.dispatch.host import host_ints
-from lightning_moe_overlap.overlap.runtime import CommRuntime, Waitable
+from lightning_moe_overlap.overlap.observers import Waitable
+from lightning_moe_overlap.overlap.runtime import CommRuntime
 
-_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-_reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
-
-
-def group_size(group: ProcessGroup | None) -> int:
-    """Ranks in ``group``; ``None`` means a single process (no communication)."""
-    return 1 if group is None else dist.get_world_size(group)
-
-
-def group_rank(group: ProcessGroup | None) -> int:
-    """This process's rank inside ``group``; 0 for ``None``."""
-    return 0 if group is None else dist.get_rank(group)
+def communicator_of(runtime: CommRuntime | None) -> Communicator:
+    """The communicator the runtime was given; ``torch.distributed``'s without one."""
+    communicator = None if runtime is None else runtime.communicator
+    return TORCH if communicator is None else communicator
 
 
 def handoff(runtime: CommRuntime | None, grad_enabled: bool | None = None) -> None:
@@ -78,10 +73,7 @@ def all_to_all_raw(
     runtime: CommRuntime | None,
     grad_enabled: bool | None = None,
 ) -> Tensor:
-    """Uneven ``all_to_all_single`` along dim 0 at a comm point (no autograd).
-
-    With one rank and ``runtime.loopback`` set (simulated expert parallelism), the loopback is issued instead.
-    """
+    """Uneven ``all_to_all_single`` along dim 0 at a comm point (no autograd)."""
     return all_to_all_raw_many((x_ND,), output_splits, input_splits, group, runtime, grad_enabled)[0]
 
 
@@ -110,27 +102,20 @@ def all_to_all_raw_many(
     Each tensor goes in its own ``all_to_all_single`` (they may differ in dtype and row width); all are issued,
     then one hand-over, then one wait for all of them. No autograd.
     """
-    loopback = None if runtime is None or group_size(group) > 1 else runtime.loopback
-    if group_size(group) == 1 and loopback is None:
+    communicator = communicator_of(runtime)
+    if not communicator.exchanges(group):
         handoff(runtime, grad_enabled)
         return tuple(tensors)
-    traffic = None if runtime is None else runtime.traffic
-    me = group_rank(group)
+    observers = () if runtime is None else runtime.observers
     outs, works = [], []
     for x_ND in tensors:
         out_MD = x_ND.new_empty((sum(output_splits), *x_ND.shape[1:]))
-        if loopback is not None:
-            works.append(loopback(out_MD, x_ND.contiguous()))
-        else:
-            works.append(
-                dist.all_to_all_single(
-                    out_MD, x_ND.contiguous(), list(output_splits), list(input_splits), group=group, async_op=True
-                )
-            )
-        if traffic is not None:  # a loopback stands for other ranks: all it sends counts as remote
+        works.append(communicator.all_to_all(out_MD, x_ND.contiguous(), output_splits, input_splits, group))
+        if observers:
             row_bytes = x_ND[0].numel() * x_ND.element_size() if x_ND.shape[0] else 0
-            sent = sum(input_splits) * row_bytes
-            traffic.record(sent, sent if loopback is not None else sent - input_splits[me] * row_bytes)
+            sent, remote = sum(input_splits) * row_bytes, communicator.remote_rows(input_splits, group) * row_bytes
+            for observer in observers:
+                observer.on_traffic(sent, remote)
         outs.append(out_MD)
     handoff(runtime, grad_enabled)
     wait(runtime, works[0] if len(works) == 1 else _Works(works))
@@ -146,7 +131,7 @@ def all_gather_raw(
         handoff(runtime, grad_enabled)
         return x_ND
     out = x_ND.new_empty((size * x_ND.shape[0], *x_ND.shape[1:]))
-    work = _all_gather_single(out, x_ND.contiguous(), group=group, async_op=True)
+    work = communicator_of(runtime).all_gather(out, x_ND.contiguous(), group)
     handoff(runtime, grad_enabled)
     wait(runtime, work)
     return out
@@ -161,7 +146,7 @@ def reduce_scatter_raw(
         handoff(runtime, grad_enabled)
         return x_GND
     out = x_GND.new_empty((x_GND.shape[0] // size, *x_GND.shape[1:]))
-    work = _reduce_scatter_single(out, x_GND.contiguous(), group=group, async_op=True)
+    work = communicator_of(runtime).reduce_scatter(out, x_GND.contiguous(), group)
     handoff(runtime, grad_enabled)
     wait(runtime, work)
     return out

@@ -1,9 +1,10 @@
 """A loopback all-to-all of known duration: simulated expert parallelism in one process.
 
-NCCL refuses two ranks on one GPU, so the overlap cannot be shown with real EP on a single device. With a
-``Loopback`` attached as ``CommRuntime.loopback``, every all-to-all of a world-size-1 (``ep=1``) model is issued
-as a :class:`Waitable` that copies its input to its output after ``comm_s`` seconds, and is handed over and waited
-on exactly like ``torch.distributed``'s ``Work``:
+NCCL refuses two ranks on one GPU, so the overlap cannot be shown with real EP on a single device. A
+:class:`Loopback` is a communicator (``communicator.py``) that stands for the other ranks of a one-process ep
+group: given to the runtime (``CommRuntime(communicator=Loopback(comm_s))``), it issues every all-to-all of a
+world-size-1 (``ep=1``) model as a :class:`Waitable` that copies its input to its output after ``comm_s`` seconds,
+handed over and waited on exactly like ``torch.distributed``'s ``Work``:
 
 - CUDA (:class:`CudaLoopbackWork`): on a side stream that first waits for the compute stream, a
   ``torch.cuda._sleep`` of calibrated cycles, then the copy, then an event; ``wait()`` makes the caller's current
@@ -20,11 +21,14 @@ from __future__ import annotations
 import statistics
 import threading
 import time
+from collections.abc import Sequence
 
 import torch
 from torch import Tensor
+from torch.distributed import ProcessGroup
 
 from lightning_moe_overlap._compat import torch as torch_compat
+from lightning_moe_overlap.moe.dispatch.communicator import TorchCommunicator, group_size
 
 
 class ThreadLoopbackWork:
@@ -63,8 +67,9 @@ class CudaLoopbackWork:
         return True
 
 
-class Loopback:
-    """Issues loopback all-to-alls of ``comm_s`` seconds; attach as ``runtime.loopback`` (``ep=1`` models only).
+class Loopback(TorchCommunicator):
+    """A communicator whose all-to-alls are loopbacks of ``comm_s`` seconds (``ep=1`` models only); the other
+    collectives are ``torch.distributed``'s (with one rank, none is issued).
 
     Args:
         comm_s: the duration of every simulated collective.
@@ -87,6 +92,28 @@ class Loopback:
         if self._stream is not None:
             return CudaLoopbackWork(out, inp, self._cycles, self._stream)
         return ThreadLoopbackWork(out, inp, self.comm_s)
+
+    # -- the communicator ------------------------------------------------------------------------------------------
+    def exchanges(self, group: ProcessGroup | None) -> bool:
+        """Always: the loopback stands for the ranks the rows would go to."""
+        return True
+
+    def all_to_all(
+        self, out_MD: Tensor, x_ND: Tensor, output_splits: Sequence[int], input_splits: Sequence[int],
+        group: ProcessGroup | None,
+    ) -> ThreadLoopbackWork | CudaLoopbackWork:
+        size = group_size(group)
+        if size > 1:
+            raise ValueError(
+                f"`Loopback`: an all-to-all over an ep group of {size} ranks; a loopback stands for the other ranks "
+                "of a one-process group (ep=1) and cannot exchange with real ones. Build the model with ep=1 for "
+                "simulated expert parallelism, or leave the runtime's communicator at None for real ranks."
+            )
+        return self(out_MD, x_ND)
+
+    def remote_rows(self, input_splits: Sequence[int], group: ProcessGroup | None) -> int:
+        """Every row: they all stand for rows sent to other ranks."""
+        return sum(input_splits)
 
 
 def cycles_per_second(device: torch.device, probe_cycles: int = 10_000_000, repeats: int = 5) -> float:

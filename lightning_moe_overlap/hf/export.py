@@ -1,0 +1,275 @@
+"""Export a model's state dict as a Hugging Face checkpoint folder, in the layout the Hub and ``save_pretrained`` use.
+
+The folder holds ``config.json`` and the tensors under the Hub's keys (per-expert ``experts.N.*`` tensors cut from
+the fused v5 ones by the family's pieces, :mod:`.keys`), in ``model.safetensors`` or, past ``max_shard_bytes``,
+``model-0000k-of-0000n.safetensors`` with ``model.safetensors.index.json``. ``AutoModelForCausalLM.from_pretrained``,
+vLLM and SGLang read it. With ``tie_word_embeddings`` the tied tensor is left out, as ``save_pretrained`` does.
+
+The ``export-hf`` subcommand (:func:`main`) does it for a checkpoint this package saved (sharded directory or
+consolidated file), read whole in one process.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor
+from torch.distributed.tensor import DTensor
+
+from lightning_moe_overlap._install import install_hint
+from lightning_moe_overlap.hf.checks import covers
+from lightning_moe_overlap.hf.families import select_family
+from lightning_moe_overlap.hf.files import CONFIG, INDEX
+from lightning_moe_overlap.hf.keys import HFFamily, Piece
+
+OWNER = "`export_hf`"
+DEFAULT_SHARD = "5GB"
+_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30}
+
+
+def parse_size(size: int | str) -> int:
+    """Bytes of ``size``: an int, or a string as ``save_pretrained`` takes it (``"5GB"`` = 5e9, ``"500MiB"``).
+
+    Raises:
+        ValueError: not a positive size.
+    """
+    if isinstance(size, int) and not isinstance(size, bool) and size > 0:
+        return size
+    match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([A-Za-z]*)\s*", str(size))
+    unit = match.group(2).upper() if match else None
+    if match is None or unit not in _UNITS or float(match.group(1)) <= 0:
+        raise ValueError(
+            f"{OWNER}: max shard size {size!r} is not a positive size. Pass bytes (an int) or a number with a unit "
+            f"of {sorted(u for u in _UNITS if u)} (e.g. '5GB', '500MiB')."
+        )
+    return int(float(match.group(1)) * _UNITS[unit])
+
+
+def export_hf(
+    state_dict: Mapping[str, Tensor],
+    dst: str | os.PathLike,
+    *,
+    config: Any,
+    family: str | HFFamily | None = None,
+    prefix: str = "",
+    max_shard_bytes: int | str = DEFAULT_SHARD,
+    dtype: torch.dtype | None = None,
+    overwrite: bool = False,
+) -> Path:
+    """Write ``state_dict`` (whole tensors) as a Hugging Face checkpoint folder ``dst``.
+
+    Args:
+        state_dict: the model's tensors, unsharded (e.g. :func:`~lightning_moe_overlap.checkpoint.consolidated.
+            load_consolidated_state_dict`); keys outside ``prefix`` are left out.
+        dst: the folder to write (created; must be empty unless ``overwrite``).
+        config: the model's config: a transformers ``PretrainedConfig``, a ``config.json`` path or a folder holding
+            one. Written as ``dst/config.json``; its ``model_type`` picks the key family.
+        family: the key layout to write (a family, its name or a ``model_type``); default from the config.
+        prefix: where the HF model sits in the keys (``"model."`` for a LightningModule's ``self.model``).
+        max_shard_bytes: the largest file (bytes, or ``"5GB"``-style); one tensor larger than it gets a file alone.
+        dtype: cast floating-point tensors to it (and record it in ``config.json``); default: as they are.
+        overwrite: replace the checkpoint files of a non-empty ``dst`` (other files are kept).
+
+    Returns:
+        ``dst``.
+
+    Raises:
+        ValueError: ``dst`` is not empty, no key is under ``prefix``, a tensor cannot be cut by the family, the
+            config has no ``model_type``, or ``max_shard_bytes`` is not a size.
+        TypeError: a tensor is a ``DTensor`` (pass the full state dict).
+    """
+    limit = parse_size(max_shard_bytes)
+    out = _check_destination(Path(dst), overwrite)
+    config_dict = _config_dict(config)
+    if dtype is not None:
+        config_dict["dtype"] = str(dtype).removeprefix("torch.")
+    chosen = select_family(family, config_dict.get("model_type"), OWNER)
+    tensors = _hf_tensors(state_dict, prefix, dtype)
+    entries = _entries(tensors, chosen, tied=bool(config_dict.get("tie_word_embeddings", False)))
+    shards = _shards(entries, tensors, limit)
+    _clear(out)
+    names = _file_names(len(shards))
+    save_file = _save_file()
+    weight_map: dict[str, str] = {}
+    for name, shard in zip(names, shards):
+        save_file({p.key: _cut(tensors[t], p) for t, p in shard}, str(out / name), metadata={"format": "pt"})
+        weight_map.update({p.key: name for _, p in shard})
+    if len(shards) > 1:
+        total = sum(p.numel * tensors[t].element_size() for t, p in entries)
+        index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
+        (out / INDEX).write_text(json.dumps(index, indent=2) + "\n")
+    (out / CONFIG).write_text(json.dumps(config_dict, indent=2, sort_keys=True) + "\n")
+    return out
+
+
+def _check_destination(dst: Path, overwrite: bool) -> Path:
+    if dst.exists() and not dst.is_dir():
+        raise ValueError(f"{OWNER}: {dst} is a file; the destination is a folder. Pass a folder path.")
+    if dst.is_dir() and any(dst.iterdir()) and not overwrite:
+        raise ValueError(
+            f"{OWNER}: {dst} is not empty ({sorted(p.name for p in dst.iterdir())[:5]}); an export writes a whole "
+            "checkpoint folder, and stale shards would be read with it. Pass an empty or new folder, or "
+            "overwrite=True (`--overwrite`) to replace its checkpoint files."
+        )
+    return dst
+
+
+def _clear(dst: Path) -> None:
+    """Remove the checkpoint files of an earlier export (other files stay); create ``dst``."""
+    for old in [*dst.glob("model*.safetensors"), dst / INDEX, dst / CONFIG]:
+        if old.is_dir():
+            shutil.rmtree(old)
+        elif old.exists():
+            old.unlink()
+    dst.mkdir(parents=True, exist_ok=True)
+
+
+def _config_dict(config: Any) -> dict[str, Any]:
+    if hasattr(config, "to_json_string"):  # a transformers PretrainedConfig
+        found = json.loads(config.to_json_string(use_diff=True))
+        found.setdefault("model_type", getattr(config, "model_type", None))
+    else:
+        path = Path(config)
+        file = path / CONFIG if path.is_dir() else path
+        if not file.is_file():
+            raise ValueError(
+                f"{OWNER}: config={str(config)!r} is neither a config.json nor a folder holding one. Pass the "
+                "model's `PretrainedConfig`, its config.json, or the folder of the checkpoint it was trained from."
+            )
+        found = json.loads(file.read_text())
+    if not found.get("model_type"):
+        raise ValueError(
+            f"{OWNER}: the config has no `model_type`, which `from_pretrained` needs to pick the model class. Pass "
+            "the model's own config (`model.config`)."
+        )
+    return found
+
+
+def _hf_tensors(state_dict: Mapping[str, Tensor], prefix: str, dtype: torch.dtype | None) -> dict[str, Tensor]:
+    tensors = {k[len(prefix) :]: v for k, v in state_dict.items() if k.startswith(prefix)}
+    if not tensors:
+        raise ValueError(
+            f"{OWNER}: no key starts with prefix={prefix!r} (keys: {list(state_dict)[:3]}). Pass the prefix of "
+            "the HF model's attribute (`model.` for a LightningModule's `self.model`), or '' for the HF model's own."
+        )
+    sharded = sorted(k for k, v in tensors.items() if isinstance(v, DTensor))
+    if sharded:
+        raise TypeError(
+            f"{OWNER}: {sharded[:3]} are DTensors, parts of tensors held across ranks. Pass the full state dict "
+            "(`strategy.full_state_dict()` or `load_consolidated_state_dict` of a saved checkpoint)."
+        )
+    if dtype is not None:
+        tensors = {k: v.to(dtype) if v.is_floating_point() else v for k, v in tensors.items()}
+    return tensors
+
+
+def _entries(tensors: Mapping[str, Tensor], family: HFFamily, *, tied: bool) -> list[tuple[str, Piece]]:
+    """``(tensor name, piece)`` of every file key, in the state dict's order."""
+    skip = {t for t, source in family.ties if source in tensors} if tied else set()
+    entries: list[tuple[str, Piece]] = []
+    for name, tensor in tensors.items():
+        if name in skip:
+            continue
+        shape = tuple(tensor.shape)
+        pieces = family.pieces(name, shape)
+        if pieces is None or not covers(pieces, shape):
+            raise ValueError(
+                f"{OWNER}: {name} of shape {list(shape)} cannot be cut into the key family {family.name!r}'s pieces "
+                "(each element in exactly one). Pass the family of this model's layout, or fix the family's splits."
+            )
+        entries += [(name, p) for p in pieces]
+    keys = [p.key for _, p in entries]
+    twice = sorted({k for k in keys if keys.count(k) > 1}) if len(set(keys)) < len(keys) else []
+    if twice:
+        raise ValueError(
+            f"{OWNER}: the key family {family.name!r} writes {twice[:5]} for more than one tensor; each key names one "
+            "tensor. Fix the family's renames."
+        )
+    return entries
+
+
+def _shards(
+    entries: list[tuple[str, Piece]], tensors: Mapping[str, Tensor], limit: int
+) -> list[list[tuple[str, Piece]]]:
+    """Consecutive entries, a new shard whenever the next would pass ``limit`` bytes (as ``save_pretrained``)."""
+    shards: list[list[tuple[str, Piece]]] = [[]]
+    size = 0
+    for name, piece in entries:
+        nbytes = piece.numel * tensors[name].element_size()
+        if shards[-1] and size + nbytes > limit:
+            shards.append([])
+            size = 0
+        shards[-1].append((name, piece))
+        size += nbytes
+    return shards
+
+
+def _cut(tensor: Tensor, piece: Piece) -> Tensor:
+    index = tuple(b if isinstance(b, int) else slice(*b) for b in piece.box)
+    return tensor[index].contiguous()
+
+
+def _file_names(n: int) -> list[str]:
+    if n == 1:
+        return ["model.safetensors"]
+    return [f"model-{k:05d}-of-{n:05d}.safetensors" for k in range(1, n + 1)]
+
+
+def _save_file() -> Any:
+    try:
+        from safetensors.torch import save_file
+    except ImportError as err:  # pragma: no cover - depends on the environment
+        hint = install_hint("hf")
+        raise ImportError(f"{OWNER} needs `safetensors`, which is not installed. Install {hint}.") from err
+    return save_file
+
+
+def main(argv: list[str]) -> int:
+    """``export-hf CKPT DST --config PATH``: the command-line form of :func:`export_hf` for a saved checkpoint.
+
+    Returns 0 when written; 1 with the error's message on stderr (no traceback) when the checkpoint cannot be read
+    or exported. Bad arguments exit with argparse's usage message (status 2).
+    """
+    import argparse
+    import pickle
+    import sys
+
+    from lightning_moe_overlap.checkpoint import safe_load
+    from lightning_moe_overlap.checkpoint.consolidated import load_consolidated_state_dict
+
+    prog = "lightning-moe-overlap export-hf"
+    parser = argparse.ArgumentParser(
+        prog=prog,
+        description="Write a checkpoint this package saved (sharded directory or consolidated file) as a Hugging "
+        "Face checkpoint folder (config.json + safetensors in the Hub's layout, sharded by size), in one process "
+        "(needs the memory of the whole model).",
+    )
+    parser.add_argument("checkpoint", help="the checkpoint: a sharded directory or a consolidated file")
+    parser.add_argument("destination", help="the folder to write (new or empty, unless --overwrite)")
+    parser.add_argument("--config", required=True, help="the model's config.json, or a folder holding it")
+    parser.add_argument("--prefix", default="model.", help="where the HF model sits in the keys (default: model.)")
+    parser.add_argument("--family", default=None, help="key layout to write (default: from the config's model_type)")
+    parser.add_argument("--max-shard-size", default=DEFAULT_SHARD, help=f"largest file (default: {DEFAULT_SHARD})")
+    parser.add_argument("--overwrite", action="store_true", help="replace the checkpoint files of a non-empty folder")
+    safe_load.add_weights_only_flag(parser)
+    args = parser.parse_args(argv)
+    try:
+        limit = parse_size(args.max_shard_size)
+        state = load_consolidated_state_dict(args.checkpoint, weights_only=args.weights_only)
+        out = export_hf(
+            state, args.destination, config=args.config, family=args.family, prefix=args.prefix,
+            max_shard_bytes=limit, overwrite=args.overwrite,
+        )  # fmt: skip
+    except (OSError, ValueError, TypeError, RuntimeError, NotImplementedError, pickle.UnpicklingError) as err:
+        print(f"{prog}: error: {err}", file=sys.stderr)
+        return 1
+    files = sorted(p.name for p in out.glob("model*.safetensors")) + [n for n in (INDEX, CONFIG) if (out / n).exists()]
+    print(json.dumps({"exported": str(args.checkpoint), "to": str(out), "files": files}))
+    return 0
