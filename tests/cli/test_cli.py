@@ -24,6 +24,7 @@ def _console(*args: str, timeout: float = 240) -> subprocess.CompletedProcess:
     return subprocess.run([str(script), *args], capture_output=True, text=True, timeout=timeout)
 
 
+@pytest.mark.long  # the console script also runs the default `fit` of test_cli_fit_trace_step_writes_the_timeline
 def test_cli_fit_cpu_yaml_class_path_form(tmp_path):
     out = _console("fit", "--config", str(CONFIGS / "cpu.yaml"), *SHORT)
     assert out.returncode == 0, out.stderr[-3000:]
@@ -125,8 +126,9 @@ def test_cli_fit_trace_step_writes_the_timeline(tmp_path, where):
     if where == "config file":
         (tmp_path / "trace.yaml").write_text("trace_step: 1\ntrace_dir: tl\n")
         trace = ["--config", str(tmp_path / "trace.yaml")]
-    out = _run("fit", "--config", str(CONFIGS / "cpu.yaml"), *SHORT, *trace)
+    out = _console("fit", "--config", str(CONFIGS / "cpu.yaml"), *SHORT, *trace)  # the console script
     assert out.returncode == 0, out.stderr[-3000:]
+    assert "`Trainer.fit` stopped: `max_steps=3` reached." in out.stderr + out.stdout
     import json
 
     trace = json.loads((tmp_path / "tl" / "step1.trace.json").read_text())

@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 import sys
 
+import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
@@ -35,6 +36,7 @@ def _rank(rank: int, port: int) -> None:
     # returns at once: the sent tensor was a temporary, and the process exits
 
 
+@pytest.mark.long  # several trials of a timing race, fresh processes each
 def test_ranks_exit_cleanly_right_after_their_last_collective():
     for _ in range(TRIALS):  # raises ProcessExitedException naming the signal if a rank aborts
         mp.start_processes(_rank, args=(free_port(),), nprocs=2, start_method="spawn")
