@@ -103,16 +103,13 @@ def from_pretrained_whole(folder: Path) -> tuple[float, float]:
 
 
 def held_bytes(module: torch.nn.Module) -> int:
+    """Bytes of the distinct storages the module's tensors hold here (local shards; meta tensors hold none)."""
+    from sharding_memory import held_bytes as storage_bytes  # benchmarks/, on the path of a script run from there
+
     from lightning_moe_overlap.parallel.dtensors import local
 
-    seen, total = set(), 0
-    for t in module.state_dict(keep_vars=True).values():
-        t = local(t)
-        if t.is_meta or t.untyped_storage().data_ptr() in seen:
-            continue
-        seen.add(t.untyped_storage().data_ptr())
-        total += t.untyped_storage().nbytes()
-    return total
+    tensors = [t for t in module.state_dict(keep_vars=True).values() if not local(t).is_meta]
+    return storage_bytes(tensors, set())
 
 
 def worker(rank: int, world: int, folder: str, shard: str) -> RankRow:
