@@ -293,8 +293,8 @@ def run_checks(config: dict[str, Any], world_size: int | None = None, *, machine
     if model_problem is None and experts is not None:
         model_parallel = 0 if rule_sizes(cfg) else cfg.pp * cfg.cp * cfg.tp
         known = world is not None and model_parallel and world % model_parallel == 0
-        dp_cp = world // (cfg.pp * cfg.tp) if known else None
-        problems += check_model(cfg, experts, dp_cp, ep_choices)
+        ep_span = world // cfg.pp if known else None
+        problems += check_model(cfg, experts, ep_span, ep_choices)
         if _pipeline_known(cfg, problems):
             report, found = pipeline_findings(cfg, model)
             problems += found

@@ -73,6 +73,7 @@ class OverlapConfig:
     pipeline_schedule: str | None = None
     pipeline_layout: str | None = None
     shard: str = "none"
+    sequence_parallel: bool = True
     # what was asked for `overlap` before resolution: None when left unset (warnings about it speak only to a
     # user who set it)
     overlap_requested: bool | None = field(init=False, default=None)

@@ -17,6 +17,9 @@ import torch
 import torch.nn.functional as F
 from lightning.pytorch import LightningDataModule, LightningModule
 from torch import Tensor, nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, PrepareModuleInput, RowwiseParallel
 from torch.utils.data import DataLoader, Dataset
 
 from lightning_moe_overlap.moe.layer import MoELayer
@@ -38,17 +41,34 @@ class RMSNorm(nn.Module):
 
 
 class CausalSelfAttention(nn.Module):
+    """Causal multi-head attention with one fused ``qkv`` projection (rows: all queries, all keys, all values).
+
+    ``head_shard = (rank, size)``: compute only heads ``[rank * H / size, (rank + 1) * H / size)``, as a tensor-parallel
+    rank does (:meth:`MoEGPT.tensor_parallel_plan`). The fused weight's rows of one head are not contiguous, so it
+    stays whole on every rank and each rank computes with its heads' rows (its gradient is then the sum over the tp
+    ranks, which the strategy takes for every parameter a plan leaves whole); ``proj`` is row-wise sharded.
+    """
+
     def __init__(self, hidden_size: int, num_heads: int) -> None:
         super().__init__()
         self.num_heads = num_heads
         self.qkv = nn.Linear(hidden_size, 3 * hidden_size, bias=False)
         self.proj = nn.Linear(hidden_size, hidden_size, bias=False)
+        self.head_shard = (0, 1)
 
     def forward(self, x_BSD: Tensor) -> Tensor:
         b, s, d = x_BSD.shape
-        q, k, v = self.qkv(x_BSD).view(b, s, 3, self.num_heads, d // self.num_heads).unbind(2)
+        head_dim = d // self.num_heads
+        rank, size = self.head_shard
+        if size == 1:
+            qkv = self.qkv(x_BSD)
+        else:
+            per_rank = self.num_heads // size
+            heads = slice(rank * per_rank, (rank + 1) * per_rank)
+            qkv = F.linear(x_BSD, self.qkv.weight.view(3, self.num_heads, head_dim, d)[:, heads].reshape(-1, d))
+        q, k, v = qkv.view(b, s, 3, -1, head_dim).unbind(2)
         out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True)
-        return self.proj(out.transpose(1, 2).reshape(b, s, d))
+        return self.proj(out.transpose(1, 2).reshape(b, s, -1))
 
 
 class MoEDecoderLayer(nn.Module):
@@ -150,6 +170,28 @@ class MoEGPT(LightningModule):
         """The initialisation of one module (:func:`gpt_init_module`): the strategy's hook for a model built on the
         meta device (docs/index.md, "Built on the meta device")."""
         gpt_init_module(module)
+
+    def tensor_parallel_plan(self, tp_mesh: DeviceMesh) -> dict[str, ParallelStyle]:
+        """The plan at ``tp > 1`` (docs/tensor_parallel.md), torch's styles with sequence parallelism: the embedding
+        vocabulary-parallel, cut onto the sequence; each attention gathers its input, computes its heads and
+        reduce-scatters onto the sequence; norms and MoE blocks run on the rank's tokens; the head gathers logits."""
+        tp, rank = tp_mesh.size(), tp_mesh.get_local_rank()
+        hidden, heads = self.hparams.hidden_size, self.hparams.num_heads
+        if heads % tp or hidden % tp:
+            raise ValueError(
+                f"`MoEGPT`: num_heads={heads}, hidden_size={hidden} with tp={tp}: each tp rank computes heads / tp "
+                "heads, so tp must divide both. Choose tp among their common divisors."
+            )
+        for layer in self.layers:
+            layer.attn.head_shard = (rank, tp)
+        return {
+            "embed": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)),
+            "layers.*.attn": PrepareModuleInput(
+                input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),), use_local_output=True
+            ),
+            "layers.*.attn.proj": RowwiseParallel(output_layouts=Shard(1)),
+            "head": ColwiseParallel(input_layouts=Shard(1), output_layouts=Replicate()),
+        }
 
     def configure_pipeline(self, layout: PipelineLayout) -> PipelineChunks:
         """The pipeline chunks at ``pp > 1`` (docs/pipeline.md): :func:`split_moegpt`, its loss logged as

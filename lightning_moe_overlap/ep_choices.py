@@ -1,8 +1,8 @@
 """The ep values that pass every rule on ep, for a model whose MoE blocks are known (``check`` builds it on meta).
 
-Three rules read ep: ep divides ``dp*cp`` (``ep-divides-dp-cp``), ep divides every MoE block's number of experts
+Three rules read ep: ep divides ``dp*cp*tp`` (``ep-divides-dp-cp``), ep divides every MoE block's number of experts
 (``experts-divisible-by-ep``), and with ``dispatcher="flex"`` DeepEP's group sizes (``flex-ep-size``). A suggestion
-made by one rule alone can fail another (3 processes and 8 experts: ``ep=3`` divides ``dp*cp=3`` but not 8), so
+made by one rule alone can fail another (3 processes and 8 experts: ``ep=3`` divides ``dp*cp*tp=3`` but not 8), so
 each candidate is run through all of them, the same functions ``check`` applies, and only those that pass are named.
 """
 
@@ -41,14 +41,15 @@ def passing_ep_values(
 
 
 def _dp_cp(cfg: OverlapConfig, world_size: int | None) -> int | None:
-    """``dp*cp`` at ``world_size``, or None when it is unknown or the world does not fit ``pp*cp*tp``."""
+    """``dp*cp*tp`` (the ranks ep folds into) at ``world_size``, or None when it is unknown or the world does not fit
+    ``pp*cp*tp``."""
     if world_size is None:
         return None
     try:
         dims = build_dims(replace(cfg, ep=1), world_size)
     except ParallelDimsError:
         return None
-    return dims.dp * dims.cp
+    return dims.ep_span
 
 
 def _fails(

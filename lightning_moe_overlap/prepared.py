@@ -20,6 +20,7 @@ from lightning_moe_overlap.overlap.runtime import CommRuntime
 from lightning_moe_overlap.parallel import ParallelDims, ParallelGroups
 from lightning_moe_overlap.parallel.mesh import ParallelMesh
 from lightning_moe_overlap.parallel.sharding import ShardedModel
+from lightning_moe_overlap.parallel.tensor import TensorParallelGrads
 
 if TYPE_CHECKING:
     from lightning_moe_overlap.pipeline.pipelined import PipelinedModel
@@ -44,6 +45,7 @@ class PreparedModel:
     ep_model: MoEModelHandle
     pipeline: PipelinedModel | None
     sharded: ShardedModel
+    tp_grads: TensorParallelGrads | None = None
 
 
 def record(model: nn.Module, prepared: PreparedModel) -> None:

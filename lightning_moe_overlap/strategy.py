@@ -54,7 +54,10 @@ from lightning_moe_overlap.parallel.apply import (
     apply_materialize,
     apply_pipeline,
     apply_pretrained,
+    apply_tp,
+    tensor_parallel_grads,
 )
+from lightning_moe_overlap.parallel.tensor import TensorParallelGrads
 from lightning_moe_overlap.parallel.held import global_shapes, held_tensors
 from lightning_moe_overlap.parallel.materialize import build_on_meta, meta_init_of
 from lightning_moe_overlap.parallel.mesh import ParallelMesh, build_mesh
@@ -91,7 +94,10 @@ class MoEOverlapStrategy(ParallelStrategy):
     Args:
         ep: Expert-parallel size: experts are sharded over ``ep`` ranks and tokens exchanged by all-to-all.
             Must divide ``dp * cp`` and every MoE block's number of experts.
-        tp: Tensor-parallel size (groups are built; execution supports 1 in this version).
+        tp: Tensor-parallel size: the attention and dense layers are sharded over ``tp`` ranks by a plan
+            (``parallelize_module``; the model's ``tensor_parallel_plan`` hook, or the plan a Hugging Face model
+            carries) with sequence parallelism between them; the experts stay whole and ep folds over the tp ranks
+            (docs/tensor_parallel.md). Must divide the attention heads.
         pp: Pipeline-parallel size: the model is cut into ``pp * vpp`` chunks (docs/pipeline.md), each rank builds
             and trains only its own, and each step runs as torch's pipeline schedule ``pipeline_schedule``.
         vpp: Virtual pipeline stages (chunks) per pp rank; None is 1, or the layout's chunks / ``pp``. With
@@ -142,6 +148,9 @@ class MoEOverlapStrategy(ParallelStrategy):
             parameters gathered again after each optimizer step) or ``"full"`` (ZeRO-3-like: parameters sharded too,
             gathered once per step before the first micro-batch). Dense parameters are sharded over dp x cp, experts
             over edp. Not with ``pp > 1`` or ``expert_backend="te"``.
+        sequence_parallel: With ``tp > 1``, run the norms, residuals and MoE blocks on each tp rank's share of the
+            sequence (Megatron's ``--sequence-parallel``). Required with MoE blocks and ``tp > 1``: each tp rank
+            routes its own tokens.
         fsdp_mp_policy: FSDP2's ``MixedPrecisionPolicy`` for the sharded modes (e.g. ``param_dtype=torch.bfloat16,
             reduce_dtype=torch.float32``: bf16 compute copies of fp32 sharded parameters); None keeps the parameters'
             dtype. Gradients of the micro-batches of a step accumulate in ``param_dtype``.
@@ -174,6 +183,7 @@ class MoEOverlapStrategy(ParallelStrategy):
         checkpoint_format: CheckpointFormat = "sharded",
         expert_backend: ExpertBackend = "torch",
         shard: ShardMode = "none",
+        sequence_parallel: bool = True,
         fsdp_mp_policy: MixedPrecisionPolicy | None = None,
         accelerator: Accelerator | None = None,
         parallel_devices: list[torch.device] | None = None,
@@ -210,6 +220,7 @@ class MoEOverlapStrategy(ParallelStrategy):
             pipeline_schedule=pipeline_schedule,
             pipeline_layout=pipeline_layout,
             shard=shard,
+            sequence_parallel=sequence_parallel,
         )
         raise_problems(check_config(self.config))
         self._timeout = _as_timedelta(timeout)
@@ -218,6 +229,7 @@ class MoEOverlapStrategy(ParallelStrategy):
         self._groups: ParallelGroups | None = None
         self._mesh: ParallelMesh | None = None
         self._sharded: ShardedModel | None = None  # what `fully_shard` was applied to (parallel/sharding.py)
+        self._tp_grads: TensorParallelGrads | None = None  # at tp > 1: the replicas' gradients summed over tp
         self._failed = False  # set by `on_exception`: the teardown then does no more work than it must
         self.runtime = CommRuntime(delay_wgrad=delay_wgrad)
         self._ep_model: MoEModelHandle | None = None
@@ -450,14 +462,16 @@ class MoEOverlapStrategy(ParallelStrategy):
         """The model's transformation, in the order of ``parallel/apply.py`` (where each step is described)."""
         assert self.model is not None
         ep_model = MoEModelHandle(self.model)
-        raise_problems(check_model(self.config, ep_model.experts_per_block(), self.dims.dp * self.dims.cp))
+        raise_problems(check_model(self.config, ep_model.experts_per_block(), self.dims.ep_span))
         rank = self.global_rank
         self._pipeline = apply_pipeline(self.lightning_module, self.config, self.parallel_mesh, self.root_device,
                                         rank=rank)  # fmt: skip
         split = None if self._pipeline is None else self._pipeline.split
         init = meta_init_of(self.lightning_module, self.root_device, torch.initial_seed(), split)
         apply_materialize(self.model, init, self._pipeline)
+        apply_tp(self.lightning_module, self.parallel_mesh)
         apply_ep(ep_model, self.config, self.parallel_mesh, self.runtime, self._pipeline, rank=rank, init=init)
+        self._tp_grads = tensor_parallel_grads(self.model, self.parallel_mesh)
         self._ep_model = ep_model
         self.precision_plugin.convert_module(self.model)
         self.model_to_device()
@@ -468,7 +482,8 @@ class MoEOverlapStrategy(ParallelStrategy):
         if self.loaded_weights is not None:  # Lightning's INFO log: shown by default, once
             rank_zero_info(f"{type(self).__name__}: {self.loaded_weights.describe()} (rank 0)")
         record(self.model, PreparedModel(self.config, self.dims, self.parallel_groups, self.parallel_mesh,
-                                         self.runtime, self._ep_model, self._pipeline, self._sharded))  # fmt: skip
+                                         self.runtime, self._ep_model, self._pipeline, self._sharded,
+                                         self._tp_grads))  # fmt: skip
 
     def _adopt_prepared(self) -> None:
         """Take what an earlier ``setup`` built for this model (``prepared.py``): ``fit`` -> ``validate`` / ``test`` /
@@ -477,7 +492,7 @@ class MoEOverlapStrategy(ParallelStrategy):
         prepared = recorded(self.model)
         if prepared is None:
             if self._ep_model is not None:  # set up for another model before: this one is set up afresh
-                self._ep_model = self._pipeline = self._sharded = None
+                self._ep_model = self._pipeline = self._sharded = self._tp_grads = None
             wrapped = expert_parallel_modules(self.model)
             if wrapped:
                 raise RuntimeError(
@@ -492,6 +507,7 @@ class MoEOverlapStrategy(ParallelStrategy):
         check_same_layout(prepared, self.config, self.dims, owner=f"`{type(self).__name__}`")
         self._groups, self._mesh, self.runtime = prepared.groups, prepared.mesh, prepared.runtime
         self._ep_model, self._pipeline, self._sharded = prepared.ep_model, prepared.pipeline, prepared.sharded
+        self._tp_grads = prepared.tp_grads
         self._hand_to_module(self.lightning_module, prepared.mesh, prepared.groups)  # what its layers use
         if self._pipeline is None:  # this run's micro-batch count
             self._ep_model.set_aux_loss_scale(1.0 / self.config.num_microbatches)
@@ -540,7 +556,7 @@ class MoEOverlapStrategy(ParallelStrategy):
         if self._sharded is not None:
             self._sharded.after_optimizer_step()
         assert self._ep_model is not None
-        self._ep_model.update_expert_bias(self.parallel_groups.dp_cp)
+        self._ep_model.update_expert_bias(self.parallel_groups.dp_cp_tp)
         return output
 
     @override
@@ -581,6 +597,8 @@ class MoEOverlapStrategy(ParallelStrategy):
         (``parallel/sharding.py``).
         """
         assert self._ep_model is not None and self._sharded is not None
+        if self._tp_grads is not None:  # before FSDP reduces over dp x cp: the replicas' sum over their tp shards
+            self._tp_grads.reduce(self.model)
         self._sharded.end_step()
         if not self._sharded.sharded:
             self._ep_model.sync_expert_gradients(self.parallel_groups)

@@ -34,6 +34,7 @@ from lightning_moe_overlap.config import (
 from lightning_moe_overlap.moe.capacity import capacity_problems
 from lightning_moe_overlap.moe.dispatch.base import splits_evenly
 from lightning_moe_overlap.parallel.dims import ParallelDims, ParallelDimsError
+from lightning_moe_overlap.parallel.mesh import mesh_layout
 from lightning_moe_overlap.processes.exits import SAME_ON_EVERY_RANK, same_on_every_rank  # noqa: F401 - re-exported
 
 OWNER = "`MoEOverlapStrategy`"
@@ -236,19 +237,42 @@ def rule_overlap_needs_microbatches(cfg: OverlapConfig) -> list[Problem]:
 
 
 def rule_not_implemented(cfg: OverlapConfig) -> list[Problem]:
-    sizes = (("tp", cfg.tp), ("cp", cfg.cp))
+    sizes = (("cp", cfg.cp),)
     unsupported = [f"{n}={v}" for n, v in sizes if is_positive_int(v) and v > 1]
     if unsupported:
         return [
             Problem(
                 "not-implemented-parallelism",
-                f"{OWNER}: {', '.join(unsupported)}: this version builds the process groups for tp/cp but "
-                "executes expert, data and pipeline parallelism only. Use tp=cp=1 (the world becomes dp x pp, and "
-                "ep folds into dp).",
+                f"{OWNER}: {', '.join(unsupported)}: this version builds the process groups for cp but executes "
+                "expert, tensor, data and pipeline parallelism only. Use cp=1 (the world becomes dp x tp x pp, and ep "
+                "folds into dp x tp).",
                 NotImplementedError,
             )
         ]
     return []
+
+
+def rule_tensor_parallel(cfg: OverlapConfig) -> list[Problem]:
+    """What tensor parallelism (``tp > 1``) needs and does not run with (docs/tensor_parallel.md)."""
+    if not (is_positive_int(cfg.tp) and cfg.tp > 1):
+        return []
+    return [
+        *_when(
+            not cfg.sequence_parallel,
+            "tp-sequence-parallel",
+            f"`tp={cfg.tp}` with `sequence_parallel=False`: the MoE blocks would see the same tokens on every tp rank "
+            "and route them tp times (Megatron refuses the same: MoE with tensor parallelism needs sequence "
+            "parallelism). Set `sequence_parallel=True` (the default), or `tp=1`.",
+        ),
+        *_when(
+            is_positive_int(cfg.pp) and cfg.pp > 1,
+            "tp-pipeline",
+            f"`tp={cfg.tp}` with `pp={cfg.pp}`: the pipeline chunks are cut before the tensor-parallel plan would "
+            "apply, and a chunk's boundary activations would have to carry the sequence-parallel layout; not "
+            "implemented in this version. Use `pp=1` with tensor parallelism, or `tp=1` with pipeline parallelism.",
+            NotImplementedError,
+        ),
+    ]
 
 
 def rule_shard(cfg: OverlapConfig) -> list[Problem]:
@@ -302,6 +326,7 @@ CONFIG_RULES: tuple[Callable[[OverlapConfig], list[Problem]], ...] = (
     rule_pipeline,
     rule_overlap_needs_microbatches,
     rule_not_implemented,
+    rule_tensor_parallel,
     rule_shard,
     rule_torch_version,
 )
@@ -316,15 +341,19 @@ def check_config(cfg: OverlapConfig) -> list[Problem]:
 def check_world(cfg: OverlapConfig, world_size: int, ep_choices: list[int] | None = None) -> list[Problem]:
     """Rules that need the number of processes (before any is spawned). ``ep_choices``: the ep values that pass
     every rule on ep for the model (``ep_choices.passing_ep_values``), where it is known; the ep message suggests
-    those instead of every divisor of dp*cp."""
+    those instead of every divisor of dp*cp*tp."""
     if rule_sizes(cfg):
         return []  # the sizes themselves are wrong; reported by check_config
     try:
-        build_dims(cfg, world_size)  # the one implementation of the layout rules
+        dims = build_dims(cfg, world_size)  # the one implementation of the layout rules
     except ParallelDimsError as err:
         if err.rule == "ep-divides-dp-cp" and ep_choices is not None:
             return [Problem(err.rule, f"{OWNER}: {_ep_world_message(cfg, world_size, ep_choices)}")]
         return [Problem(err.rule, f"{OWNER}: {err.detail}")]
+    try:
+        mesh_layout(dims)
+    except NotImplementedError as err:
+        return [Problem("mesh-layout", f"{OWNER}: {err}", NotImplementedError)]
     if cfg.overlap_requested and cfg.ep == 1 and world_size > 1:  # only when asked: the default just resolves
         return [
             _warn(
@@ -341,12 +370,13 @@ EP_CHOICES_RULES = "the values that pass every rule on ep: they divide every MoE
 
 
 def _ep_world_message(cfg: OverlapConfig, world_size: int, ep_choices: list[int]) -> str:
-    dp_cp = world_size // (cfg.pp * cfg.tp)
+    span = world_size // cfg.pp
     flex = ", and fit DeepEP's group sizes" if cfg.resolved_flex_backend == "deepep" else ""
     return (
-        f"ep={cfg.ep} does not divide dp*cp={dp_cp} (world_size={world_size}, pp={cfg.pp}, cp={cfg.cp}, "
-        f"tp={cfg.tp}); expert parallelism folds into the data-parallel ranks, so ep must divide dp*cp. Valid ep "
-        f"values here: {ep_choices} ({EP_CHOICES_RULES} and dp*cp{flex})"
+        f"ep={cfg.ep} does not divide dp*cp*tp={span} (world_size={world_size}, pp={cfg.pp}, cp={cfg.cp}, "
+        f"tp={cfg.tp}); expert parallelism folds into the data-, context- and tensor-parallel ranks of a pipeline "
+        f"stage, so ep must divide dp*cp*tp. Valid ep values here: {ep_choices} ({EP_CHOICES_RULES} and "
+        f"dp*cp*tp{flex})"
         + ("." if ep_choices else "; none does: change the number of processes or the dispatcher.")
     )
 
@@ -508,20 +538,20 @@ def check_flex(cfg: OverlapConfig, *, devices_per_node: int | None = None, preci
 
 
 # -- rules on the model ----------------------------------------------------------------------------------------
-def valid_ep_values(experts_per_block: Mapping[str, int], dp_cp: int | None) -> list[int]:
-    """The ep values that satisfy every rule at once: divide every block's experts and, if known, dp*cp."""
-    common = math.gcd(*experts_per_block.values(), *([dp_cp] if dp_cp else []))
+def valid_ep_values(experts_per_block: Mapping[str, int], ep_span: int | None) -> list[int]:
+    """The ep values that satisfy every rule at once: divide every block's experts and, if known, dp*cp*tp (the ranks ep folds into)."""
+    common = math.gcd(*experts_per_block.values(), *([ep_span] if ep_span else []))
     return divisors(common)
 
 
 def check_model(
     cfg: OverlapConfig,
     experts_per_block: Mapping[str, int],
-    dp_cp: int | None = None,
+    ep_span: int | None = None,
     ep_choices: list[int] | None = None,
 ) -> list[Problem]:
     """Rules that need the model: ``experts_per_block`` maps each MoE block's name to its number of experts;
-    ``dp_cp`` (when the world size is known) narrows the suggested ep values to those valid for it too;
+    ``ep_span`` (when the world size is known) narrows the suggested ep values to those valid for it too;
     ``ep_choices`` (``ep_choices.passing_ep_values``), where given, are the values suggested: every rule on ep."""
     out: list[Problem] = []
     if not experts_per_block:
@@ -539,10 +569,10 @@ def check_model(
         name, n = next(iter(bad.items()))
         if ep_choices is not None:
             flex = ", and fit DeepEP's group sizes" if cfg.resolved_flex_backend == "deepep" else ""
-            why = f"{EP_CHOICES_RULES}{' and dp*cp=' + str(dp_cp) if dp_cp else ''}{flex}"
+            why = f"{EP_CHOICES_RULES}{' and dp*cp*tp=' + str(ep_span) if ep_span else ''}{flex}"
         else:
-            ep_choices = valid_ep_values(experts_per_block, dp_cp)
-            why = f"the values that divide every block's experts{' and dp*cp=' + str(dp_cp) if dp_cp else ''}"
+            ep_choices = valid_ep_values(experts_per_block, ep_span)
+            why = f"the values that divide every block's experts{' and dp*cp*tp=' + str(ep_span) if ep_span else ''}"
         out.append(
             Problem(
                 "experts-divisible-by-ep",

@@ -160,12 +160,12 @@ class MoEMonitor(Callback):
 
 
 def _token_group(trainer: Trainer) -> Any:
-    """The group whose ranks see distinct tokens (dp x cp of this package's strategy, else the world); False when
+    """The group whose ranks see distinct tokens (dp x cp x tp of this package's strategy, else the world); False when
     there is nothing to reduce."""
     if not (dist.is_available() and dist.is_initialized()):
         return False
     strategy = trainer.strategy
-    return strategy.parallel_groups.dp_cp if isinstance(strategy, MoEOverlapStrategy) else None
+    return strategy.parallel_groups.dp_cp_tp if isinstance(strategy, MoEOverlapStrategy) else None
 
 
 def _stage_group(trainer: Trainer) -> Any:

@@ -149,6 +149,9 @@ class TopKRouter(torch_compat.Float32Buffers):
         self.z_loss_coeff = z_loss_coeff
         self.router_dtype = dtype
         self.aux_loss_scale = 1.0
+        # The ranks that hold other tokens of the same sequences (tp with sequence parallelism); set by the strategy.
+        # The balancing loss then counts the tokens of the whole sequence, as Megatron's does (``_sequence_losses``).
+        self.sequence_group: dist.ProcessGroup | None = None
         self.weight = nn.Parameter(torch.empty(num_experts, hidden_size))
         self.expert_bias: Tensor | None
         self.local_tokens_per_expert: Tensor | None
@@ -181,7 +184,7 @@ class TopKRouter(torch_compat.Float32Buffers):
         logits_TE = nn.functional.linear(x_TD, weight)
         train_losses = torch.is_grad_enabled() and self.training
         if train_losses and self.z_loss_coeff > 0:
-            z_loss = mcore.z_loss_func(logits_TE, self.z_loss_coeff)
+            z_loss = mcore.z_loss_func(logits_TE, self.z_loss_coeff) / self._sequence_ranks()
             self.metrics["z_loss"] = z_loss.detach()
             logits_TE = AuxLossScaler.apply(logits_TE, z_loss, self.aux_loss_scale)
         probs_TE, map_TE = mcore.topk_routing_with_score_function(
@@ -206,13 +209,25 @@ class TopKRouter(torch_compat.Float32Buffers):
                 self.local_tokens_per_expert += map_TE.sum(dim=0)
         return logits_TE, weights_TK, indices_TK
 
+    def _sequence_ranks(self) -> int:
+        group = self.sequence_group
+        return 1 if group is None else dist.get_world_size(group)
+
     def _load_balancing_loss(self, logits_TE: Tensor) -> Tensor:
+        """Megatron's switch balancing loss. With a ``sequence_group`` (``_sequence_losses``): the token counts are
+        summed over it, so each rank's loss is its share of the whole sequence's and the shares add up to it; the
+        z-loss, a mean over tokens, is divided by the group's size for the same reason."""
         mcore = _mcore_moe_utils()
         map_TE, scores_TE = mcore.compute_routing_scores_for_aux_loss(logits_TE, self.top_k, self.score_function)
+        tokens_per_expert = map_TE.sum(dim=0)
+        ranks = self._sequence_ranks()
+        if ranks > 1:
+            tokens_per_expert = tokens_per_expert.detach().clone()
+            dist.all_reduce(tokens_per_expert, group=self.sequence_group)
         return mcore.switch_load_balancing_loss_func(
             probs=scores_TE,
-            tokens_per_expert=map_TE.sum(dim=0),
-            total_num_tokens=logits_TE.shape[0],
+            tokens_per_expert=tokens_per_expert,
+            total_num_tokens=logits_TE.shape[0] * ranks,
             topk=self.top_k,
             num_experts=self.num_experts,
             moe_aux_loss_coeff=self.aux_loss_coeff,

@@ -7,10 +7,11 @@ each rank then allocates only what it holds (``parallel/materialize.py``):
 
 1. :func:`apply_pipeline` (``pp > 1``): cut the model into ``pp * vpp`` chunks; the other pp ranks' chunks go to the
    meta device, this rank's stay where they are (on its device, or on meta until the next steps).
-2. tensor / sequence / context parallelism of the dense layers (``parallelize_module`` over ``mesh["tp"]``) plugs
-   in here, on the held chunks, before the experts are replaced.
-3. :func:`apply_materialize`: the held dense tensors built on meta are allocated (whole: step 6 shards them) and
-   given their seeded init; the experts wait for step 4. Before it, so that the routers step 4 scales hold tensors.
+2. :func:`apply_materialize`: the held dense tensors built on meta are allocated (whole: steps 3 and 7 shard them)
+   and given their seeded init (the values of the unsplit model, whatever the layout); the experts wait for step 4.
+3. :func:`apply_tp` (``tp > 1``): tensor and sequence parallelism of the dense layers (``parallelize_module`` over
+   ``mesh["tp"]`` with the model's plan, ``parallel/tensor.py``), each tp rank keeping its shard of the tensors it
+   initialised; the routers learn their sequence group. The experts are left whole: ep folds over the tp ranks.
 4. :func:`apply_ep`: every experts module becomes expert-parallel over ``mesh["ep"]`` (``DTensor`` experts), its
    routers' auxiliary losses scaled like the main loss. Experts built on meta get only this rank's slice: one layer
    at a time the full experts are initialised, the slice kept and the rest freed (left uninitialised when a
@@ -49,6 +50,8 @@ from lightning_moe_overlap.parallel.held import global_shapes, held_tensors
 from lightning_moe_overlap.parallel.materialize import WEIGHTS_ATTR
 from lightning_moe_overlap.parallel.mesh import ParallelMesh
 from lightning_moe_overlap.parallel.sharding import ShardedModel, replicate_mesh
+from lightning_moe_overlap.parallel.tensor import TensorParallelGrads, apply_tensor_parallel, plan_of
+from lightning_moe_overlap.moe.router import TopKRouter
 from lightning_moe_overlap.pipeline.pipelined import PipelinedModel
 from lightning_moe_overlap.moe.handle import MoEModelHandle
 
@@ -68,6 +71,25 @@ def apply_materialize(model: nn.Module, init: MetaInit, pipeline: PipelinedModel
     """Allocate and initialise the dense tensors this rank holds that were built on meta (all of ``model`` at
     ``pp = 1``, the held chunks at ``pp > 1``), the experts excepted (:func:`apply_ep`); the names initialised."""
     return materialize_dense(model, init, None if pipeline is None else pipeline.held_chunks)
+
+
+def apply_tp(module: LightningModule, mesh: ParallelMesh) -> None:
+    """At ``tp > 1``: ``parallelize_module`` the LightningModule with its plan (``plan_of``: its
+    ``tensor_parallel_plan`` hook or its Hugging Face model's plan), and give every ``TopKRouter`` the tp group as its
+    sequence group (its balancing loss counts the whole sequence's tokens). Nothing at ``tp = 1``."""
+    if mesh.dims.tp == 1:
+        return
+    tp_mesh = mesh["tp"]
+    apply_tensor_parallel(module, tp_mesh, plan_of(module, tp_mesh))
+    for router in module.modules():
+        if isinstance(router, TopKRouter):
+            router.sequence_group = mesh.group("tp")
+
+
+def tensor_parallel_grads(module: nn.Module, mesh: ParallelMesh) -> TensorParallelGrads | None:
+    """At ``tp > 1``, after :func:`apply_ep`: the dense parameters the plan left whole, whose gradients are summed
+    over tp each step (``TensorParallelGrads``); None at ``tp = 1``."""
+    return None if mesh.dims.tp == 1 else TensorParallelGrads.of(module, mesh.group("tp"))
 
 
 def apply_ep(

@@ -4,22 +4,26 @@ Rank layout. The dense view orders ranks as ``(pp, dp, cp, tp)`` with ``tp`` var
 
     rank = ((pp_rank * dp + dp_rank) * cp + cp_rank) * tp + tp_rank
 
-Expert parallelism folds into the ``dp x cp`` block, as in Megatron-core: the expert view orders the same
-ranks as ``(pp, edp, ep, tp)``, where ``ep * edp == dp * cp`` and ``ep`` varies fastest inside the block. So
-the ranks of one ep group are neighbours (``tp`` apart), which puts an ep group inside a node whenever
-``ep * tp`` fits in one. Example, 8 ranks, ``ep=4``: ep groups ``[0,1,2,3]`` and ``[4,5,6,7]``; edp groups
-(the ranks holding the same experts) ``[0,4] [1,5] [2,6] [3,7]``.
+Expert parallelism folds into the ``dp x cp x tp`` block of a pp stage, as Megatron-core's "parallel folding" with
+expert tensor parallelism 1 (torchtitan's ``etp=1``): the expert view orders the same ranks as ``(pp, edp, ep)``,
+where ``ep * edp == dp * cp * tp`` and ``ep`` varies fastest inside the block. Experts are never tensor-sharded;
+with tensor parallelism each tp rank routes its own sequence shard (sequence parallelism), so the ep groups may span
+tp ranks and no expert is held twice inside an ep group. The ranks of one ep group are neighbours, which puts it
+inside a node whenever ``ep`` fits in one. Example, 8 ranks, ``ep=4``: ep groups ``[0,1,2,3]`` and ``[4,5,6,7]``;
+edp groups (the ranks holding the same experts) ``[0,4] [1,5] [2,6] [3,7]``; with ``tp=2, ep=2`` the ep groups are
+the tp pairs ``[0,1] [2,3] ...``. At ``tp = 1`` this is the layout of earlier versions, unchanged.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Literal
 
 from lightning_moe_overlap._checks import divisors, is_positive_int
 
-GroupKind = Literal["dp", "cp", "dp_cp", "tp", "pp", "ep", "edp"]
-GROUP_KINDS: tuple[GroupKind, ...] = ("dp", "cp", "dp_cp", "tp", "pp", "ep", "edp")
+GroupKind = Literal["dp", "cp", "dp_cp", "tp", "dp_cp_tp", "pp", "ep", "edp"]
+GROUP_KINDS: tuple[GroupKind, ...] = ("dp", "cp", "dp_cp", "tp", "dp_cp_tp", "pp", "ep", "edp")
 
 
 class ParallelDimsError(ValueError):
@@ -64,7 +68,7 @@ class ParallelDims:
 
         Raises:
             ParallelDimsError: (a ``ValueError``) a size is not a positive integer, the world size is not a
-                multiple of ``pp * cp * tp``, or ``ep`` does not divide ``dp * cp``. The message lists the valid
+                multiple of ``pp * cp * tp``, or ``ep`` does not divide ``dp * cp * tp``. The message lists the valid
                 choices.
         """
         for name, value in (("world_size", world_size), ("tp", tp), ("pp", pp), ("cp", cp), ("ep", ep)):
@@ -82,29 +86,36 @@ class ParallelDims:
                 f"or run on a multiple of {model} processes.",
             )
         dp = world_size // model
-        if (dp * cp) % ep != 0:
+        span = dp * cp * tp
+        if span % ep != 0:
             raise ParallelDimsError(
                 "ep-divides-dp-cp",
-                f"ep={ep} does not divide dp*cp={dp * cp} (dp={dp}, cp={cp}, world_size={world_size}); expert "
-                f"parallelism folds into the data-parallel ranks, so ep must divide dp*cp. Valid ep values here: "
-                f"{divisors(dp * cp)}; or run on a multiple of {ep * model} processes.",
+                f"ep={ep} does not divide dp*cp*tp={span} (dp={dp}, cp={cp}, tp={tp}, world_size={world_size}); "
+                f"expert parallelism folds into the data-, context- and tensor-parallel ranks of a pipeline stage, so "
+                f"ep must divide dp*cp*tp. Valid ep values here: {divisors(span)}; or run on a multiple of "
+                f"{pp * math.lcm(ep, cp * tp)} processes.",
             )
         return cls(world_size=world_size, dp=dp, tp=tp, pp=pp, cp=cp, ep=ep, vpp=vpp)
 
     @property
+    def ep_span(self) -> int:
+        """The ranks of a pipeline stage, over which expert parallelism folds: ``dp * cp * tp``."""
+        return self.dp * self.cp * self.tp
+
+    @property
     def edp(self) -> int:
         """Expert-data-parallel size: how many ranks hold a copy of the same experts."""
-        return self.dp * self.cp // self.ep
+        return self.ep_span // self.ep
 
     def coords(self, rank: int) -> RankCoords:
-        """The coordinates of ``rank`` in the dense ``(pp, dp, cp, tp)`` and expert ``(pp, edp, ep, tp)`` views."""
+        """The coordinates of ``rank`` in the dense ``(pp, dp, cp, tp)`` and expert ``(pp, edp, ep)`` views."""
         if not 0 <= rank < self.world_size:
             raise ValueError(f"`ParallelDims.coords`: rank={rank} is outside [0, world_size={self.world_size}).")
         tp_rank = rank % self.tp
         cp_rank = (rank // self.tp) % self.cp
         dp_rank = (rank // (self.tp * self.cp)) % self.dp
         pp_rank = rank // (self.tp * self.cp * self.dp)
-        block = dp_rank * self.cp + cp_rank  # index inside the dp x cp block
+        block = (dp_rank * self.cp + cp_rank) * self.tp + tp_rank  # index inside the dp x cp x tp block
         return RankCoords(pp=pp_rank, dp=dp_rank, cp=cp_rank, tp=tp_rank, ep=block % self.ep, edp=block // self.ep)
 
     def group_ranks(self, kind: GroupKind) -> list[list[int]]:
@@ -119,9 +130,10 @@ class ParallelDims:
                 "cp": (c.pp, c.dp, c.tp),
                 "dp_cp": (c.pp, c.tp),
                 "tp": (c.pp, c.dp, c.cp),
+                "dp_cp_tp": (c.pp,),
                 "pp": (c.dp, c.cp, c.tp),
-                "ep": (c.pp, c.edp, c.tp),
-                "edp": (c.pp, c.ep, c.tp),
+                "ep": (c.pp, c.edp),
+                "edp": (c.pp, c.ep),
             }[kind]
             groups.setdefault(key, []).append(rank)
         return list(groups.values())

@@ -17,7 +17,8 @@ class ParallelGroups:
     """This rank's process group in each dimension, plus the sizes they were built from.
 
     ``dp_cp`` is the group dense gradients are averaged over; ``edp`` the one expert gradients are averaged over;
-    ``ep`` the one tokens are exchanged in. The strategy reads them off its one mesh
+    ``ep`` the one tokens are exchanged in; ``dp_cp_tp`` (a pipeline stage) the one whose ranks see distinct tokens
+    (with tensor parallelism each tp rank holds its own sequence shard), over which token counts are summed. The strategy reads them off its one mesh
     (``ParallelMesh.process_groups``: each kind is its view's group); :func:`build_groups` makes plain groups
     without a mesh, where kinds with the same members may be the same object and every kind of size 1 is this
     rank's one single-rank group.
@@ -29,6 +30,7 @@ class ParallelGroups:
     cp: ProcessGroup
     dp_cp: ProcessGroup
     tp: ProcessGroup
+    dp_cp_tp: ProcessGroup
     pp: ProcessGroup
     ep: ProcessGroup
     edp: ProcessGroup

@@ -1,20 +1,25 @@
 """One ``DeviceMesh`` over the rank layout of :class:`ParallelDims`, with a 1-D view per group kind.
 
 The mesh is what torch's engine takes (``fully_shard`` over ``dp_cp`` for dense parameters and over ``edp`` for
-experts, ``DTensor`` experts sharded over ``ep``); ``ParallelDims`` stays the one source of sizes and layout, and the
-mesh is derived from it so that every rank has the same coordinates in both (``ParallelDims.coords``).
+experts, ``DTensor`` experts sharded over ``ep``, ``parallelize_module`` over ``tp``); ``ParallelDims`` stays the one
+source of sizes and layout, and the mesh is derived from it so that every rank has the same coordinates in both
+(``ParallelDims.coords``).
 
-Layout. The ranks are ``(pp, [dp x cp block], tp)`` with ``tp`` fastest, and the ``dp x cp`` block is read two ways:
-``(dp, cp)`` for dense parameters and ``(edp, ep)`` for experts, ``ep`` fastest (Megatron's layout). A mesh has one
-row-major order, so the block is cut into the three dimensions both readings are made of, inner size
-``min(cp, ep)``::
+Layout. The ranks are ``(pp, [dp x cp x tp block], unit)`` with ``tp`` fastest inside the block, and the block is
+read two ways: ``(dp, cp, tp)`` for dense parameters and ``(edp, ep)`` for experts, ``ep`` fastest (Megatron's
+parallel folding). A mesh has one row-major order, so the block is cut into dimensions both readings are made of:
+``ep`` is the innermost run of the block, so walking ``tp``, ``cp``, ``dp`` from the inside, each dimension lies
+wholly in ``ep`` while ``ep`` still needs it, one dimension at most is split in two (``{name}_edp`` outside,
+``{name}_ep`` inside), and the rest lie wholly in ``edp``. Examples (``pp`` and ``unit`` left out)::
 
-    ep divides cp:  (pp, dp,  cp_in_edp, ep, tp)   cp = cp_in_edp x ep,  edp = dp x cp_in_edp
-    cp divides ep:  (pp, edp, dp_in_ep,  cp, tp)   dp = edp x dp_in_ep,  ep  = dp_in_ep x cp
+    dp=2 cp=1 tp=1 ep=2:  (dp_edp=1, dp_ep=2, cp=1, tp=1)     ep = (dp_ep, cp, tp), edp = (dp_edp,)
+    dp=4 cp=4 tp=1 ep=2:  (dp=4, cp_edp=2, cp_ep=2, tp=1)     ep = (cp_ep, tp),      edp = (dp, cp_edp)
+    dp=2 cp=1 tp=4 ep=2:  (dp=2, cp=1, tp_edp=2, tp_ep=2)     ep = (tp_ep,),         edp = (dp, cp, tp_edp)
 
-(``cp_in_edp = cp / ep``, ``dp_in_ep = ep / cp``; with ``cp == ep`` the first form is used, ``cp_in_edp = 1``). The
-other kinds and ``dp_cp`` (the whole block) are flattened views of those dimensions. When neither of ``cp`` and
-``ep`` divides the other, no such cut exists and :func:`mesh_layout` refuses the sizes.
+A kind made of several dimensions is a flattened view of them; ``ep`` (``edp``) gets a size-1 dimension of its own
+name when no dimension lies in it. ``unit``, the last dimension, has size 1: the size-1 shard dimension of the
+replicated parameters' 2-D mesh (``parallel/sharding.py``). When the split dimension's size is not a multiple of
+what ``ep`` still needs (``cp=2, ep=3``), no such cut exists and :func:`mesh_layout` refuses the sizes.
 """
 
 from __future__ import annotations
@@ -47,34 +52,82 @@ def mesh_layout(dims: ParallelDims) -> MeshLayout:
     """The mesh dimensions that reproduce ``dims``'s rank layout (pure: no process group).
 
     Raises:
-        NotImplementedError: neither of ``cp`` and ``ep`` divides the other (only reachable with ``cp > 1``).
+        NotImplementedError: the innermost ``ep`` ranks of the block are not a run of whole dimensions and one part
+            of a dimension (e.g. ``cp=2, ep=3``).
     """
-    cp, ep = dims.cp, dims.ep
-    if cp % ep == 0:  # ep inside cp: (dp, cp_in_edp, ep)
-        block = (("dp", dims.dp), ("cp_in_edp", cp // ep), ("ep", ep))
-        views: dict[GroupKind, tuple[str, ...]] = {
-            "dp": ("dp",),
-            "cp": ("cp_in_edp", "ep"),
-            "ep": ("ep",),
-            "edp": ("dp", "cp_in_edp"),
-        }
-    elif ep % cp == 0:  # cp inside ep: (edp, dp_in_ep, cp)
-        block = (("edp", dims.edp), ("dp_in_ep", ep // cp), ("cp", cp))
-        views = {"dp": ("edp", "dp_in_ep"), "cp": ("cp",), "ep": ("dp_in_ep", "cp"), "edp": ("edp",)}
-    else:
+    parts = _block_parts(dims)
+    if parts is None:
+        name, size = _uneven_dimension(dims)
         raise NotImplementedError(
-            f"`build_mesh`: cp={cp} and ep={ep} ({dims.describe()}) cannot be one DeviceMesh: ep groups are runs of "
-            f"{ep} consecutive ranks of the dp x cp block and cp groups runs of {cp}, and a mesh can hold both only "
-            f"when one of cp and ep divides the other. Choose ep among the divisors or multiples of cp={cp} that "
-            f"divide dp*cp={dims.dp * cp}: {_nested_choices(cp, dims.dp * cp)}."
+            f"`build_mesh`: ep={dims.ep} ({dims.describe()}) cannot be one DeviceMesh with these sizes: an ep group "
+            f"is a run of {dims.ep} consecutive ranks of the dp x cp x tp block (tp fastest), and with {name}={size} "
+            f"it would hold part of a {name} group and a part of the next that is not a whole number of {name} "
+            f"groups. Choose ep among the values whose run is made of whole dimensions and one divisor of a "
+            f"dimension: {_nested_choices(dims)}."
         )
-    names = ("pp", *(name for name, _ in block), "tp")
-    views.update({"dp_cp": tuple(name for name, _ in block), "pp": ("pp",), "tp": ("tp",)})
-    return MeshLayout(names=names, shape=(dims.pp, *(size for _, size in block), dims.tp), views=views)
+    block = [part for name in ("dp", "cp", "tp") for part in parts[name]]
+    if not any(kind == "edp" for _, _, kind in block):
+        block.insert(0, ("edp", 1, "edp"))
+    if not any(kind == "ep" for _, _, kind in block):
+        block.append(("ep", 1, "ep"))
+    names = ("pp", *(name for name, _, _ in block), UNIT)
+    shape = (dims.pp, *(size for _, size, _ in block), 1)
+
+    def view(*dense: str) -> tuple[str, ...]:
+        return tuple(name for d in dense for name, _, _ in parts[d])
+
+    views: dict[GroupKind, tuple[str, ...]] = {
+        "pp": ("pp",),
+        "dp": view("dp"),
+        "cp": view("cp"),
+        "tp": view("tp"),
+        "dp_cp": view("dp", "cp"),
+        "dp_cp_tp": view("dp", "cp", "tp"),
+        "ep": tuple(name for name, _, kind in block if kind == "ep"),
+        "edp": tuple(name for name, _, kind in block if kind == "edp"),
+    }
+    return MeshLayout(names=names, shape=shape, views=views)
 
 
-def _nested_choices(cp: int, block: int) -> list[int]:
-    return [e for e in range(1, block + 1) if block % e == 0 and (cp % e == 0 or e % cp == 0)]
+UNIT = "unit"
+
+
+def _block_parts(dims: ParallelDims) -> dict[str, list[tuple[str, int, str]]] | None:
+    """Each dense dimension's mesh dimensions ``[(name, size, "ep" | "edp")]``, walking the block from the inside
+    (``ep`` takes whole dimensions, then one part of one); None when ``ep`` would take an uneven part."""
+    need = dims.ep
+    parts: dict[str, list[tuple[str, int, str]]] = {}
+    for name, size in (("tp", dims.tp), ("cp", dims.cp), ("dp", dims.dp)):  # innermost first
+        if need == 1:
+            parts[name] = [(name, size, "edp")]
+        elif need % size == 0:
+            parts[name] = [(name, size, "ep")]
+            need //= size
+        elif size % need == 0:
+            parts[name] = [(f"{name}_edp", size // need, "edp"), (f"{name}_ep", need, "ep")]
+            need = 1
+        else:
+            return None
+    return parts
+
+
+def _uneven_dimension(dims: ParallelDims) -> tuple[str, int]:
+    need = dims.ep
+    for name, size in (("tp", dims.tp), ("cp", dims.cp), ("dp", dims.dp)):
+        if need % size == 0:
+            need //= size
+        else:
+            return name, size
+    raise AssertionError("only called for sizes without a layout")
+
+
+def _nested_choices(dims: ParallelDims) -> list[int]:
+    """The ep values of ``dims``'s block that have a layout."""
+    span = dims.ep_span
+    return [
+        ep for ep in range(1, span + 1)
+        if span % ep == 0 and _block_parts(ParallelDims(dims.world_size, dims.dp, dims.tp, dims.pp, dims.cp, ep))
+    ]  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -102,6 +155,13 @@ class ParallelMesh:
     def group(self, kind: GroupKind) -> ProcessGroup:
         """This rank's process group of ``kind`` (the group of the 1-D view)."""
         return self[kind].get_group()
+
+    def replicate_mesh(self) -> DeviceMesh:
+        """The 2-D ``(dp_cp, unit)`` mesh of this rank's ``dp x cp`` group with a size-1 shard dimension, sliced from
+        the root mesh (so that it composes with ``DTensor`` parameters over ``tp``): ``fully_shard`` over it
+        replicates (``parallel/sharding.py``). No new communicator."""
+        parts = self.layout.views["dp_cp"]
+        return self.device_mesh[(parts[0] if len(parts) == 1 else "dp_cp", UNIT)]
 
     def process_groups(self, rank: int) -> ParallelGroups:
         """This rank's :class:`ParallelGroups`, read off the views (no new communicator)."""
@@ -142,6 +202,8 @@ def build_mesh(
         parts = layout.views[kind]
         if len(parts) == 1:
             views[kind] = device_mesh[parts[0]]
+        elif kind == "dp_cp_tp" and dims.tp == 1:  # the dp_cp ranks: its view, no second communicator
+            views[kind] = views["dp_cp"]
         else:
             config = _backend_config(resolved, kind, timeout)
             views[kind] = torch_compat.flatten_mesh(device_mesh[parts], kind, backend_override=config)

@@ -43,13 +43,9 @@ from lightning_moe_overlap.parallel.mesh import ParallelMesh
 
 
 def replicate_mesh(mesh: ParallelMesh) -> DeviceMesh:
-    """The 2-D ``(dp_cp, unit)`` mesh of this rank's ``dp x cp`` group with a size-1 shard dimension, over the
-    communicator of ``mesh["dp_cp"]`` (no new group spans ranks: the unit dimension is this rank's own)."""
-    dp_cp = mesh["dp_cp"]
-    solo = dist.new_group([dist.get_rank()], use_local_synchronization=True)
-    return DeviceMesh.from_group(
-        [dp_cp.get_group(), solo], dp_cp.device_type, mesh=dp_cp.mesh.view(-1, 1), mesh_dim_names=("dp_cp", "unit")
-    )
+    """The 2-D ``(dp_cp, unit)`` mesh of this rank's ``dp x cp`` group with a size-1 shard dimension
+    (:meth:`ParallelMesh.replicate_mesh`): ``fully_shard`` over it replicates."""
+    return mesh.replicate_mesh()
 
 
 class ShardedModel:

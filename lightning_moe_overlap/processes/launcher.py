@@ -126,7 +126,7 @@ class ExpertParallelScriptLauncher(pl_compat.SubprocessScriptLauncher):
         if isinstance(model, Module) and not problems:
             dims = self.strategy.dims
             experts = MoEModelHandle(model).experts_per_block()
-            problems = [p for p in check_model(config, experts, dims.dp * dims.cp) if p.is_error]
+            problems = [p for p in check_model(config, experts, dims.ep_span) if p.is_error]
         return problems
 
     # -- children ------------------------------------------------------------------------------------------------

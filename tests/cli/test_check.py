@@ -80,7 +80,7 @@ def test_experts_error_suggests_only_ep_values_valid_for_the_world(capsys):
     config, error = parse_fit_config([str(CONFIGS / "cpu.yaml")], ["--trainer.strategy.init_args.ep=3"])
     assert error is None and config is not None
     found = {p.rule: p.message for p in collect_problems(config, 4)}
-    assert "ep=3 does not divide dp*cp=4" in found["ep-divides-dp-cp"]
+    assert "ep=3 does not divide dp*cp*tp=4" in found["ep-divides-dp-cp"]
     assert "Choose ep among [1, 2, 4]" in found["experts-divisible-by-ep"]  # 8 experts, 4 processes: not 8
 
 

