@@ -74,12 +74,14 @@ from lightning_moe_overlap.validation import (
     check_flex,
     check_machine,
     check_model,
+    check_offload_settings,
     check_train_loaders,
     check_trainer,
     check_world,
     raise_problems,
 )
 from lightning_moe_overlap.moe.handle import MoEModelHandle
+from lightning_moe_overlap.optim.offload import offload_optimizers
 
 log = logging.getLogger(__name__)
 
@@ -154,6 +156,13 @@ class MoEOverlapStrategy(ParallelStrategy):
         fsdp_mp_policy: FSDP2's ``MixedPrecisionPolicy`` for the sharded modes (e.g. ``param_dtype=torch.bfloat16,
             reduce_dtype=torch.float32``: bf16 compute copies of fp32 sharded parameters); None keeps the parameters'
             dtype. Gradients of the micro-batches of a step accumulate in ``param_dtype``.
+        optimizer_cpu_offload: Keep the optimizer state of the largest parameters (``optimizer_offload_fraction``
+            of the elements this rank holds) in host memory and run their update there, on host copies (float32
+            masters of lower-precision parameters), copied back after each step (``optim/offload.py``,
+            docs/memory.md). The optimizer ``configure_optimizers`` returns is wrapped; its groups, an LR scheduler
+            on it, clipping by the global norm, every ``shard`` mode and the checkpoints work as without.
+        optimizer_offload_fraction: The share in (0, 1] of the parameters' elements offloaded, largest parameters
+            first; only with ``optimizer_cpu_offload``.
     """
 
     strategy_name = "moe_overlap"
@@ -185,6 +194,8 @@ class MoEOverlapStrategy(ParallelStrategy):
         shard: ShardMode = "none",
         sequence_parallel: bool = True,
         fsdp_mp_policy: MixedPrecisionPolicy | None = None,
+        optimizer_cpu_offload: bool = False,
+        optimizer_offload_fraction: float = 1.0,
         accelerator: Accelerator | None = None,
         parallel_devices: list[torch.device] | None = None,
         cluster_environment: ClusterEnvironment | None = None,
@@ -240,6 +251,8 @@ class MoEOverlapStrategy(ParallelStrategy):
         self._loop_trainer: Trainer | None = None  # whose automatic optimization skips backward for the loop
         self._fsdp_mp_policy = fsdp_mp_policy
         self.checkpoint_format = checkpointer.check_format(checkpoint_format)
+        raise_problems(check_offload_settings(optimizer_cpu_offload, optimizer_offload_fraction))
+        self.optimizer_offload_fraction = optimizer_offload_fraction if optimizer_cpu_offload else None
 
     # -- sizes and groups ------------------------------------------------------------------------------------
     @property
@@ -435,6 +448,9 @@ class MoEOverlapStrategy(ParallelStrategy):
         hooks = None
         if fitting:
             pl_compat.optimizers_to_device(self.optimizers, self.root_device)
+            if self.optimizer_offload_fraction is not None:  # a share of the state and update on the host
+                fraction = self.optimizer_offload_fraction
+                self.optimizers = offload_optimizers(self.optimizers, fraction, self.root_device)
             hooks = self._step_hooks(trainer)
             pl_compat.set_skip_backward(trainer, True)
             self._loop_trainer = trainer

@@ -337,6 +337,58 @@ def check_config(cfg: OverlapConfig) -> list[Problem]:
     return [p for rule in CONFIG_RULES for p in rule(cfg)]
 
 
+# -- optimizer CPU offload (optim/offload.py) --------------------------------------------------------------------
+def check_offload_settings(enabled: bool, fraction: object) -> list[Problem]:
+    """``optimizer_cpu_offload`` and ``optimizer_offload_fraction`` (checked by the strategy's constructor)."""
+    number = isinstance(fraction, (int, float)) and not isinstance(fraction, bool)
+    valid = number and 0 < fraction <= 1  # type: ignore[operator]
+    return [
+        *_when(
+            not valid,
+            "offload-fraction",
+            f"`optimizer_offload_fraction={fraction!r}` must be a number in (0, 1]: the share of the parameters' "
+            "elements (the largest parameters first) whose optimizer state and update live in host memory. Use 1.0 "
+            "for all of them, or e.g. 0.5 for about half.",
+        ),
+        *_when(
+            valid and fraction != 1 and not enabled,
+            "offload-fraction-unused",
+            f"`optimizer_offload_fraction={fraction!r}` does nothing without `optimizer_cpu_offload=True`. Set "
+            "`optimizer_cpu_offload=True`, or leave the fraction at 1.0.",
+            None,
+        ),
+    ]
+
+
+# Optimizers whose update of one parameter reads more than that parameter's gradient and state: a step over two
+# subsets of the parameters (the device's, then the host's) is not their step over all (class name: why).
+_NOT_PER_PARAMETER = {
+    "LBFGS": "its `step` re-evaluates the closure and treats every parameter as one flat vector",
+    "ZeroRedundancyOptimizer": "it shards the state over the ranks itself and broadcasts the updated parameters",
+    "SparseAdam": "it takes sparse gradients, and the host copies hold dense ones",
+    "OffloadedOptimizer": "it is offloaded already",
+}
+
+
+def check_offload_optimizer(optimizer: object) -> list[Problem]:
+    """The optimizer ``optimizer_cpu_offload=True`` wraps (after ``configure_optimizers``): a torch ``Optimizer``
+    whose update of each parameter reads only that parameter, its gradient, its state and its group."""
+    name = type(optimizer).__qualname__
+    fix = (
+        "The offload runs the optimizer's own `step` over the parameters kept on the device, then over the host "
+        "copies of the others, which is one step over all of them only for an optimizer that updates each parameter "
+        "from its own gradient and state (torch's Adam, AdamW, SGD, Adagrad, RMSprop, ...). Return such an optimizer "
+        "from `configure_optimizers`, or set `optimizer_cpu_offload=False`."
+    )
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        return [Problem("offload-optimizer", f"{OWNER}: `optimizer_cpu_offload=True` needs a `torch.optim.Optimizer`; "
+                        f"`configure_optimizers` returned a `{name}`. {fix}", TypeError)]  # fmt: skip
+    why = next((_NOT_PER_PARAMETER[c.__name__] for c in type(optimizer).__mro__ if c.__name__ in _NOT_PER_PARAMETER),
+               None)  # fmt: skip
+    return _when(why is not None, "offload-optimizer", f"`optimizer_cpu_offload=True` cannot wrap `{name}`: {why}. "
+                 f"{fix}", TypeError)  # fmt: skip
+
+
 # -- rules on the world ----------------------------------------------------------------------------------------
 def check_world(cfg: OverlapConfig, world_size: int, ep_choices: list[int] | None = None) -> list[Problem]:
     """Rules that need the number of processes (before any is spawned). ``ep_choices``: the ep values that pass

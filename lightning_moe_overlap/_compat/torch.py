@@ -47,6 +47,16 @@ def grouped_mm(mat_a: Tensor, mat_b: Tensor, *, offs: Tensor) -> Tensor:
     return torch._grouped_mm(mat_a, mat_b, offs=offs)
 
 
+def scaled_mm(mat_a: Tensor, mat_b: Tensor, *, scale_a: Tensor, scale_b: Tensor, out_dtype: torch.dtype) -> Tensor:
+    """``torch._scaled_mm``: ``(mat_a * scale_a) @ (mat_b * scale_b)`` of FP8 operands, in ``out_dtype``.
+
+    ``mat_a`` is row-major, ``mat_b`` column-major; the scales are float32, either 0-d (tensorwise) or ``[M, 1]`` and
+    ``[1, N]`` (rowwise). Runs on CPU (checked with torch 2.13, ``float8_e4m3fn`` and ``float8_e5m2``) and on CUDA
+    (compute capability >= 8.9, contraction and output dims multiples of 16).
+    """
+    return torch._scaled_mm(mat_a, mat_b, scale_a=scale_a, scale_b=scale_b, out_dtype=out_dtype)
+
+
 def current_graph_task_id() -> int:
     """``torch._C._current_graph_task_id``: the id of the backward pass running on this thread, ``-1`` outside one."""
     return torch._C._current_graph_task_id()
@@ -278,3 +288,124 @@ def wrap_pipeline_stage_init(schedule: Any, context: Callable[[], Any]) -> None:
             return initialize(*args, **kwargs)
 
     setattr(schedule, name, wrapped)
+
+
+# -- torch.distributed.tensor.experimental: context parallelism (ring attention over ``DTensor`` SDPA) -------------
+# ``context_parallel`` routes SDPA ops on sequence-sharded ``DTensor``s to handlers kept in a module-level dict while
+# it is on; ``parallel/context_ring_cpu.py`` adds the CPU op to that dict and reuses torch's ring loops.
+
+CP_ATTENTION_MODULES = (  # newest torch first: later versions moved the code under ``_context_parallel``
+    "torch.distributed.tensor.experimental._context_parallel._attention",
+    "torch.distributed.tensor.experimental._attention",
+)
+CP_ATTENTION_NAMES = (
+    "_templated_ring_attention",
+    "_templated_ring_attention_backward",
+    "custom_ops",
+    "_cp_options",
+    "_ContextParallel",
+    "_enable_context_parallel_dispatcher",
+    "_disable_context_parallel_dispatcher",
+)
+
+
+def cp_attention_module() -> Any:
+    """``torch.distributed.tensor.experimental._context_parallel._attention`` (``experimental._attention`` in older
+    torch): the module of torch's context-parallel SDPA (ring loops, the dispatcher's handler table, its options),
+    checked to hold every name this package reads (``CP_ATTENTION_NAMES``)."""
+    import importlib  # noqa: PLC0415
+
+    for name in CP_ATTENTION_MODULES:
+        try:
+            module = importlib.import_module(name)
+        except ImportError:
+            continue
+        missing = [n for n in CP_ATTENTION_NAMES if not hasattr(module, n)]
+        if not missing:
+            return module
+    raise RuntimeError(
+        f"torch {torch.__version__} has no context-parallel attention module holding {CP_ATTENTION_NAMES} (looked in "
+        f"{CP_ATTENTION_MODULES}). Use a torch version this package supports (pyproject.toml) or run with cp=1."
+    )
+
+
+def ring_attention_forward(group: Any, op: Any, query: Tensor, key: Tensor, value: Tensor, **kwargs: Any) -> tuple:
+    """``_templated_ring_attention(group, 2, op, query, key, value, **kwargs)``: torch's ring over the cp ``group``
+    for local ``(batch, heads, seq, dim)`` shards: k/v travel round the ring, ``op`` (an SDPA op returning
+    ``(out, logsumexp, ...)``) runs on each block (causal, full or skipped, by torch's load-balance rule), the
+    partial outputs are merged by their log-sum-exp. Returns ``(out, logsumexp, *rest of op's outputs)``."""
+    return cp_attention_module()._templated_ring_attention(group, 2, op, query, key, value, **kwargs)
+
+
+def ring_attention_backward(group: Any, op: Any, grad_out: Tensor, **kwargs: Any) -> tuple:
+    """``_templated_ring_attention_backward(group, 2, op, grad_out, "grad_out", **kwargs)``: the ring of the
+    backward; ``op`` (an SDPA backward op taking ``grad_out``, ``query``, ``key``, ``value``, ``out``,
+    ``logsumexp``, ``is_causal`` by name) runs on each block and the k/v gradients travel back to their owners.
+    Returns ``(grad_query, grad_key, grad_value, *rest)``."""
+    return cp_attention_module()._templated_ring_attention_backward(group, 2, op, grad_out, "grad_out", **kwargs)
+
+
+def cpu_sdpa_ops() -> tuple[Any, Any]:
+    """``aten._scaled_dot_product_flash_attention_for_cpu.default`` and its ``_backward``: the ops SDPA runs on CPU
+    (``(q, k, v, dropout_p, is_causal, *, attn_mask, scale) -> (out, logsumexp)`` and ``(grad_out, q, k, v, out,
+    logsumexp, dropout_p, is_causal, *, attn_mask, scale) -> (grad_q, grad_k, grad_v)``)."""
+    aten = torch.ops.aten
+    return (
+        aten._scaled_dot_product_flash_attention_for_cpu.default,
+        aten._scaled_dot_product_flash_attention_for_cpu_backward.default,
+    )
+
+
+def cp_handler_table() -> dict:
+    """``custom_ops`` of torch's context-parallel module: op -> handler, merged into ``DTensor``'s op dispatcher
+    (``DTensor._op_dispatcher._custom_op_handlers``) each time the context-parallel dispatcher is enabled and
+    dropped when it is disabled. Mutated in place to add an op."""
+    return cp_attention_module().custom_ops
+
+
+def cp_load_balance() -> bool:
+    """``_cp_options.enable_load_balance``: whether torch's ring treats the local shards as head-tail pairs (read at
+    every forward and backward; torch requires ``is_causal=True`` while it is on)."""
+    return bool(cp_attention_module()._cp_options.enable_load_balance)
+
+
+def set_cp_load_balance(enabled: bool) -> None:
+    """Set ``_cp_options.enable_load_balance`` (process-wide)."""
+    cp_attention_module()._cp_options.enable_load_balance = bool(enabled)
+
+
+def enable_cp_dispatcher(enabled: bool) -> None:
+    """``_enable_context_parallel_dispatcher()`` / ``_disable_context_parallel_dispatcher()``: install (remove) the
+    ring handlers and the sequence-sharding rules of torch's SDPA ops in ``DTensor``'s dispatcher (process-wide,
+    not re-entrant: one disable removes them)."""
+    module = cp_attention_module()
+    if enabled:
+        module._enable_context_parallel_dispatcher()
+    else:
+        module._disable_context_parallel_dispatcher()
+
+
+def cp_dispatcher_enabled() -> bool:
+    """Whether torch's context-parallel handlers are in ``DTensor._op_dispatcher._custom_op_handlers`` now (its
+    flash-attention op is)."""
+    from torch.distributed.tensor import DTensor  # noqa: PLC0415
+
+    return torch.ops.aten._scaled_dot_product_flash_attention.default in DTensor._op_dispatcher._custom_op_handlers
+
+
+def cp_sdpa_wrappers(seq_dim: int = 2) -> tuple[Callable[..., Any], Callable[..., Any]]:
+    """``_ContextParallel(seq_dim, SDPA).sdpa_input_fn`` / ``sdpa_output_fn``: what torch runs around SDPA under
+    context parallelism, ``(module, args, kwargs, mesh) -> (args, kwargs)`` wrapping each tensor as a ``DTensor``
+    sharded on ``seq_dim`` of ``mesh``, and ``(module, inputs, outputs, mesh) -> outputs`` taking the local shards
+    back out."""
+    module = cp_attention_module()
+    style = module._ContextParallel(seq_dim=seq_dim, attention_type=module._ContextParallel.AttentionType.SDPA)
+    return style.sdpa_input_fn, style.sdpa_output_fn
+
+
+def dtensor_op_info(op: Any, args: tuple, kwargs: dict) -> Any:
+    """``DTensor._op_dispatcher.unwrap_to_op_info``: the op's local arguments (``local_args`` / ``local_kwargs``),
+    its ``DTensor`` specs (``flat_args_schema``) and ``compute_mesh``, as a custom op handler receives them."""
+    from torch.distributed.tensor import DTensor  # noqa: PLC0415
+
+    return DTensor._op_dispatcher.unwrap_to_op_info(op, args, kwargs)

@@ -33,6 +33,7 @@ from lightning_moe_overlap.moe.capacity import DropPolicy, drop_over_capacity, v
 from lightning_moe_overlap.moe.dispatch.base import DispatcherBase
 from lightning_moe_overlap.moe.grouped import (
     GemmImpl,
+    ProjectionKernel,
     RowSplits,
     check_activation,
     check_impl,
@@ -151,6 +152,8 @@ class ExpertParallelExperts(nn.Module):
         self.capacity_factor = capacity_factor
         self.token_drop_policy: DropPolicy = token_drop_policy
         self.impl: GemmImpl = impl
+        # The torch backend's projection kernel (None: GroupedLinear; FP8: `fp8.apply_fp8`), kept from the source.
+        self.kernel: ProjectionKernel | None = getattr(source, "kernel", None)
         self.expert_backend: ExpertBackend = expert_backend
         # TE's modules are views of the parameters above, kept off the module tree (state_dict is unchanged).
         self.te_experts: TEExperts | None = None
@@ -232,6 +235,7 @@ class ExpertParallelExperts(nn.Module):
             runtime=self.runtime,
             impl=self.impl,
             grad_target=weight,  # a deferred weight gradient lands in the DTensor's local gradient
+            kernel=self.kernel,
         )
 
     def extra_repr(self) -> str:

@@ -19,7 +19,7 @@ from typing import Literal
 import torch
 from torch import Tensor, nn
 
-from lightning_moe_overlap.moe.grouped import GemmImpl, grouped_mlp
+from lightning_moe_overlap.moe.grouped import GemmImpl, ProjectionKernel, grouped_mlp
 from lightning_moe_overlap.moe.permute import gather_rows, scatter_weighted, sort_by_expert
 from lightning_moe_overlap.overlap.runtime import CommRuntime
 
@@ -54,6 +54,7 @@ def routed_experts_forward(
     act_fn: Callable[[Tensor], Tensor],
     runtime: CommRuntime | None = None,
     impl: GemmImpl = "auto",
+    kernel: ProjectionKernel | None = None,
 ) -> Tensor:
     """Single-process grouped path: sort the assignments by expert, run :func:`grouped_mlp`, scatter back.
 
@@ -66,12 +67,16 @@ def routed_experts_forward(
     assign_A = order_TK[:kept]
     x_AD = gather_rows(hidden_TD, assign_A, indices_TK.shape[-1])
     # The counts stay on the device: the grouped GEMM builds its offsets there (the loop reads them back).
-    y_AD = grouped_mlp(x_AD, counts_E, gate_up_eFD, down_eDF, act_fn, runtime, impl=impl)
+    y_AD = grouped_mlp(x_AD, counts_E, gate_up_eFD, down_eDF, act_fn, runtime, impl=impl, kernel=kernel)
     return scatter_weighted(y_AD, assign_A, weights_TK, hidden_TD.shape[0], hidden_TD.dtype)
 
 
 class Experts(nn.Module):
     """``num_experts`` gated MLP experts held as two 3-D parameters (HF v5 layout and forward signature).
+
+    Attribute ``kernel``: the projections' kernel on the grouped path (``None``: ``GroupedLinear``; the FP8 experts'
+    kernel after ``lightning_moe_overlap.fp8.apply_fp8``), a plain attribute, not a parameter or buffer. With a kernel
+    set, ``impl="loop"`` takes the grouped path too (the kernel is the computation).
 
     Args:
         num_experts: number of routed experts ``E``.
@@ -114,6 +119,7 @@ class Experts(nn.Module):
         self.intermediate_dim = ffn_hidden_size
         self.impl: ExpertsImpl = impl
         self.runtime = runtime
+        self.kernel: ProjectionKernel | None = None
         factory = {"device": device, "dtype": dtype}
         self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * ffn_hidden_size, hidden_size, **factory))
         self.down_proj = nn.Parameter(torch.empty(num_experts, hidden_size, ffn_hidden_size, **factory))
@@ -127,10 +133,11 @@ class Experts(nn.Module):
 
     def forward(self, hidden_states: Tensor, top_k_index: Tensor, top_k_weights: Tensor) -> Tensor:
         """``hidden_states [T, D]``, ``top_k_index [T, K]``, ``top_k_weights [T, K]`` -> ``[T, D]``."""
-        if self.impl == "loop":
+        if self.impl == "loop" and self.kernel is None:
             return self.forward_loop(hidden_states, top_k_index, top_k_weights)
         return routed_experts_forward(
-            hidden_states, top_k_index, top_k_weights, self.gate_up_proj, self.down_proj, self.act_fn, self.runtime
+            hidden_states, top_k_index, top_k_weights, self.gate_up_proj, self.down_proj, self.act_fn, self.runtime,
+            kernel=self.kernel,
         )
 
     def forward_loop(self, hidden_TD: Tensor, indices_TK: Tensor, weights_TK: Tensor) -> Tensor:

@@ -21,6 +21,10 @@ forward, dgrad and wgrad GEMMs of both projections: from a device tensor without
 with one host-to-device copy (``non_blocking``; no device sync). The loop reads host sizes; from a device tensor
 that is one ``tolist`` (a D2H sync, on the reference path only).
 
+Kernels of a projection: :class:`GroupedLinear` by default; a :data:`ProjectionKernel` passed as ``kernel`` (the
+experts' ``kernel`` attribute) replaces it, with the same arguments and the same wgrad contract: the FP8 experts
+(``lightning_moe_overlap/fp8/experts.py``) are plugged in this way.
+
 Autocast: under ``torch.autocast`` for the rows' device type, the rows and the weight are cast to the autocast
 dtype in forward (as ``torch.nn.functional.linear`` does) and the GEMMs run in it with autocast off; backward
 recasts the saved full-precision weight the same way, whatever autocast state it runs under (Lightning runs
@@ -46,6 +50,8 @@ from lightning_moe_overlap.overlap.runtime import CommRuntime
 from lightning_moe_overlap.parallel.dtensors import like, local
 
 GemmImpl = Literal["auto", "grouped_mm", "loop"]
+# `GroupedLinear.apply`'s arguments: (x_RI, weight, splits, transposed, impl, runtime, grad_target) -> y_RO.
+ProjectionKernel = Callable[[Tensor, Tensor, "RowSplits", bool, str, CommRuntime | None, tuple[Tensor, ...]], Tensor]
 GEMM_IMPLS: tuple[str, ...] = ("auto", "grouped_mm", "loop")
 _GROUPED_MM_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _TORCH_2_9 = torch.__version__ >= "2.9"  # compared once: a version comparison parses both strings each time
@@ -374,12 +380,15 @@ def grouped_projection(
     runtime: CommRuntime | None = None,
     impl: GemmImpl = "auto",
     grad_target: Tensor | None = None,
+    kernel: ProjectionKernel | None = None,
 ) -> Tensor:
     """One projection of every expert (the first, ``fc1``, or the down projection, ``fc2``), plus its optional
     ``[e, O]`` per-expert bias. ``grad_target``: the parameter whose local shard ``weight`` is (a ``DTensor``), where
-    a deferred weight gradient accumulates; ``None`` when ``weight`` is the parameter itself."""
+    a deferred weight gradient accumulates; ``None`` when ``weight`` is the parameter itself. ``kernel``: replaces
+    :class:`GroupedLinear` (e.g. the FP8 experts' kernel); ``None`` keeps it."""
     target = () if grad_target is None else (grad_target,)  # in a tuple: not an input of the autograd function
-    y_RO = GroupedLinear.apply(x_RI, weight, splits, transposed, impl, runtime, target)
+    apply = GroupedLinear.apply if kernel is None else kernel
+    y_RO = apply(x_RI, weight, splits, transposed, impl, runtime, target)
     if bias is not None:
         y_RO = y_RO + splits.bias_rows(bias, x_RI.shape[0])
     return y_RO
@@ -438,6 +447,7 @@ def grouped_mlp(
     gated: bool = True,
     impl: GemmImpl = "auto",
     backward_handoffs: int = 0,
+    kernel: ProjectionKernel | None = None,
 ) -> Tensor:
     """Expert MLP ``down(act(gate) * up)`` over rows sorted by (local) expert, or in segments of one expert each.
 
@@ -462,6 +472,7 @@ def grouped_mlp(
         backward_handoffs: hand-overs (``runtime.handoff()``, nothing in flight) in the backward between the down
             and the first projection's gradients; the dispatcher's ``backward_handoffs``, which balance the
             forward's comm points that have no backward twin (``docs/overlap.md``, "Balanced hand-overs").
+        kernel: the projections' kernel in place of :class:`GroupedLinear` (:data:`ProjectionKernel`, e.g. FP8).
 
     Returns:
         ``y_RD``, rows in the same order as ``x_RD``.
@@ -474,8 +485,10 @@ def grouped_mlp(
     check_activation(act_fn, gate_fn, owner)
     splits = row_splits(tokens_per_expert, gate_up_eFD.shape[0], x_RD.shape[0], owner)
     h = grouped_projection(
-        x_RD, gate_up_eFD, splits, bias=gate_up_bias, transposed=transposed, runtime=runtime, impl=impl
+        x_RD, gate_up_eFD, splits, bias=gate_up_bias, transposed=transposed, runtime=runtime, impl=impl, kernel=kernel
     )
     h = expert_activation(h, act_fn, gate_fn=gate_fn, gated=gated)
     h = backward_handoff(h, runtime, backward_handoffs)
-    return grouped_projection(h, down_eDF, splits, bias=down_bias, transposed=transposed, runtime=runtime, impl=impl)
+    return grouped_projection(
+        h, down_eDF, splits, bias=down_bias, transposed=transposed, runtime=runtime, impl=impl, kernel=kernel
+    )

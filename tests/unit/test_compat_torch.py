@@ -69,6 +69,20 @@ def test_grouped_mm() -> None:
     assert torch.equal(y_RO, private), _broken("torch._grouped_mm", "grouped_mm", "differs from its public wrapper")
 
 
+def test_scaled_mm() -> None:
+    _require(torch, "_scaled_mm", "torch._scaled_mm", "scaled_mm")
+    a, b = torch.randn(8, 32), torch.randn(16, 32)
+    qa, qb = a.to(torch.float8_e4m3fn), b.to(torch.float8_e5m2)  # e4m3 x e5m2, b column-major
+    exact = qa.float() @ qb.float().t()
+    one = torch.tensor(1.0)
+    out = torch_compat.scaled_mm(qa, qb.t(), scale_a=one, scale_b=one, out_dtype=torch.float32)
+    assert torch.allclose(out, exact, rtol=1e-5, atol=1e-5), _broken("torch._scaled_mm", "scaled_mm", "changed values")
+    rows, cols = torch.full((8, 1), 2.0), torch.full((1, 16), 0.25)  # rowwise scales
+    out = torch_compat.scaled_mm(qa, qb.t(), scale_a=rows, scale_b=cols, out_dtype=torch.bfloat16)
+    ok = out.dtype == torch.bfloat16 and torch.allclose(out.float(), exact * 0.5, rtol=1e-2, atol=1e-2)
+    assert ok, _broken("torch._scaled_mm", "scaled_mm", "changed its rowwise scales or output dtype")
+
+
 def test_current_graph_task_id() -> None:
     _require(torch._C, "_current_graph_task_id", "torch._C._current_graph_task_id", "current_graph_task_id")
     inside: list[int] = []
@@ -394,3 +408,130 @@ def test_local_shape_and_offset(world_of_one) -> None:
     assert torch_compat.local_shape_and_offset(tensor) == ((5, 3), (0, 0)), (
         f"torch {torch.__version__}: `compute_local_shape_and_global_offset` changed; update `_compat/torch.py`"
     )
+
+
+# -- torch.distributed.tensor.experimental: context parallelism (parallel/context_*.py) -----------------------------
+def _cp_name(name: str) -> str:
+    return f"{torch_compat.cp_attention_module().__name__}.{name}"
+
+
+def _cp_qkv() -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(0)
+    return [torch.randn(1, 2, 8, 4, generator=g) for _ in range(3)]
+
+
+def test_cp_attention_module() -> None:
+    module = torch_compat.cp_attention_module()
+    missing = [n for n in torch_compat.CP_ATTENTION_NAMES if not hasattr(module, n)]
+    assert not missing, _broken(f"{module.__name__}: {missing}", "cp_attention_module")
+
+
+def test_cpu_sdpa_ops() -> None:
+    forward, backward = torch_compat.cpu_sdpa_ops()
+    q, k, v = _cp_qkv()
+    out, lse = forward(q, k, v, 0.0, True, scale=None)
+    grads = backward(torch.ones_like(out), q, k, v, out, lse, 0.0, True, scale=None)
+    ok = lse.shape == (1, 2, 8) and [g.shape for g in grads] == [q.shape] * 3
+    assert ok, _broken("aten._scaled_dot_product_flash_attention_for_cpu(_backward)", "cpu_sdpa_ops", "changed")
+
+
+def test_ring_attention_forward_and_backward(world_of_one) -> None:
+    from torch.distributed.device_mesh import init_device_mesh
+
+    group = init_device_mesh("cpu", (1,)).get_group()
+    forward, backward = torch_compat.cpu_sdpa_ops()
+    q, k, v = _cp_qkv()
+    before = torch_compat.cp_load_balance()
+    torch_compat.set_cp_load_balance(False)
+    try:
+        out, lse = torch_compat.ring_attention_forward(group, forward, q, k, v, is_causal=True)[:2]
+        want_out, want_lse = forward(q, k, v, is_causal=True)
+        same = torch.allclose(out, want_out, atol=1e-6) and torch.allclose(lse, want_lse, atol=1e-6)
+        assert same, _broken(_cp_name("_templated_ring_attention"), "ring_attention_forward", "changed its result")
+        grad_out = torch.ones_like(out)
+        grads = torch_compat.ring_attention_backward(
+            group, backward, grad_out, query=q, key=k, value=v, out=want_out, logsumexp=want_lse, is_causal=True,
+            dropout_p=0.0,
+        )[:3]  # fmt: skip
+        want = backward(grad_out, q, k, v, want_out, want_lse, 0.0, True)
+        same = all(torch.allclose(a, b, atol=1e-6) for a, b in zip(grads, want, strict=True))
+        assert same, _broken(_cp_name("_templated_ring_attention_backward"), "ring_attention_backward", "changed")
+    finally:
+        torch_compat.set_cp_load_balance(before)
+
+
+def test_cp_handler_table_and_dispatcher() -> None:
+    from torch.distributed.tensor import DTensor
+
+    table = torch_compat.cp_handler_table()
+    flash = torch.ops.aten._scaled_dot_product_flash_attention.default
+    assert flash in table, _broken(_cp_name("custom_ops"), "cp_handler_table", "no longer maps the flash op")
+    assert not torch_compat.cp_dispatcher_enabled()
+    torch_compat.enable_cp_dispatcher(True)
+    try:
+        merged = all(DTensor._op_dispatcher._custom_op_handlers.get(op) is h for op, h in table.items())
+        assert merged and torch_compat.cp_dispatcher_enabled(), _broken(
+            _cp_name("_enable_context_parallel_dispatcher"), "enable_cp_dispatcher / cp_dispatcher_enabled",
+            "no longer merges custom_ops into DTensor._op_dispatcher._custom_op_handlers",
+        )  # fmt: skip
+    finally:
+        torch_compat.enable_cp_dispatcher(False)
+    assert not torch_compat.cp_dispatcher_enabled(), _broken(
+        _cp_name("_disable_context_parallel_dispatcher"), "enable_cp_dispatcher", "no longer removes custom_ops"
+    )
+
+
+def test_cp_load_balance() -> None:
+    before = torch_compat.cp_load_balance()
+    torch_compat.set_cp_load_balance(not before)
+    try:
+        options = torch_compat.cp_attention_module()._cp_options
+        assert options.enable_load_balance is (not before), _broken(_cp_name("_cp_options"), "set_cp_load_balance")
+    finally:
+        torch_compat.set_cp_load_balance(before)
+
+
+def test_cp_sdpa_wrappers(world_of_one) -> None:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Shard
+
+    mesh = init_device_mesh("cpu", (1,))
+    wrap, unwrap = torch_compat.cp_sdpa_wrappers()
+    q, k, v = _cp_qkv()
+    args, kwargs = wrap(None, (q, k), {"value": v, "is_causal": True}, mesh)
+    wrapped = [*args, kwargs["value"]]
+    ok = all(isinstance(t, DTensor) and t.placements == (Shard(2),) for t in wrapped) and kwargs["is_causal"] is True
+    assert ok, _broken(_cp_name("_ContextParallel.sdpa_input_fn"), "cp_sdpa_wrappers", "wraps differently")
+    back = unwrap(None, (args, kwargs), args[0], mesh)
+    assert not isinstance(back, DTensor) and torch.equal(back, q), _broken(
+        _cp_name("_ContextParallel.sdpa_output_fn"), "cp_sdpa_wrappers", "no longer returns the local shard"
+    )
+
+
+def test_dtensor_op_info(world_of_one) -> None:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Shard
+
+    mesh = init_device_mesh("cpu", (1,))
+    q, k, v = _cp_qkv()
+    sharded = [DTensor.from_local(t, mesh, (Shard(2),), run_check=False) for t in (q, k, v)]
+    info = torch_compat.dtensor_op_info(torch_compat.cpu_sdpa_ops()[0], tuple(sharded), {"scale": 0.5})
+    ok = (
+        info.compute_mesh is mesh
+        and all(torch.equal(a, b) for a, b in zip(info.local_args, (q, k, v), strict=True))
+        and [tuple(s.placements) for s in info.flat_args_schema] == [(Shard(2),)] * 3
+        and info.local_kwargs == {"scale": 0.5}
+    )
+    assert ok, _broken("DTensor._op_dispatcher.unwrap_to_op_info", "dtensor_op_info", "returns another OpInfo")
+
+
+@pytest.mark.parametrize(("seq", "cp"), [(8, 2), (24, 3), (16, 4)])
+def test_cp_batch_order_is_torchs_head_tail(seq: int, cp: int) -> None:
+    """``parallel/context_batch.py`` shards as torch's ring assumes: ``_HeadTailLoadBalancer``'s order."""
+    from torch.distributed.tensor.experimental._context_parallel._load_balancer import _HeadTailLoadBalancer
+
+    from lightning_moe_overlap.parallel.context_batch import shard_positions
+
+    torchs = _HeadTailLoadBalancer(seq, cp, "cpu")._generate_indices()[0]
+    ours = torch.cat([shard_positions(seq, cp, r) for r in range(cp)])
+    assert torch.equal(torchs, ours), _broken("_HeadTailLoadBalancer._generate_indices", "(context_batch)", "reorders")

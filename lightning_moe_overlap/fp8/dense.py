@@ -1,0 +1,103 @@
+"""Dense linears in FP8 through torchao's float8 training (``convert_to_float8_training``), on CPU and CUDA.
+
+torchao swaps each chosen ``nn.Linear`` for its ``Float8Linear`` (a subclass of ``nn.Linear`` whose weight stays the
+same high-precision parameter: names, state-dict keys and optimizer state do not change) and runs its three GEMMs
+through ``torch._scaled_mm`` with the recipe's current scaling. The recipes are torchao's own by name
+(``Float8LinearConfig.from_recipe_name``): ``tensorwise`` and ``rowwise`` (:mod:`.recipes`).
+
+Which linears: every ``nn.Linear`` that passes ``module_filter(fqn, module)`` and whose in and out features are
+multiples of 16 (the FP8 kernels' rule on CUDA; kept on CPU too, so a model converts the same way everywhere). The
+default filter (:func:`default_linear_filter`) leaves out the output head and the routers, whose numerics matter
+more than their share of the FLOPs (torchtitan leaves its output layer out by default too). Every linear left out
+is reported with the reason.
+
+torchao is optional (the ``fp8`` extra) and imported on the first conversion.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from types import ModuleType
+
+from torch import nn
+
+from lightning_moe_overlap._install import install_hint
+from lightning_moe_overlap.fp8.recipes import RECIPES, Float8Recipe
+
+LinearFilter = Callable[[str, nn.Linear], bool]
+
+# Leaf names of the linears the default filter leaves out: output heads and routers (HF MoE routers are `gate`).
+SKIPPED_NAMES: frozenset[str] = frozenset({"lm_head", "head", "output", "score", "classifier", "gate", "router"})
+ALIGN = 16
+
+
+def default_linear_filter(fqn: str, module: nn.Linear) -> bool:
+    """True unless the linear's own name (the last part of ``fqn``) is an output head or a router
+    (:data:`SKIPPED_NAMES`, or a name containing ``router``)."""
+    leaf = fqn.rsplit(".", 1)[-1]
+    return leaf not in SKIPPED_NAMES and "router" not in leaf
+
+
+def import_float8(owner: str = "`apply_fp8`") -> ModuleType:
+    """``torchao.float8``, or ``ImportError`` with the install hint."""
+    try:
+        import torchao.float8 as float8  # noqa: PLC0415 - optional backend, imported lazily
+    except ImportError as err:
+        raise ImportError(
+            f"{owner} converts dense linears with torchao's float8 training (`torchao.float8`), which is not "
+            f"installed. Install it with {install_hint('fp8')}, or pass dense=False to run only the experts in "
+            "FP8 (they need no torchao)."
+        ) from err
+    return float8
+
+
+def plan_linears(
+    model: nn.Module, module_filter: LinearFilter = default_linear_filter
+) -> tuple[list[str], dict[str, str]]:
+    """``(convert, skipped)``: the FQNs of the linears to convert, and each linear left out with its reason."""
+    convert: list[str] = []
+    skipped: dict[str, str] = {}
+    for fqn, module in model.named_modules():
+        if not isinstance(module, nn.Linear):
+            continue
+        if type(module).__name__ == "Float8Linear":
+            skipped[fqn] = "already an FP8 linear"
+        elif not module_filter(fqn, module):
+            skipped[fqn] = "left out by the filter (default: output heads and routers stay in high precision)"
+        elif module.in_features % ALIGN or module.out_features % ALIGN:
+            skipped[fqn] = (
+                f"in_features={module.in_features}, out_features={module.out_features}: FP8 GEMMs need both to be "
+                f"multiples of {ALIGN}"
+            )
+        else:
+            convert.append(fqn)
+    return convert, skipped
+
+
+def convert_linears(
+    model: nn.Module, recipe: Float8Recipe, module_filter: LinearFilter = default_linear_filter
+) -> tuple[tuple[str, ...], dict[str, str]]:
+    """Swap the chosen linears of ``model`` for torchao's ``Float8Linear`` in place (:func:`plan_linears`).
+
+    Returns:
+        ``(converted, skipped)``: the FQNs converted, and each linear left out with its reason.
+
+    Raises:
+        ValueError: ``recipe`` is not one of torchao's named recipes.
+        ImportError: torchao is not installed (and a linear is to be converted).
+    """
+    if RECIPES.get(recipe.name) != recipe:
+        raise ValueError(
+            f"`apply_fp8`: dense linears run torchao's named recipes {list(RECIPES)}, but the recipe is {recipe}. "
+            "Pass one of those names, or dense=False to run only the experts with this recipe."
+        )
+    convert, skipped = plan_linears(model, module_filter)
+    if convert:
+        float8 = import_float8()
+        chosen = frozenset(convert)
+        float8.convert_to_float8_training(
+            model,
+            module_filter_fn=lambda module, fqn: fqn in chosen,
+            config=float8.Float8LinearConfig.from_recipe_name(recipe.name),
+        )
+    return tuple(convert), skipped
