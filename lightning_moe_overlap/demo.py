@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from lightning.pytorch import LightningDataModule, LightningModule
 from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, PrepareModuleInput, RowwiseParallel
 from torch.utils.data import DataLoader, Dataset
 
@@ -43,10 +43,11 @@ class RMSNorm(nn.Module):
 class CausalSelfAttention(nn.Module):
     """Causal multi-head attention with one fused ``qkv`` projection (rows: all queries, all keys, all values).
 
-    ``head_shard = (rank, size)``: compute only heads ``[rank * H / size, (rank + 1) * H / size)``, as a tensor-parallel
-    rank does (:meth:`MoEGPT.tensor_parallel_plan`). The fused weight's rows of one head are not contiguous, so it
-    stays whole on every rank and each rank computes with its heads' rows (its gradient is then the sum over the tp
-    ranks, which the strategy takes for every parameter a plan leaves whole); ``proj`` is row-wise sharded.
+    ``tp_mesh``: compute only this tp rank's ``H / tp`` heads (:meth:`MoEGPT.tensor_parallel_plan`); the input then
+    arrives as a replicated ``DTensor``. The fused weight's rows of one head are not contiguous, so it stays whole on
+    every rank and each rank computes with its heads' rows, as a column-wise ``DTensor`` (so the input's gradient is
+    summed over tp; the weight's gradient is summed by the strategy, as for every parameter a plan leaves whole);
+    ``proj`` is row-wise sharded by the plan.
     """
 
     def __init__(self, hidden_size: int, num_heads: int) -> None:
@@ -54,18 +55,18 @@ class CausalSelfAttention(nn.Module):
         self.num_heads = num_heads
         self.qkv = nn.Linear(hidden_size, 3 * hidden_size, bias=False)
         self.proj = nn.Linear(hidden_size, hidden_size, bias=False)
-        self.head_shard = (0, 1)
+        self.tp_mesh: DeviceMesh | None = None
 
     def forward(self, x_BSD: Tensor) -> Tensor:
         b, s, d = x_BSD.shape
         head_dim = d // self.num_heads
-        rank, size = self.head_shard
-        if size == 1:
+        if self.tp_mesh is None:
             qkv = self.qkv(x_BSD)
         else:
-            per_rank = self.num_heads // size
-            heads = slice(rank * per_rank, (rank + 1) * per_rank)
-            qkv = F.linear(x_BSD, self.qkv.weight.view(3, self.num_heads, head_dim, d)[:, heads].reshape(-1, d))
+            per_rank = self.num_heads // self.tp_mesh.size()
+            first = self.tp_mesh.get_local_rank() * per_rank
+            rows = self.qkv.weight.view(3, self.num_heads, head_dim, d)[:, first : first + per_rank].reshape(-1, d)
+            qkv = F.linear(x_BSD, DTensor.from_local(rows, self.tp_mesh, [Shard(0)], run_check=False)).to_local()
         q, k, v = qkv.view(b, s, 3, -1, head_dim).unbind(2)
         out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True)
         return self.proj(out.transpose(1, 2).reshape(b, s, -1))
@@ -175,7 +176,7 @@ class MoEGPT(LightningModule):
         """The plan at ``tp > 1`` (docs/tensor_parallel.md), torch's styles with sequence parallelism: the embedding
         vocabulary-parallel, cut onto the sequence; each attention gathers its input, computes its heads and
         reduce-scatters onto the sequence; norms and MoE blocks run on the rank's tokens; the head gathers logits."""
-        tp, rank = tp_mesh.size(), tp_mesh.get_local_rank()
+        tp = tp_mesh.size()
         hidden, heads = self.hparams.hidden_size, self.hparams.num_heads
         if heads % tp or hidden % tp:
             raise ValueError(
@@ -183,12 +184,10 @@ class MoEGPT(LightningModule):
                 "heads, so tp must divide both. Choose tp among their common divisors."
             )
         for layer in self.layers:
-            layer.attn.head_shard = (rank, tp)
+            layer.attn.tp_mesh = tp_mesh
         return {
             "embed": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)),
-            "layers.*.attn": PrepareModuleInput(
-                input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),), use_local_output=True
-            ),
+            "layers.*.attn": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
             "layers.*.attn.proj": RowwiseParallel(output_layouts=Shard(1)),
             "head": ColwiseParallel(input_layouts=Shard(1), output_layouts=Replicate()),
         }

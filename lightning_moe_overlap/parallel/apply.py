@@ -50,8 +50,12 @@ from lightning_moe_overlap.parallel.held import global_shapes, held_tensors
 from lightning_moe_overlap.parallel.materialize import WEIGHTS_ATTR
 from lightning_moe_overlap.parallel.mesh import ParallelMesh
 from lightning_moe_overlap.parallel.sharding import ShardedModel, replicate_mesh
-from lightning_moe_overlap.parallel.tensor import TensorParallelGrads, apply_tensor_parallel, plan_of
-from lightning_moe_overlap.moe.router import TopKRouter
+from lightning_moe_overlap.parallel.tensor import (
+    TensorParallelGrads,
+    apply_tensor_parallel,
+    plan_of,
+    set_sequence_group,
+)
 from lightning_moe_overlap.pipeline.pipelined import PipelinedModel
 from lightning_moe_overlap.moe.handle import MoEModelHandle
 
@@ -81,9 +85,7 @@ def apply_tp(module: LightningModule, mesh: ParallelMesh) -> None:
         return
     tp_mesh = mesh["tp"]
     apply_tensor_parallel(module, tp_mesh, plan_of(module, tp_mesh))
-    for router in module.modules():
-        if isinstance(router, TopKRouter):
-            router.sequence_group = mesh.group("tp")
+    set_sequence_group(module, mesh.group("tp"))
 
 
 def tensor_parallel_grads(module: nn.Module, mesh: ParallelMesh) -> TensorParallelGrads | None:

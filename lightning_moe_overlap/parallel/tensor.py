@@ -44,6 +44,7 @@ from torch.distributed.tensor.parallel import (
 
 from lightning_moe_overlap.moe.adapters import find_experts
 from lightning_moe_overlap.moe.ep import ExpertParallelExperts
+from lightning_moe_overlap.moe.router import TopKRouter
 
 PLAN_HOOK = "tensor_parallel_plan"  # LightningModule method: tensor_parallel_plan(tp_mesh) -> {fqn pattern: style}
 
@@ -63,7 +64,7 @@ def apply_tensor_parallel(module: nn.Module, tp_mesh: DeviceMesh, plan: Mapping[
     cutting = [pattern for pattern, style in plan.items() if _cuts_sequence(style)]
     for name, sub in module.named_modules():
         if any(fnmatch.fnmatchcase(name, pattern) for pattern in cutting):
-            sub.register_forward_pre_hook(_SequenceCheck(name, tp))
+            sub.register_forward_pre_hook(_SequenceCheck(name, tp), prepend=True)  # before the style's own
 
 
 def _cuts_sequence(style: ParallelStyle) -> bool:
@@ -81,13 +82,21 @@ class _SequenceCheck:
 
     def __call__(self, module: nn.Module, args: tuple) -> None:
         first = args[0] if args else None
-        if isinstance(first, Tensor) and not isinstance(first, DTensor) and first.dim() >= 2 and first.shape[1] % self.tp:
+        if isinstance(first, Tensor) and first.dim() >= 2 and first.shape[1] % self.tp:
             raise ValueError(
                 f"`MoEOverlapStrategy(tp={self.tp})`: `{self.name}` got a sequence of {first.shape[1]} tokens (input "
                 f"shape {tuple(first.shape)}), which tp={self.tp} does not divide. Rule: with sequence parallelism "
                 f"each tp rank holds S / tp tokens. Fix: make the sequence length a multiple of {self.tp} (pad the "
                 "batch, or choose the data's sequence length so)."
             )
+
+
+def set_sequence_group(module: nn.Module, group: ProcessGroup) -> None:
+    """Give every ``TopKRouter`` of ``module`` the group holding the other parts of its sequences: its balancing loss
+    then counts the whole sequence's tokens, and the per-rank losses add up to the unsplit model's."""
+    for router in module.modules():
+        if isinstance(router, TopKRouter):
+            router.sequence_group = group
 
 
 def plan_of(module: nn.Module, tp_mesh: DeviceMesh) -> dict[str, ParallelStyle]:
