@@ -22,6 +22,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, PrepareModuleInput, RowwiseParallel
 from torch.utils.data import DataLoader, Dataset
 
+from lightning_moe_overlap.loss.fused import DEFAULT_CHUNK_SIZE, fused_linear_cross_entropy
 from lightning_moe_overlap.moe.layer import MoELayer
 from lightning_moe_overlap.moe.router import TopKRouter
 from lightning_moe_overlap.pipeline.batches import token_ids
@@ -102,6 +103,11 @@ class MoEGPT(LightningModule):
         aux_loss_coeff: Weight of the load-balancing loss.
         lr: AdamW learning rate.
         seed: Seed of the parameter initialisation (same model on every rank).
+        fused_cross_entropy: Compute the head's projection and the loss together, in blocks, so the ``[B, S, V]``
+            logits never exist (:func:`~lightning_moe_overlap.loss.fused_linear_cross_entropy`; Megatron's
+            ``--cross-entropy-loss-fusion --cross-entropy-fusion-impl linear``), at ``pp = 1`` and on the last
+            pipeline stage. ``forward`` and ``predict_step`` still return logits.
+        cross_entropy_chunk_size: Vocabulary rows (and tokens) per block of the fused loss.
     """
 
     def __init__(
@@ -117,6 +123,8 @@ class MoEGPT(LightningModule):
         aux_loss_coeff: float = 1e-2,
         lr: float = 3e-3,
         seed: int = 0,
+        fused_cross_entropy: bool = False,
+        cross_entropy_chunk_size: int = DEFAULT_CHUNK_SIZE,
     ) -> None:
         super().__init__()
         self.save_hyperparameters()
@@ -141,16 +149,21 @@ class MoEGPT(LightningModule):
         self.head = nn.Linear(hidden_size, vocab_size, bias=False)
         self.pipeline_num_layers = len(self.layers)  # what the layout places at pp > 1 (configure_pipeline)
 
-    def forward(self, tokens_BS: Tensor) -> Tensor:
+    def forward(self, tokens_BS: Tensor, *, logits: bool = True) -> Tensor:
+        """``logits_BSV``; with ``logits=False`` the final norm's output ``x_BSD`` (the fused loss's input)."""
         x_BSD = self.embed(tokens_BS)
         for layer in self.layers:
             x_BSD = layer(x_BSD)
-        return self.head(self.norm(x_BSD))
+        x_BSD = self.norm(x_BSD)
+        return self.head(x_BSD) if logits else x_BSD
 
     def _loss(self, batch: Any) -> Tensor:
         """Next-token loss of a batch of token ids ``[B, S]`` (a tensor, or a tuple / list holding one, as a
         ``TensorDataset`` loader yields; the same batches as at ``pp > 1``)."""
         tokens_BS = token_ids(batch, type(self).__name__)
+        if self.hparams.fused_cross_entropy:
+            x_BSD = self(tokens_BS[:, :-1], logits=False)
+            return gpt_fused_loss(x_BSD, self.head, tokens_BS[:, 1:], self.hparams.cross_entropy_chunk_size)
         logits_BSV = self(tokens_BS[:, :-1])
         return F.cross_entropy(logits_BSV.reshape(-1, logits_BSV.shape[-1]).float(), tokens_BS[:, 1:].reshape(-1))
 
@@ -195,7 +208,9 @@ class MoEGPT(LightningModule):
     def configure_pipeline(self, layout: PipelineLayout) -> PipelineChunks:
         """The pipeline chunks at ``pp > 1`` (docs/pipeline.md): :func:`split_moegpt`, its loss logged as
         ``training_step`` / ``validation_step`` log it (on the last stage; the strategy replays it on every rank)."""
-        return with_logged_loss(self, split_moegpt(self, layout))
+        h = self.hparams
+        fused_chunk = h.cross_entropy_chunk_size if h.fused_cross_entropy else None
+        return with_logged_loss(self, split_moegpt(self, layout, fused_chunk_size=fused_chunk))
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
         return torch.optim.AdamW(self.parameters(), lr=self.hparams.lr)
@@ -225,15 +240,17 @@ def with_logged_loss(module: LightningModule, chunks: PipelineChunks) -> Pipelin
 
 # -- MoEGPT's pipeline chunks (its configure_pipeline at pp > 1) -----------------------------------------------
 class GPTChunk(nn.Module):
-    """A run of ``MoEGPT`` layers; with ``embed`` it takes tokens, with ``head`` it returns logits."""
+    """A run of ``MoEGPT`` layers; with ``embed`` it takes tokens, with ``head`` it returns logits (with
+    ``project=False`` the final norm's output: the fused loss applies the head it holds)."""
 
     def __init__(self, embed: nn.Module | None, layers: dict[int, nn.Module], norm: nn.Module | None,
-                 head: nn.Module | None) -> None:
+                 head: nn.Module | None, *, project: bool = True) -> None:
         super().__init__()
         self.embed = embed
         self.layers = nn.ModuleDict({str(i): layer for i, layer in layers.items()})
         self.norm = norm
         self.head = head
+        self.project = project
 
     def forward(self, x: Tensor) -> Tensor:  # tokens_BS (chunk 0) or x_BSD
         if self.embed is not None:
@@ -241,13 +258,20 @@ class GPTChunk(nn.Module):
         for layer in self.layers.values():
             x = layer(x)
         if self.head is not None:
-            x = self.head(self.norm(x))  # logits_BSV
+            x = self.norm(x)  # x_BSD
+            if self.project:
+                x = self.head(x)  # logits_BSV
         return x
 
 
 def gpt_loss(logits_BSV: Tensor, target_BS: Tensor) -> Tensor:
     """``MoEGPT``'s next-token loss (as in its ``training_step``)."""
     return F.cross_entropy(logits_BSV.reshape(-1, logits_BSV.shape[-1]).float(), target_BS.reshape(-1))
+
+
+def gpt_fused_loss(x_BSD: Tensor, head: nn.Module, target_BS: Tensor, chunk_size: int) -> Tensor:
+    """``gpt_loss(head(x_BSD), target_BS)`` without the logits (:func:`fused_linear_cross_entropy`)."""
+    return fused_linear_cross_entropy(x_BSD, head.weight, target_BS, bias=head.bias, chunk_size=chunk_size)
 
 
 def gpt_prepare_batch(batch: Any) -> tuple[tuple[Tensor, ...], Tensor]:
@@ -268,17 +292,30 @@ def gpt_init_module(module: nn.Module) -> None:
         reset_module(module)
 
 
-def split_moegpt(model: nn.Module, layout: PipelineLayout) -> PipelineChunks:
-    """``MoEGPT``: embedding with chunk 0, final norm + head with the last chunk, layers per the layout."""
+def split_moegpt(model: nn.Module, layout: PipelineLayout, *, fused_chunk_size: int | None = None) -> PipelineChunks:
+    """``MoEGPT``: embedding with chunk 0, final norm + head with the last chunk, layers per the layout.
+
+    ``fused_chunk_size``: the last chunk returns the final norm's output and the loss is :func:`gpt_fused_loss`
+    with the head that chunk holds, in blocks of that size (``MoEGPT(fused_cross_entropy=True)``); None: logits
+    and :func:`gpt_loss`."""
     check_layers(model, layout, len(model.layers))
+    project = fused_chunk_size is None
 
     def chunk(c: Chunk) -> GPTChunk:
         return GPTChunk(
             model.embed if c.embedding else None, {i: model.layers[i] for i in c.layers},
-            model.norm if c.loss else None, model.head if c.loss else None,
+            model.norm if c.loss else None, model.head if c.loss else None, project=project,
         )
 
-    return PipelineChunks([chunk(c) for c in layout.chunks], gpt_loss, gpt_prepare_batch, gpt_init_module)
+    chunks = [chunk(c) for c in layout.chunks]
+    if project:
+        return PipelineChunks(chunks, gpt_loss, gpt_prepare_batch, gpt_init_module)
+    last = chunks[-1]  # its head's weight read at each call: the one the strategy has put in place by then
+
+    def loss_fn(x_BSD: Tensor, target_BS: Tensor) -> Tensor:
+        return gpt_fused_loss(x_BSD, last.head, target_BS, fused_chunk_size)
+
+    return PipelineChunks(chunks, loss_fn, gpt_prepare_batch, gpt_init_module)
 
 
 class _PatternTokens(Dataset):

@@ -18,6 +18,8 @@ from torch import Tensor
 from lightning_moe_overlap._install import install_hint
 from lightning_moe_overlap.demo import log_loss, with_logged_loss
 from lightning_moe_overlap.hf.load import HFWeights
+from lightning_moe_overlap.loss.fused import DEFAULT_CHUNK_SIZE
+from lightning_moe_overlap.loss.hf import hf_causal_lm_loss
 from lightning_moe_overlap.pipeline.batches import lm_batch
 from lightning_moe_overlap.pipeline.layout import PipelineLayout
 from lightning_moe_overlap.pipeline.split import PipelineChunks
@@ -107,11 +109,17 @@ class HFMoECausalLM(LightningModule):
             the loader (the strategy reads each rank's part after sharding; under another strategy the module reads
             the whole checkpoint in ``configure_model``). None: the tiny model of ``model_type``, built in
             ``__init__``.
+        fused_cross_entropy: HF's loss without the ``[B, S, V]`` logits: the model's own forward without its head
+            (``logits_to_keep`` empty), then ``lm_head`` and the loss in blocks
+            (:func:`~lightning_moe_overlap.loss.hf.hf_causal_lm_loss`), at ``pp = 1`` and on the last pipeline stage;
+            the router's auxiliary loss is added as HF adds it. ``predict_step`` still computes logits.
+        cross_entropy_chunk_size: Vocabulary rows (and tokens) per block of the fused loss.
     """
 
     def __init__(
         self, model_type: ModelType = "qwen3_moe", lr: float = 1e-2, seed: int = 0,
         config_overrides: dict[str, Any] | None = None, pretrained: str | None = None,
+        fused_cross_entropy: bool = False, cross_entropy_chunk_size: int = DEFAULT_CHUNK_SIZE,
     ) -> None:
         super().__init__()
         self.save_hyperparameters()
@@ -157,12 +165,17 @@ class HFMoECausalLM(LightningModule):
         """HF's own loss of a batch as the pipeline takes it (docs/pipeline.md, "Batches"): token ids ``[B, S]`` (a
         tensor, or a tuple / list holding one) or a dict with ``input_ids`` and optionally ``labels`` (-100: no
         loss), ``attention_mask``, ``position_ids``; without labels the loss is next-token on ``input_ids``."""
-        return self.model(**lm_batch(batch, type(self.model).__name__).model_kwargs()).loss
+        kwargs = lm_batch(batch, type(self.model).__name__).model_kwargs()
+        if self.hparams.fused_cross_entropy:
+            return hf_causal_lm_loss(self.model, kwargs, chunk_size=self.hparams.cross_entropy_chunk_size)
+        return self.model(**kwargs).loss
 
     def configure_pipeline(self, layout: PipelineLayout) -> PipelineChunks:
         """The pipeline chunks at ``pp > 1``: the built-in split of the HF decoder, its loss logged as the steps
         log it (docs/pipeline.md)."""
-        return with_logged_loss(self, split_hf_decoder(self, layout))
+        h = self.hparams
+        fused_chunk = h.cross_entropy_chunk_size if h.fused_cross_entropy else None
+        return with_logged_loss(self, split_hf_decoder(self, layout, fused_chunk_size=fused_chunk))
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
         return torch.optim.AdamW(self.parameters(), lr=self.hparams.lr)

@@ -19,6 +19,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from lightning_moe_overlap.loss.hf import check_plain_head, lm_head_loss
 from lightning_moe_overlap.pipeline.batches import lm_batch
 from lightning_moe_overlap.pipeline.layout import Chunk, PipelineLayout
 from lightning_moe_overlap.pipeline.chunks import PipelineChunks, PipelineSplittable, Splitter
@@ -115,8 +116,11 @@ class HFDecoderChunk(nn.Module):
     mask and position ids reach every chunk as keyword inputs (``PipelineChunks.chunk_kwargs``).
     """
 
-    def __init__(self, config: Any, parts: dict[str, nn.Module | None], layers: dict[int, nn.Module]) -> None:
+    def __init__(
+        self, config: Any, parts: dict[str, nn.Module | None], layers: dict[int, nn.Module], *, project: bool = True
+    ) -> None:
         super().__init__()
+        self.project = project  # False: the last chunk returns the final norm's output (the fused loss's input)
         self.config = config
         self.model = nn.Module()
         for name in ("embed_tokens", "norm", "rotary_emb"):
@@ -141,7 +145,9 @@ class HFDecoderChunk(nn.Module):
                     position_embeddings=rotary,
                 )
         if self.lm_head is not None:
-            h_BSD = self.lm_head(inner.norm(h_BSD))  # logits_BSV
+            h_BSD = inner.norm(h_BSD)
+            if self.project:
+                h_BSD = self.lm_head(h_BSD)  # logits_BSV
         return h_BSD
 
 
@@ -167,8 +173,35 @@ def _causal_masks(
     return lambda i: mask
 
 
-def split_hf_decoder(model: nn.Module, layout: PipelineLayout) -> PipelineChunks:
-    """An HF v5 ``*ForCausalLM`` (or a module holding it as ``model``): ``model.model.layers`` per the layout."""
+def _hf_loss_fn(hf: nn.Module) -> Callable[[Tensor, Tensor], Tensor]:
+    """The model's own ``loss_function`` of the last chunk's logits (it shifts the labels, -100: no loss)."""
+    loss_function, vocab_size = hf.loss_function, hf.config.vocab_size
+
+    def loss_fn(logits_BSV: Tensor, labels_BS: Tensor) -> Tensor:
+        return loss_function(logits_BSV, labels_BS, vocab_size)
+
+    return loss_fn
+
+
+def _hf_fused_loss_fn(hf: nn.Module, last: HFDecoderChunk, chunk_size: int) -> Callable[[Tensor, Tensor], Tensor]:
+    """The same loss from the last chunk's final-norm output and its ``lm_head`` (read at each call: the weight the
+    strategy has put in place by then), without the logits."""
+    check_plain_head(hf)
+
+    def loss_fn(h_BSD: Tensor, labels_BS: Tensor) -> Tensor:
+        return lm_head_loss(h_BSD, last.lm_head, labels_BS, chunk_size=chunk_size)
+
+    return loss_fn
+
+
+def split_hf_decoder(
+    model: nn.Module, layout: PipelineLayout, *, fused_chunk_size: int | None = None
+) -> PipelineChunks:
+    """An HF v5 ``*ForCausalLM`` (or a module holding it as ``model``): ``model.model.layers`` per the layout.
+
+    ``fused_chunk_size``: the last chunk returns the final norm's output and the loss applies the ``lm_head`` it
+    holds in blocks of that size (``loss/hf.py``, ``lm_head_loss``: the ``[B, S, V]`` logits never exist); None:
+    logits and the model's own ``loss_function``."""
     hf = find_hf_decoder(model)
     inner = hf.model
     check_layers(model, layout, len(inner.layers))
@@ -186,12 +219,11 @@ def split_hf_decoder(model: nn.Module, layout: PipelineLayout) -> PipelineChunks
             "rotary_emb": inner.rotary_emb if c.layers else None,
             "lm_head": hf.lm_head if c.loss else None,
         }
-        return HFDecoderChunk(hf.config, parts, {i: inner.layers[i] for i in c.layers})
+        return HFDecoderChunk(hf.config, parts, {i: inner.layers[i] for i in c.layers}, project=project)
 
-    loss_function, vocab_size = hf.loss_function, hf.config.vocab_size
-
-    def loss_fn(logits_BSV: Tensor, labels_BS: Tensor) -> Tensor:  # labels: -100 where no loss is taken
-        return loss_function(logits_BSV, labels_BS, vocab_size)
+    project = fused_chunk_size is None
+    chunks = [chunk(c) for c in layout.chunks]
+    loss_fn = _hf_loss_fn(hf) if project else _hf_fused_loss_fn(hf, chunks[-1], fused_chunk_size)
 
     owner = type(hf).__name__
 
@@ -202,5 +234,4 @@ def split_hf_decoder(model: nn.Module, layout: PipelineLayout) -> PipelineChunks
     def chunk_kwargs(batch: Any) -> dict[str, Tensor]:
         return lm_batch(batch, owner).attention_kwargs()
 
-    chunks = [chunk(c) for c in layout.chunks]
     return PipelineChunks(chunks, loss_fn, prepare_batch, hf._init_weights, chunk_kwargs=chunk_kwargs)

@@ -1,0 +1,88 @@
+"""Hugging Face transformers v5 causal LMs with the fused linear cross-entropy, their code unedited.
+
+Patching the model's ``loss_function`` is not enough: HF's ``*ForCausalLM.forward`` computes
+``lm_head(hidden_states)`` before it calls ``loss_function``, so the ``[B, S, V]`` logits would exist anyway. Instead
+:func:`hf_causal_lm_loss` runs the model's own forward with ``logits_to_keep`` an empty index tensor (HF slices the
+hidden states with it before the head: ``[B, 0, V]`` logits, no memory) and without ``labels``, takes the base model's
+``last_hidden_state`` (the final norm's output) from a forward hook held for that one call, and computes HF's loss
+from it with :func:`fused_linear_cross_entropy` and ``lm_head``'s weight: HF's shift (position ``i`` predicts label
+``i + 1``, the last position ignored), ``ignore_index=-100``, the mean over the labelled tokens, plus
+``router_aux_loss_coef * aux_loss`` where the model computed its load-balancing loss (``output_router_logits``).
+
+Shape legend: B batch, S sequence, D hidden.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from lightning_moe_overlap.loss.fused import DEFAULT_CHUNK_SIZE, fused_linear_cross_entropy
+
+IGNORE_INDEX = -100  # HF's label for "no loss here"
+
+
+def shift_labels(labels_BS: Tensor, ignore_index: int = IGNORE_INDEX) -> Tensor:
+    """HF's causal shift (``ForCausalLMLoss``): position ``i``'s target is ``labels[i + 1]``; the last position's is
+    ``ignore_index``."""
+    return F.pad(labels_BS, (0, 1), value=ignore_index)[..., 1:]
+
+
+def lm_head_loss(
+    hidden_BSD: Tensor, lm_head: nn.Module, labels_BS: Tensor, *, chunk_size: int = DEFAULT_CHUNK_SIZE
+) -> Tensor:
+    """HF's causal-LM loss of ``lm_head(hidden_BSD)`` against the unshifted ``labels_BS``, without the logits (the
+    last pipeline stage's loss, and :func:`hf_causal_lm_loss`'s)."""
+    return fused_linear_cross_entropy(
+        hidden_BSD, lm_head.weight, shift_labels(labels_BS), bias=getattr(lm_head, "bias", None),
+        ignore_index=IGNORE_INDEX, chunk_size=chunk_size,
+    )
+
+
+def hf_causal_lm_loss(
+    hf_model: nn.Module, model_kwargs: dict[str, Tensor], *, chunk_size: int = DEFAULT_CHUNK_SIZE
+) -> Tensor:
+    """The loss HF's ``hf_model(**model_kwargs).loss`` computes (``labels`` among the kwargs), without its logits.
+
+    ``hf_model`` is a v5 ``*ForCausalLM``: ``hf_model.model`` the base model, ``hf_model.lm_head`` the head, a
+    forward that takes ``logits_to_keep``. Raises ``NotImplementedError`` for a model whose logits are transformed
+    after the head (``final_logit_softcapping``, ``logit_scale``), which the fused loss does not apply.
+    """
+    check_plain_head(hf_model)
+    kwargs = dict(model_kwargs)
+    labels_BS = kwargs.pop("labels")
+    captured: list[Tensor] = []
+    caller = threading.get_ident()  # a recompute on another thread (the overlap's backward) is not this forward
+
+    def keep_hidden(module: nn.Module, args: Any, output: Any) -> None:
+        if threading.get_ident() == caller and not captured:
+            captured.append(output.last_hidden_state)
+
+    handle = hf_model.model.register_forward_hook(keep_hidden)
+    try:
+        no_positions = torch.empty(0, dtype=torch.long, device=labels_BS.device)
+        output = hf_model(**kwargs, logits_to_keep=no_positions)
+    finally:
+        handle.remove()
+    loss = lm_head_loss(captured[0], hf_model.lm_head, labels_BS, chunk_size=chunk_size)
+    aux_loss = getattr(output, "aux_loss", None)
+    if aux_loss is not None:  # HF adds it when it computed it and labels were given
+        loss = loss + hf_model.router_aux_loss_coef * aux_loss.to(loss.device)
+    return loss
+
+
+def check_plain_head(hf_model: nn.Module) -> None:
+    """``NotImplementedError`` for an HF model whose logits are more than ``lm_head(hidden)``."""
+    config = getattr(hf_model, "config", None)
+    for name in ("final_logit_softcapping", "logit_scale"):
+        value = getattr(config, name, None)
+        if value is not None:
+            raise NotImplementedError(
+                f"fused cross-entropy: {type(hf_model).__name__} has config.{name}={value!r}, a transform of the "
+                "logits after the LM head. Rule: the fused loss computes lm_head(hidden) only. Fix: leave "
+                "fused_cross_entropy off for this model."
+            )

@@ -1,0 +1,170 @@
+"""``fused_linear_cross_entropy`` against the oracle ``F.cross_entropy`` of the full logits, computed in one process:
+the loss and the gradients of hidden, weight and bias, for block sizes that divide the shapes and ones that do not,
+ignored tokens, both reductions, leading dimensions, bf16 inputs and autocast; what it keeps for backward; its
+input errors.
+
+Tolerances: float32 inputs within 1e-6 (the loss relative, each gradient relative to its largest entry: the
+oracle's own float32 rounding is of that size). bf16 inputs: the oracle is the float32 loss of the same bf16
+values (the fused loss computes every block in float32), the loss within 1e-6 and the gradients within one bf16
+rounding (2**-8 relative to the largest entry), since they come back in bf16.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from lightning_moe_overlap.loss import fused_linear_cross_entropy
+
+T, D, V = 45, 16, 101  # 45 tokens, 101 rows: prime-ish, so most block sizes leave a short last block
+
+
+def _inputs(dtype: torch.dtype = torch.float32, *, bias: bool = True, seed: int = 0) -> tuple[Tensor, ...]:
+    g = torch.Generator().manual_seed(seed)
+    h = torch.randn(T, D, generator=g).to(dtype).requires_grad_()
+    w = (torch.randn(V, D, generator=g) * 0.5).to(dtype).requires_grad_()
+    b = (torch.randn(V, generator=g) * 0.1).to(dtype).requires_grad_() if bias else None
+    target = torch.randint(0, V, (T,), generator=g)
+    target[::4] = -100
+    return h, w, b, target
+
+
+def _oracle(h: Tensor, w: Tensor, b: Tensor | None, target: Tensor, reduction: str = "mean") -> Tensor:
+    logits = F.linear(h.float(), w.float(), None if b is None else b.float())
+    return F.cross_entropy(logits, target, ignore_index=-100, reduction=reduction)
+
+
+def _grads(loss: Tensor, *tensors: Tensor | None) -> list[Tensor]:
+    present = [t for t in tensors if t is not None]
+    return list(torch.autograd.grad(loss, present))
+
+
+def _close(got: Tensor, want: Tensor, rel: float) -> None:
+    """Within ``rel`` of the largest entry of ``want`` (and ``rel`` relative entry-wise)."""
+    torch.testing.assert_close(got.float(), want.float(), rtol=rel, atol=rel * want.abs().max().item())
+
+
+@pytest.mark.parametrize("chunk_size", [1, 7, 16, 45, 64, 3072])
+@pytest.mark.parametrize("reduction", ["mean", "sum"])
+def test_float32_matches_full_logits(chunk_size: int, reduction: str) -> None:
+    h, w, b, target = _inputs()
+    want = _oracle(h, w, b, target, reduction)
+    got = fused_linear_cross_entropy(h, w, target, bias=b, chunk_size=chunk_size, reduction=reduction)
+    assert got.dtype == torch.float32
+    torch.testing.assert_close(got, want, rtol=1e-6, atol=0)
+    for g, o in zip(_grads(got, h, w, b), _grads(want, h, w, b), strict=True):
+        _close(g, o, 1e-6)
+
+
+@pytest.mark.parametrize(("chunk_size", "token_chunk_size"), [(7, 45), (64, 4), (3, 100)])
+def test_token_and_vocab_blocks_of_different_sizes(chunk_size: int, token_chunk_size: int) -> None:
+    h, w, _, target = _inputs(bias=False)
+    want = _oracle(h, w, None, target)
+    got = fused_linear_cross_entropy(h, w, target, chunk_size=chunk_size, token_chunk_size=token_chunk_size)
+    torch.testing.assert_close(got, want, rtol=1e-6, atol=0)
+    for g, o in zip(_grads(got, h, w), _grads(want, h, w), strict=True):
+        _close(g, o, 1e-6)
+
+
+def test_leading_dimensions_are_flattened() -> None:
+    h, w, b, target = _inputs()
+    h3, target3 = h.reshape(5, 9, D), target.reshape(5, 9)
+    got = fused_linear_cross_entropy(h3, w, target3, bias=b, chunk_size=8)
+    want = _oracle(h, w, b, target)
+    torch.testing.assert_close(got, want, rtol=1e-6, atol=0)
+    (grad_h,) = torch.autograd.grad(got, h)
+    (want_h,) = torch.autograd.grad(want, h)
+    _close(grad_h, want_h, 1e-6)
+
+
+def test_ignored_tokens_get_no_gradient_and_all_ignored_is_nan_like_the_oracle() -> None:
+    h, w, b, target = _inputs()
+    loss = fused_linear_cross_entropy(h, w, target, bias=b, chunk_size=10)
+    (grad_h,) = torch.autograd.grad(loss, h)
+    assert torch.equal(grad_h[target == -100], torch.zeros_like(grad_h[target == -100]))
+    assert grad_h[target != -100].abs().amax(dim=1).min() > 0
+    none = torch.full_like(target, -100)
+    assert torch.isnan(_oracle(h, w, b, none)) and torch.isnan(fused_linear_cross_entropy(h, w, none, bias=b))
+    assert fused_linear_cross_entropy(h, w, none, bias=b, reduction="sum").item() == 0.0
+
+
+def test_custom_ignore_index_and_int32_targets() -> None:
+    h, w, b, target = _inputs()
+    target = torch.where(target == -100, torch.tensor(7), target)
+    want = F.cross_entropy(F.linear(h, w, b), target, ignore_index=7)
+    got = fused_linear_cross_entropy(h, w, target.int(), bias=b, ignore_index=7, chunk_size=9)
+    torch.testing.assert_close(got, want, rtol=1e-6, atol=0)
+
+
+@pytest.mark.parametrize("chunk_size", [13, 3072])
+def test_bfloat16_inputs_computed_in_float32(chunk_size: int) -> None:
+    h, w, b, target = _inputs(torch.bfloat16)
+    got = fused_linear_cross_entropy(h, w, target, bias=b, chunk_size=chunk_size)
+    want = _oracle(h, w, b, target)  # float32 logits of the same bf16 values
+    assert got.dtype == torch.float32
+    torch.testing.assert_close(got, want, rtol=1e-6, atol=0)
+    got_grads, want_grads = _grads(got, h, w, b), _grads(want, h, w, b)
+    for g, o in zip(got_grads, want_grads, strict=True):
+        assert g.dtype == torch.bfloat16
+        _close(g, o, 2**-8)
+    # the unfused bf16 path (logits rounded to bf16 before the float32 loss) is further off than the fused one
+    rounded = F.cross_entropy(F.linear(h, w, b).float(), target)
+    assert (got - want).abs() <= (rounded - want).abs() + 1e-6
+
+
+def test_autocast_does_not_lower_the_blocks() -> None:
+    h, w, b, target = _inputs()
+    want = _oracle(h, w, b, target)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        got = fused_linear_cross_entropy(h, w, target, bias=b, chunk_size=16)
+    torch.testing.assert_close(got, want, rtol=1e-6, atol=0)
+    (grad_w,) = torch.autograd.grad(got, w)
+    (want_w,) = torch.autograd.grad(want, w)
+    _close(grad_w, want_w, 1e-6)
+
+
+def test_only_inputs_and_per_token_vectors_are_kept_for_backward() -> None:
+    h, w, b, target = _inputs()
+    saved: list[Tensor] = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+        loss = fused_linear_cross_entropy(h, w, target, bias=b, chunk_size=8)
+    assert saved and max(t.numel() for t in saved) == V * D  # the weight itself; nothing of [T, V]
+    assert sorted(t.numel() for t in saved if t.numel() not in (V * D, T * D, V)) == [1, T, T, T]
+    loss.backward()
+
+
+def test_no_grad_forward_and_frozen_weight() -> None:
+    h, w, b, target = _inputs()
+    with torch.no_grad():
+        torch.testing.assert_close(
+            fused_linear_cross_entropy(h, w, target, bias=b), _oracle(h, w, b, target), rtol=1e-6, atol=0
+        )
+    frozen = w.detach()
+    loss = fused_linear_cross_entropy(h, frozen, target, chunk_size=5)
+    (grad_h,) = torch.autograd.grad(loss, h)
+    _close(grad_h, torch.autograd.grad(_oracle(h, frozen, None, target), h)[0], 1e-6)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error", "match"),
+    [
+        (dict(reduction="none"), ValueError, r"reduction='none'\. Rule: 'mean' or 'sum'"),
+        (dict(chunk_size=0), ValueError, r"chunk_size=0\. Rule: an integer >= 1"),
+        (dict(chunk_size=True), ValueError, r"chunk_size=True\. Rule: an integer >= 1"),
+        (dict(token_chunk_size=-3), ValueError, r"token_chunk_size=-3\. Rule: an integer >= 1"),
+        (dict(weight=torch.zeros(V, D + 1)), ValueError, r"weight \[101, 17\]\. Rule: weight is \[V, D\]"),
+        (dict(target=torch.zeros(T - 1, dtype=torch.long)), ValueError, r"target \[44\] for hidden \[45, 16\]"),
+        (dict(target=torch.zeros(T)), TypeError, r"target has dtype torch\.float32\. Rule: class ids"),
+        (dict(bias=torch.zeros(V - 1)), ValueError, r"bias \[100\] for weight \[101, 16\]\. Rule: one bias per"),
+    ],
+    ids=["reduction", "chunk0", "chunk-bool", "token-chunk", "width", "target-shape", "target-dtype", "bias"],
+)
+def test_input_errors_name_values_rule_and_fix(kwargs: dict, error: type, match: str) -> None:
+    h, w, b, target = _inputs()
+    args = dict(weight=w, target=target, bias=b)
+    args.update({k: v for k, v in kwargs.items() if k in args})
+    options = {k: v for k, v in kwargs.items() if k not in args}
+    with pytest.raises(error, match=match + r".*Fix: "):
+        fused_linear_cross_entropy(h, args["weight"], args["target"], bias=args["bias"], **options)
