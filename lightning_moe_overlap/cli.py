@@ -43,6 +43,9 @@ from lightning_moe_overlap.validation import (
     OWNER,
     Problem,
     check_config,
+    check_fp8,
+    check_fp8_machine,
+    check_fp8_model,
     check_flex,
     check_launch,
     check_machine,
@@ -210,6 +213,13 @@ def _strategy_config(strategy: Any) -> OverlapConfig | None:
     return None
 
 
+def _strategy_fp8(strategy: Any) -> Any:
+    """The ``fp8`` init arg of a ``MoEOverlapStrategy`` class-path section (None otherwise)."""
+    if isinstance(strategy, dict):
+        return (strategy.get("init_args") or {}).get("fp8")
+    return None
+
+
 def _instantiate(spec: dict[str, Any]) -> Any:
     module_name, _, cls_name = spec["class_path"].rpartition(".")
     cls = getattr(importlib.import_module(module_name), cls_name)
@@ -284,12 +294,16 @@ def run_checks(config: dict[str, Any], world_size: int | None = None, *, machine
     if machine_checks:
         accelerator = trainer.get("accelerator", "auto")
         problems += check_machine(cfg, "cuda" if accelerator in ("gpu", "cuda") else "cpu")
+    fp8 = _strategy_fp8(trainer.get("strategy"))
+    problems += check_fp8(fp8, cfg)
+    if machine_checks:
+        problems += check_fp8_machine(fp8, "cuda" if trainer.get("accelerator") in ("gpu", "cuda") else "cpu")
     problems += check_launch(cfg, _batch_size(config.get("data")), config.get("ckpt_path"))
     report = None
     if model_problem is not None:
         problems.append(model_problem)
     else:
-        problems += weights_problems(model)
+        problems += weights_problems(model) + check_fp8_model(fp8, model)
     if model_problem is None and experts is not None:
         model_parallel = 0 if rule_sizes(cfg) else cfg.pp * cfg.cp * cfg.tp
         known = world is not None and model_parallel and world % model_parallel == 0

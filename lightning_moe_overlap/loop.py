@@ -12,7 +12,8 @@ A step, as phases::
     micro = split_batch(batch, M, short=True)     # every tensor split evenly along dim 0 (a short batch: nearly)
     with hooks.capture_logs() as logs:            # self.log calls of the M training steps
         losses = executor.run(forward, backward, M)
-    hooks.sync_gradients()                        # once, after the last backward
+    hooks.sync_gradients()                        # once, after the last backward (which hooks.before_last_backward
+                                                  # precedes, e.g. to reduce gradients as they become final)
     logs.replay()                                 # each name once, the mean over the micro-batches
     return mean loss (+ the last micro-batch's extra outputs)
 
@@ -78,6 +79,9 @@ class StepHooks:
         capture_logs: ``()`` -> a fresh :class:`~lightning_moe_overlap.step_logs.MicroBatchLogs` for the step.
         aux_loss_scale: ``(scale)``: the weight of the routers' auxiliary losses in the next forwards (``1 / M``
             for ``M`` equal micro-batches; a short batch's parts are weighted by their rows); None: not needed.
+        before_last_backward: ``()``: just before the step's last backward, which every executor runs alone (after
+            every other task has ended), in the thread that runs it; e.g. to issue gradient reductions during it.
+            None: not needed.
     """
 
     zero_grad: Callable[[int], None]
@@ -86,6 +90,7 @@ class StepHooks:
     sync_gradients: Callable[[], None]
     capture_logs: Callable[[], MicroBatchLogs]
     aux_loss_scale: Callable[[float], None] | None = None
+    before_last_backward: Callable[[], None] | None = None
 
 
 class MicroBatchLoop:
@@ -114,6 +119,8 @@ class MicroBatchLoop:
             return _loss_of(outputs[i])
 
         def backward(i: int, loss: Tensor) -> None:
+            if i == count - 1 and hooks.before_last_backward is not None:
+                hooks.before_last_backward()
             hooks.backward(loss / count if weights is None else loss * weights[i])
 
         try:

@@ -39,6 +39,8 @@ from lightning_moe_overlap.config import (
     ShardMode,
     StartMethod,
 )
+from lightning_moe_overlap.fp8.apply import Float8Report
+from lightning_moe_overlap.fp8.recipes import FP8Recipe
 from lightning_moe_overlap.parallel.grads import clip_grad_norm, global_grad_norm
 from lightning_moe_overlap.processes.launcher import ExpertParallelScriptLauncher, ExpertParallelSpawnLauncher
 from lightning_moe_overlap.loop import LoopPath, MicroBatchLoop, StepHooks, StepPath
@@ -50,6 +52,7 @@ from lightning_moe_overlap.overlap.runtime import CommRuntime
 from lightning_moe_overlap.parallel import ParallelDims, ParallelGroups
 from lightning_moe_overlap.parallel.apply import (
     apply_ep,
+    apply_fp8_step,
     apply_fsdp,
     apply_materialize,
     apply_pipeline,
@@ -72,6 +75,7 @@ from lightning_moe_overlap.validation import (
     build_dims,
     check_config,
     check_flex,
+    check_fp8,
     check_machine,
     check_model,
     check_offload_settings,
@@ -163,6 +167,21 @@ class MoEOverlapStrategy(ParallelStrategy):
             on it, clipping by the global norm, every ``shard`` mode and the checkpoints work as without.
         optimizer_offload_fraction: The share in (0, 1] of the parameters' elements offloaded, largest parameters
             first; only with ``optimizer_cpu_offload``.
+        fp8: Run the GEMMs in FP8 with this recipe (docs/fp8.md): ``"tensorwise"`` or ``"rowwise"`` current scaling
+            (torchao's recipes, the ``fp8`` extra); None (the default) keeps them in the training precision. The
+            dense linears (output heads and routers left out) go through torchao's ``Float8Linear``, the experts
+            through this package's FP8 kernel, and with ``dispatcher="alltoall"`` the tokens are dispatched in FP8
+            (e4m3 with one scale per row; the combine and the gradients stay in high precision). Weights, optimizer
+            state and checkpoints are unchanged. Layers with a dim that is not a multiple of 16 stay in high
+            precision (a warning names them). Not with ``tp > 1``, ``pp > 1`` or ``expert_backend="te"``.
+        overlap_grad_reduce: In the sharded modes, make each layer an FSDP unit of its own and reduce-scatter each
+            unit (the experts' over edp too) as soon as its gradients are final in the step's last backward, so the
+            reduction runs under the rest of that backward instead of after it (Megatron's ``--overlap-grad-reduce``;
+            docs/sharding.md). The same reductions of the same gradients, issued earlier. Without a sharded mode: a
+            warning, no effect; not with ``tp > 1``.
+        overlap_param_gather: Megatron's ``--overlap-param-gather``. Accepted for the flag table, with a warning: the
+            parameters are gathered once per step, before the first micro-batch, so there is no later all-gather to
+            prefetch under compute (docs/sharding.md).
     """
 
     strategy_name = "moe_overlap"
@@ -196,6 +215,9 @@ class MoEOverlapStrategy(ParallelStrategy):
         fsdp_mp_policy: MixedPrecisionPolicy | None = None,
         optimizer_cpu_offload: bool = False,
         optimizer_offload_fraction: float = 1.0,
+        fp8: FP8Recipe | None = None,
+        overlap_grad_reduce: bool = False,
+        overlap_param_gather: bool = False,
         accelerator: Accelerator | None = None,
         parallel_devices: list[torch.device] | None = None,
         cluster_environment: ClusterEnvironment | None = None,
@@ -232,8 +254,10 @@ class MoEOverlapStrategy(ParallelStrategy):
             pipeline_layout=pipeline_layout,
             shard=shard,
             sequence_parallel=sequence_parallel,
+            overlap_grad_reduce=overlap_grad_reduce,
+            overlap_param_gather=overlap_param_gather,
         )
-        raise_problems(check_config(self.config))
+        raise_problems(check_config(self.config) + check_fp8(fp8, self.config))  # every rule broken, in one error
         self._timeout = _as_timedelta(timeout)
         self._num_nodes = 1
         self._dims: ParallelDims | None = None
@@ -253,6 +277,8 @@ class MoEOverlapStrategy(ParallelStrategy):
         self.checkpoint_format = checkpointer.check_format(checkpoint_format)
         raise_problems(check_offload_settings(optimizer_cpu_offload, optimizer_offload_fraction))
         self.optimizer_offload_fraction = optimizer_offload_fraction if optimizer_cpu_offload else None
+        self.fp8 = fp8
+        self.fp8_report: Float8Report | None = None  # what `setup` put in FP8 (None: fp8 is None)
 
     # -- sizes and groups ------------------------------------------------------------------------------------
     @property
@@ -489,6 +515,7 @@ class MoEOverlapStrategy(ParallelStrategy):
         apply_ep(ep_model, self.config, self.parallel_mesh, self.runtime, self._pipeline, rank=rank, init=init)
         self._tp_grads = tensor_parallel_grads(self.model, self.parallel_mesh)
         self._ep_model = ep_model
+        self.fp8_report = apply_fp8_step(self.model, self.fp8, self.root_device)
         self.precision_plugin.convert_module(self.model)
         self.model_to_device()
         ep_model.broadcast_replicas(self.parallel_groups)
@@ -558,6 +585,7 @@ class MoEOverlapStrategy(ParallelStrategy):
             sync_gradients=self.sync_gradients,
             capture_logs=lambda: MicroBatchLogs(module),
             aux_loss_scale=self._ep_model.set_aux_loss_scale if self._ep_model is not None else None,
+            before_last_backward=lambda: self._sharded.before_last_backward() if self._sharded else None,
         )
 
     @override

@@ -31,6 +31,11 @@ from lightning_moe_overlap.config import (
     START_METHODS,
     OverlapConfig,
 )
+from lightning_moe_overlap.fp8.apply import MIN_CUDA_CAPABILITY
+from lightning_moe_overlap.fp8.dense import ALIGN as FP8_ALIGN
+from lightning_moe_overlap.fp8.dense import plan_linears
+from lightning_moe_overlap.fp8.recipes import NEEDS_TE, RECIPES
+from lightning_moe_overlap.moe.adapters import find_experts
 from lightning_moe_overlap.moe.capacity import capacity_problems
 from lightning_moe_overlap.moe.dispatch.base import splits_evenly
 from lightning_moe_overlap.parallel.dims import ParallelDims, ParallelDimsError
@@ -300,6 +305,51 @@ def rule_shard(cfg: OverlapConfig) -> list[Problem]:
     ]
 
 
+def rule_overlap_grad_reduce(cfg: OverlapConfig) -> list[Problem]:
+    """``overlap_grad_reduce`` / ``overlap_param_gather``: what they overlap exists only in the sharded modes."""
+    sharded = cfg.shard in ("optimizer", "full")
+    flags = (("overlap_grad_reduce", cfg.overlap_grad_reduce), ("overlap_param_gather", cfg.overlap_param_gather))
+    return [
+        *(
+            problem
+            for name, value in flags
+            for problem in _when(
+                not isinstance(value, bool), "overlap-flags", f"`{name}={value!r}` must be a bool (True or False).",
+                TypeError,
+            )
+        ),
+        *_when(
+            cfg.overlap_grad_reduce is True and not sharded,
+            "overlap-grad-reduce-unsharded",
+            f"`overlap_grad_reduce=True` with `shard={cfg.shard!r}` has no effect: the early reduction is that of the "
+            "FSDP units of the sharded modes (reduce-scatters issued during the last backward). Set "
+            "`shard='optimizer'` or `shard='full'`, or drop `overlap_grad_reduce`.",
+            None,
+        ),
+        *_when(
+            cfg.overlap_grad_reduce is True and sharded and is_positive_int(cfg.tp) and cfg.tp > 1,
+            "overlap-grad-reduce-tp",
+            f"`overlap_grad_reduce=True` with `tp={cfg.tp}`: the tensor-parallel replicas' gradients are summed over "
+            "tp after the last backward, and a unit's reduction over dp x cp must come after that sum; reducing "
+            "during the backward is not implemented with it. Set `overlap_grad_reduce=False`, or `tp=1`.",
+            NotImplementedError,
+        ),
+        *_when(
+            cfg.overlap_param_gather is True,
+            "overlap-param-gather-no-op",
+            f"`overlap_param_gather=True` with `shard={cfg.shard!r}` has no effect: "
+            + (
+                "the parameters are gathered once per step, before the first micro-batch (the forward and backward "
+                "of two micro-batches share the modules on two threads, so no unit may gather or reshard inside "
+                "the step), so there is no later all-gather to prefetch under compute. Drop `overlap_param_gather`."
+                if sharded
+                else "nothing is gathered without a sharded mode. Drop `overlap_param_gather`."
+            ),
+            None,
+        ),
+    ]
+
+
 def rule_torch_version(cfg: OverlapConfig, version: str | None = None) -> list[Problem]:
     """Megatron-core and Bridge record all-to-all overlap hangs below torch 2.6."""
     version = version or torch.__version__
@@ -328,6 +378,7 @@ CONFIG_RULES: tuple[Callable[[OverlapConfig], list[Problem]], ...] = (
     rule_not_implemented,
     rule_tensor_parallel,
     rule_shard,
+    rule_overlap_grad_reduce,
     rule_torch_version,
 )
 
@@ -757,6 +808,84 @@ def check_loader(
             )
         ]
     return []
+
+
+# -- FP8 (`fp8=`; docs/fp8.md) --------------------------------------------------------------------------------------
+def check_fp8(fp8: object, cfg: OverlapConfig) -> list[Problem]:
+    """The ``fp8`` argument against the configuration: a recipe that runs here, and the combinations FP8 has."""
+    if fp8 is None:
+        return []
+    if fp8 in NEEDS_TE:
+        return [Problem(
+            "fp8-needs-te",
+            f"{OWNER}: `fp8={fp8!r}` ({NEEDS_TE[fp8]}) needs Transformer Engine's FP8 on a CUDA GPU, which this "
+            f"package does not wire yet; the recipes that run, on CPU and CUDA, are {list(RECIPES)}. Use "
+            "`fp8='rowwise'` (the closest in accuracy) or `fp8='tensorwise'`.",
+            NotImplementedError,
+        )]  # fmt: skip
+    if not isinstance(fp8, str) or fp8 not in RECIPES:
+        return [Problem(
+            "fp8-recipe",
+            f"{OWNER}: `fp8={fp8!r}` is not an FP8 recipe; the rule is one of {list(RECIPES)} or None (high "
+            "precision). Pass `fp8='rowwise'` or `fp8='tensorwise'` (docs/fp8.md, \"Recipes\").",
+        )]  # fmt: skip
+    dispatch = "the rows are then dispatched in high precision; only `dispatcher='alltoall'` sends them in FP8"
+    return [
+        *_when(cfg.expert_backend == "te", "fp8-te-experts",
+               f"`fp8={fp8!r}` with `expert_backend='te'`: Transformer Engine's own FP8 recipes are not wired here "
+               "yet, and the FP8 expert kernel runs on the torch backend. Use `expert_backend='torch'` with fp8, "
+               "or fp8=None.", NotImplementedError),
+        *_when(cfg.tp > 1, "fp8-tensor-parallel",
+               f"`fp8={fp8!r}` with tp={cfg.tp}: FP8 dense linears over a tensor-parallel plan are not wired yet. "
+               "Use tp=1 with fp8, or fp8=None.", NotImplementedError),
+        *_when(cfg.pp > 1, "fp8-pipeline",
+               f"`fp8={fp8!r}` with pp={cfg.pp}: FP8 over pipeline chunks is not wired yet. Use pp=1 with fp8, "
+               "or fp8=None.", NotImplementedError),
+        *_when(cfg.dispatcher != "alltoall", "fp8-dispatch-high-precision",
+               f"`fp8={fp8!r}` with `dispatcher={cfg.dispatcher!r}`: the GEMMs run in FP8 but {dispatch}.", None),
+        *_when(cfg.dispatcher == "alltoall" and cfg.alltoall_dedup, "fp8-dispatch-high-precision",
+               f"`fp8={fp8!r}` with `alltoall_dedup=True`: the GEMMs run in FP8 but the deduplicated dispatch "
+               "sends the rows in high precision (FP8 dispatch is on the plain all-to-all path). Set "
+               "`alltoall_dedup=False` to send them in FP8.", None),
+    ]  # fmt: skip
+
+
+def check_fp8_machine(
+    fp8: object, device_type: str, *, cuda_capability: tuple[int, int] | None = None, torchao: bool | None = None
+) -> list[Problem]:
+    """FP8 on this machine: torchao for the dense linears, FP8 tensor cores on a CUDA GPU."""
+    if fp8 not in RECIPES:
+        return []
+    torchao = importlib.util.find_spec("torchao") is not None if torchao is None else torchao
+    if device_type == "cuda" and cuda_capability is None and torch.cuda.is_available():
+        cuda_capability = torch.cuda.get_device_capability()
+    old_gpu = device_type == "cuda" and cuda_capability is not None and cuda_capability < MIN_CUDA_CAPABILITY
+    return [
+        *_when(not torchao, "fp8-needs-torchao",
+               f"`fp8={fp8!r}` runs the dense linears through torchao's float8 training, which is not installed. "
+               f"Install it with {install_hint('fp8')}.", ImportError),
+        *_when(old_gpu, "fp8-gpu",
+               f"`fp8={fp8!r}` on a GPU of compute capability {cuda_capability}: FP8 GEMMs need "
+               f"{MIN_CUDA_CAPABILITY} or newer (Ada, Hopper, Blackwell). Train in bf16 (fp8=None) on this GPU, or "
+               "on a newer one.", NotImplementedError),
+    ]  # fmt: skip
+
+
+def check_fp8_model(fp8: object, model: Any) -> list[Problem]:
+    """One warning naming the layers that stay in high precision because a dim is not a multiple of 16 (FP8 GEMMs'
+    rule): dense linears the default filter would convert, and experts modules."""
+    if fp8 not in RECIPES:
+        return []
+    _, skipped = plan_linears(model)
+    kept = [f"{fqn} ({why.split(':')[0]})" for fqn, why in skipped.items() if "multiples of" in why]
+    for name, found in find_experts(model).items():
+        dims = sorted({d for w in found.module.parameters(recurse=False) if w.dim() == 3 for d in w.shape[1:]})
+        if any(d % FP8_ALIGN for d in dims):
+            kept.append(f"{name} (expert weight dims {dims})")
+    return _when(bool(kept), "fp8-dims",
+                 f"`fp8={fp8!r}`: {len(kept)} layer(s) stay in high precision, a dim not a multiple of "
+                 f"{FP8_ALIGN} (the FP8 GEMMs' rule): {', '.join(kept)}. Pad those dims to multiples of {FP8_ALIGN} "
+                 "to run them in FP8; the rest of the model runs in FP8.", None)  # fmt: skip
 
 
 # -- raising ---------------------------------------------------------------------------------------------------

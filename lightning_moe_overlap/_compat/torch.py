@@ -139,6 +139,31 @@ def _fsdp_param_groups(state: Any) -> list[Any]:
     return [] if one is None else [one]
 
 
+def fsdp_module_groups(module: nn.Module) -> list[Any]:
+    """The param groups (``FSDPParamGroup``) of the module ``fully_shard`` was applied to: the unit whose gradients
+    one ``post_backward`` reduces (``fully_shard.state(module)._fsdp_param_groups``; none for a module that holds no
+    parameter of its own)."""
+    from torch.distributed.fsdp import fully_shard  # noqa: PLC0415 - FSDP2 only where a model is sharded
+
+    return _fsdp_param_groups(fully_shard.state(module))
+
+
+def fsdp_group_unsharded_params(group: Any) -> list[nn.Parameter]:
+    """The gathered parameters of an ``FSDPParamGroup`` (``torch.distributed.fsdp._fully_shard._fsdp_param.FSDPParam
+    .unsharded_param`` of each of its ``fsdp_params``): the tensors a forward uses and autograd accumulates gradients
+    into while they are gathered."""
+    return [fsdp_param.unsharded_param for fsdp_param in group.fsdp_params]
+
+
+def fsdp_reduce_group(group: Any) -> None:
+    """``torch.distributed.fsdp._fully_shard._fsdp_param_group.FSDPParamGroup.post_backward()``: reduce
+    (reduce-scatter, or all-reduce over a replicate dimension) the gradients accumulated in the group's gathered
+    parameters into its shards' ``.grad``, as FSDP's own post-backward hook does; idempotent (a group whose
+    gradients were taken reduces nothing). Gradient sync must be on (``set_requires_gradient_sync(True)``); on CUDA
+    it runs on FSDP's reduce-scatter stream, on gloo it blocks."""
+    group.post_backward()
+
+
 def fsdp_set_hooks_idle(module: nn.Module, idle: bool) -> None:
     """``FSDPState._training_state`` of every FSDP state under the root ``module`` (``_state_ctx.all_states``), set
     to the state in which the forward hooks gather nothing, reshard nothing and register no backward hook
@@ -409,3 +434,22 @@ def dtensor_op_info(op: Any, args: tuple, kwargs: dict) -> Any:
     from torch.distributed.tensor import DTensor  # noqa: PLC0415
 
     return DTensor._op_dispatcher.unwrap_to_op_info(op, args, kwargs)
+
+
+def make_wrapper_subclass(cls: type, shape: Sequence[int], *, dtype: torch.dtype, device: torch.device) -> Tensor:
+    """``torch.Tensor._make_wrapper_subclass``: a tensor of class ``cls`` with this shape, dtype and device and no
+    storage of its own (its ``__torch_dispatch__`` says what its operations compute)."""
+    return Tensor._make_wrapper_subclass(cls, shape, dtype=dtype, device=device, requires_grad=False)
+
+
+def disabled_torch_function() -> Any:
+    """``torch._C._disabled_torch_function_impl``: the ``__torch_function__`` of a wrapper subclass whose operations
+    all go through ``__torch_dispatch__`` (results are not re-wrapped in the subclass)."""
+    return torch._C._disabled_torch_function_impl
+
+
+def tree_map(fn: Callable[[Any], Any], tree: Any) -> Any:
+    """``torch.utils._pytree.tree_map``: ``fn`` applied to every leaf of nested tuples, lists and dicts."""
+    from torch.utils import _pytree  # noqa: PLC0415
+
+    return _pytree.tree_map(fn, tree)

@@ -8,6 +8,7 @@ from lightning_moe_overlap.fp8.dense import default_linear_filter
 from lightning_moe_overlap.fp8.experts import Float8ExpertsKernel, Float8GroupedLinear
 from lightning_moe_overlap.fp8.gemm import fp8_matmul
 from lightning_moe_overlap.fp8.recipes import RECIPES, Float8Recipe, resolve_recipe
+from lightning_moe_overlap.fp8.rows import Float8Rows
 
 __all__ = [
     "RECIPES",
@@ -15,6 +16,7 @@ __all__ = [
     "Float8GroupedLinear",
     "Float8Recipe",
     "Float8Report",
+    "Float8Rows",
     "apply_fp8",
     "default_linear_filter",
     "fp8_matmul",

@@ -12,6 +12,12 @@ The weights stay the high-precision masters (float32 or bfloat16): each GEMM qua
 rows and weight are saved for backward (as the bf16 kernel saves them), and quantised there along the backward
 GEMMs' own contraction dims, which a rowwise recipe needs.
 
+Rows already in FP8 (:class:`~lightning_moe_overlap.fp8.rows.Float8Rows`, from the FP8 dispatch): the forward GEMM
+takes their e4m3 values and per-row scales as they are (each weight's scale given per output column), and saves
+them, not high-precision rows, for backward; the weight gradient, which contracts over the rows, dequantises them
+and quantises them along that dim. With ``rowwise`` the forward is then bitwise the one on high-precision rows
+(the same per-row quantisation, done before the exchange).
+
 Each expert's GEMM is its own scaled GEMM: a tensorwise recipe takes one scale per expert's rows and one per
 expert's weight; a rowwise recipe one per row along the contraction dim (the weight gradient's contraction runs over
 the expert's rows). An expert whose rows come in several segments is gathered first, so segments and sorted rows give
@@ -30,8 +36,10 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from lightning_moe_overlap.fp8.gemm import fp8_matmul
+from lightning_moe_overlap.fp8.gemm import fp8_matmul, fp8_matmul_rows
 from lightning_moe_overlap.fp8.recipes import Float8Recipe
+from lightning_moe_overlap.fp8.rows import Float8Rows
+from lightning_moe_overlap.fp8.scaling import dequantize
 from lightning_moe_overlap.moe.grouped import RowSplits, _leaf_target, autocast_dtype
 from lightning_moe_overlap.overlap.runtime import CommRuntime
 from lightning_moe_overlap.parallel.dtensors import like, local
@@ -79,6 +87,22 @@ def fp8_forward(x_RI: Tensor, weight: Tensor, splits: RowSplits, transposed: boo
     return y_RO
 
 
+def fp8_forward_rows(
+    rows: Float8Rows, weight: Tensor, splits: RowSplits, transposed: bool, recipe: Float8Recipe, out_dtype: torch.dtype
+) -> Tensor:
+    """:func:`fp8_forward` on rows already in FP8 (the FP8 dispatch's): their e4m3 values and per-row scales go into
+    the GEMMs as they are, only the weights are quantised here."""
+    out_features = weight.shape[-1] if transposed else weight.shape[-2]
+    q_RI, scale_R1 = rows.data_fp8, rows.scale
+    y_RO = torch.empty(q_RI.shape[0], out_features, dtype=out_dtype, device=q_RI.device)
+    for e, ranges in enumerate(expert_ranges(splits)):
+        if ranges:
+            q_n = _take(q_RI.view(torch.uint8), ranges).view(q_RI.dtype)  # rows of one expert, gathered as bytes
+            w_OI = _w_OI(weight, e, transposed)
+            _put(y_RO, ranges, fp8_matmul_rows(q_n, _take(scale_R1, ranges), w_OI, recipe, "weight", out_dtype))
+    return y_RO
+
+
 def fp8_dgrad(g_RO: Tensor, weight: Tensor, splits: RowSplits, transposed: bool, recipe: Float8Recipe) -> Tensor:
     """``dx_e = g_e @ W_e`` per expert, in FP8 (contraction over ``O``)."""
     in_features = weight.shape[-2] if transposed else weight.shape[-1]
@@ -122,17 +146,28 @@ class Float8GroupedLinear(torch.autograd.Function):
         grad_target: tuple[Tensor, ...] = (),
     ) -> Tensor:
         dtype = autocast_dtype(x_RI)  # the compute dtype under autocast; None keeps the inputs' dtypes
-        x_RI = x_RI if dtype is None else x_RI.to(dtype)
         w = weight if dtype is None else weight.to(dtype)
-        ctx.save_for_backward(x_RI, weight)
         ctx.splits, ctx.transposed, ctx.recipe, ctx.runtime, ctx.dtype = splits, transposed, recipe, runtime, dtype
         ctx.leaf_weight = _leaf_target(weight, grad_target)  # where a deferred wgrad accumulates (None: inline)
+        ctx.rows_fp8 = isinstance(x_RI, Float8Rows)
+        if ctx.rows_fp8:  # FP8 dispatch: the rows are read, and saved, in FP8 with their scales
+            compute_dtype = x_RI.dtype if dtype is None else dtype
+            ctx.compute_dtype = compute_dtype
+            ctx.save_for_backward(x_RI.data_fp8, x_RI.scale, weight)
+            with torch.autocast(x_RI.device.type, enabled=False):
+                return fp8_forward_rows(x_RI, w, splits, transposed, recipe, compute_dtype)
+        x_RI = x_RI if dtype is None else x_RI.to(dtype)
+        ctx.save_for_backward(x_RI, weight)
         with torch.autocast(x_RI.device.type, enabled=False):
             return fp8_forward(x_RI, w, splits, transposed, recipe)
 
     @staticmethod
     def backward(ctx, g_RO: Tensor) -> tuple[Tensor | None, ...]:  # type: ignore[override]
-        x_RI, weight = ctx.saved_tensors
+        if ctx.rows_fp8:  # the wgrad contracts over the rows: it quantises their values along that dim itself
+            q_RI, scale_R1, weight = ctx.saved_tensors
+            x_RI = dequantize(q_RI, scale_R1, ctx.compute_dtype)
+        else:
+            x_RI, weight = ctx.saved_tensors
         splits, transposed, recipe = ctx.splits, ctx.transposed, ctx.recipe
         g_RO = g_RO.to(x_RI.dtype).contiguous()
         device_type = g_RO.device.type
@@ -171,6 +206,12 @@ class Float8ExpertsKernel:
     GEMM implementation (``impl``) does not apply to it and is ignored."""
 
     recipe: Float8Recipe
+
+    @property
+    def dispatch_recipe(self) -> Float8Recipe:
+        """The recipe rows are quantised for when a dispatcher sends them in FP8 (``fp8_dispatch``): this kernel
+        reads such rows (:class:`~lightning_moe_overlap.fp8.rows.Float8Rows`) without dequantising them."""
+        return self.recipe
 
     def __call__(
         self,

@@ -49,3 +49,27 @@ def fp8_matmul(
     if recipe.granularity == "row":
         scale_b = scale_b.t()  # [1, N]: one scale per output column
     return torch_compat.scaled_mm(qa, qb.t(), scale_a=scale_a, scale_b=scale_b, out_dtype=out_dtype)
+
+
+def fp8_matmul_rows(
+    qa_MK: Tensor, scale_a_M1: Tensor, b_NK: Tensor, recipe: Float8Recipe, role_b: Role, out_dtype: torch.dtype
+) -> Tensor:
+    """``a @ b_NK.T`` where ``a`` is already FP8 with one scale per row (``qa_MK``, ``scale_a_M1``: the FP8
+    dispatch's rows) and ``b_NK`` is cast by ``recipe``; its scale is given per output column either way (a
+    tensorwise scale repeated ``N`` times), which is what a GEMM with row-scaled ``a`` takes.
+
+    Raises:
+        TypeError: ``out_dtype`` is not float32, bfloat16 or float16.
+    """
+    if out_dtype not in OUT_DTYPES:
+        raise TypeError(
+            f"`fp8_matmul_rows`: out_dtype={out_dtype} is not one the FP8 kernels write; the rule is one of "
+            f"{[str(d) for d in OUT_DTYPES]}. Train in float32 or bfloat16 (FP8 replaces the GEMMs, not the masters)."
+        )
+    pad = -qa_MK.shape[-1] % ALIGN
+    if pad:  # zero bytes are +0.0 in every FP8 format
+        qa_MK = F.pad(qa_MK.view(torch.uint8), (0, pad)).view(qa_MK.dtype)
+        b_NK = F.pad(b_NK, (0, pad))
+    qb, scale_b = quantize(b_NK, recipe, role_b)
+    scale_b_1N = scale_b.reshape(-1, 1).expand(b_NK.shape[0], 1).t().contiguous()
+    return torch_compat.scaled_mm(qa_MK, qb.t(), scale_a=scale_a_M1, scale_b=scale_b_1N, out_dtype=out_dtype)

@@ -27,6 +27,7 @@ from typing import Literal
 import torch
 
 Granularity = Literal["tensor", "row"]
+FP8Recipe = Literal["tensorwise", "rowwise"]  # the names `MoEOverlapStrategy(fp8=...)` takes (LightningCLI reads them)
 Role = Literal["input", "weight", "grad"]
 
 EPS = 1e-12  # the smallest amax a scale is computed from: an all-zero tensor gets a finite scale and quantises to 0

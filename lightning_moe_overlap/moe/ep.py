@@ -23,6 +23,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor, nn
@@ -45,6 +46,9 @@ from lightning_moe_overlap.moe.layout import ExpertsLayout
 from lightning_moe_overlap.moe.stages import STAGE_NAMES, ExpertsStage
 from lightning_moe_overlap.moe.te_backend import EXPERT_BACKENDS, ExpertBackend, TEExperts, check_te_layout
 from lightning_moe_overlap.parallel.dtensors import like, local
+
+if TYPE_CHECKING:  # the fp8 package imports this module: a runtime import would be circular
+    from lightning_moe_overlap.fp8.recipes import Float8Recipe
 
 
 @dataclass(frozen=True)
@@ -154,6 +158,8 @@ class ExpertParallelExperts(nn.Module):
         self.impl: GemmImpl = impl
         # The torch backend's projection kernel (None: GroupedLinear; FP8: `fp8.apply_fp8`), kept from the source.
         self.kernel: ProjectionKernel | None = getattr(source, "kernel", None)
+        # With an FP8 kernel and a dispatcher that can: send the rows in FP8 (False keeps them in high precision).
+        self.fp8_dispatch = True
         self.expert_backend: ExpertBackend = expert_backend
         # TE's modules are views of the parameters above, kept off the module tree (state_dict is unchanged).
         self.te_experts: TEExperts | None = None
@@ -179,9 +185,19 @@ class ExpertParallelExperts(nn.Module):
             indices_TK, weights_TK = drop_over_capacity(
                 indices_TK, weights_TK, self.num_experts, self.capacity_factor, self.token_drop_policy
             )
-        x_RD, splits, handle = self.dispatcher.dispatch(x_TD, indices_TK, weights_TK)
+        fp8 = self.dispatch_recipe()
+        if fp8 is None:
+            x_RD, splits, handle = self.dispatcher.dispatch(x_TD, indices_TK, weights_TK)
+        else:  # the rows travel in FP8 and the FP8 kernel reads them as they are (docs/fp8.md, "FP8 dispatch")
+            x_RD, splits, handle = self.dispatcher.dispatch(x_TD, indices_TK, weights_TK, fp8=fp8)
         y_RD = self.local_experts(x_RD, splits)
         return self.dispatcher.combine(y_RD, handle).view(shape)
+
+    def dispatch_recipe(self) -> Float8Recipe | None:
+        """The FP8 recipe the rows are dispatched in, or None (high precision): the recipe of an FP8 ``kernel``
+        (its ``dispatch_recipe``) when the dispatcher sends FP8 (``fp8_dispatch``) and ``fp8_dispatch`` is on here."""
+        recipe = getattr(self.kernel, "dispatch_recipe", None)
+        return recipe if self.fp8_dispatch and self.dispatcher.fp8_dispatch else None
 
     def stage(self, name: str) -> ExpertsStage:
         """The stage module ``name``: ``local`` (the expert MLP), ``fc1``, ``act`` or ``fc2`` (see :mod:`.stages`).

@@ -16,6 +16,9 @@ each rank then allocates only what it holds (``parallel/materialize.py``):
    routers' auxiliary losses scaled like the main loss. Experts built on meta get only this rank's slice: one layer
    at a time the full experts are initialised, the slice kept and the rest freed (left uninitialised when a
    checkpoint will fill them, ``hf_weights``).
+4b. :func:`apply_fp8_step` (``fp8`` set): the dense linears and the now expert-parallel experts in FP8
+   (``fp8.apply_fp8``; docs/fp8.md), before the precision plugin and ``fully_shard`` see the modules; with
+   ``dispatcher="alltoall"`` the experts' rows are dispatched in FP8.
 5. activation checkpointing: the ``Recompute`` callback wraps the chunks at ``on_fit_start``, after these steps.
 6. the precision plugin converts the module, and it moves to the device; replicas are made equal
    (``MoEModelHandle.broadcast_replicas``, ``DTensor``-aware).
@@ -37,7 +40,10 @@ from lightning.pytorch import LightningModule
 from torch import nn
 from torch.distributed.fsdp import MixedPrecisionPolicy
 
+from lightning.pytorch.utilities.rank_zero import rank_zero_info
+
 from lightning_moe_overlap.config import OverlapConfig, ShardMode
+from lightning_moe_overlap.fp8.apply import Float8Report, apply_fp8
 from lightning_moe_overlap.hf.load import HFLoadReport, as_hf_weights, load_hf_weights
 from lightning_moe_overlap.overlap.runtime import CommRuntime
 from lightning_moe_overlap.parallel.materialize import (
@@ -118,6 +124,17 @@ def apply_ep(
     ep_model.set_aux_loss_scale(1.0 if held is not None else 1.0 / config.num_microbatches)
 
 
+def apply_fp8_step(model: nn.Module, fp8: str | None, device: torch.device) -> Float8Report | None:
+    """With ``fp8`` (a recipe name): run ``model``'s dense linears and routed experts in FP8 (``apply_fp8``), after
+    :func:`apply_ep` (the expert-parallel experts take the FP8 kernel, and their dispatcher then sends the rows in
+    FP8) and before :func:`apply_fsdp`; the layers left in high precision are logged once. ``None``: nothing."""
+    if fp8 is None:
+        return None
+    report = apply_fp8(model, fp8, device=device)
+    rank_zero_info(f"`MoEOverlapStrategy(fp8={fp8!r})`: {report}")
+    return report
+
+
 def apply_fsdp(
     model: nn.Module,
     ep_model: MoEModelHandle,
@@ -129,12 +146,14 @@ def apply_fsdp(
 ) -> ShardedModel:
     """``fully_shard`` the model (``parallel/sharding.py``): at ``shard="none"`` the dense parameters of ``model``
     (of each held chunk at ``pp > 1``) become replicas over ``dp x cp``, the experts left alone; otherwise the
-    experts are sharded over ``edp`` and the dense parameters over ``dp x cp``."""
+    experts are sharded over ``edp`` and the dense parameters over ``dp x cp`` (each layer a unit of its own with
+    ``overlap_grad_reduce``)."""
     if config.shard == "none":
         roots = [model] if pipeline is None else pipeline.held_chunks
         return ShardedModel.replicate(roots, ep_model.expert_parameters(), replicate_mesh(mesh))
     mode: ShardMode = config.shard  # type: ignore[assignment]
-    return ShardedModel.shard(model, ep_model.expert_modules(), mesh, mode, mp_policy=mp_policy)
+    return ShardedModel.shard(model, ep_model.expert_modules(), mesh, mode, mp_policy=mp_policy,
+                              overlap_grad_reduce=config.overlap_grad_reduce)  # fmt: skip
 
 
 def apply_pretrained(module: LightningModule, pipeline: PipelinedModel | None) -> HFLoadReport | None:

@@ -26,6 +26,11 @@ backward, runs the reduction FSDP deferred (one reduce-scatter per module) and r
 after its last backward. In the sharded modes FSDP's hooks are also kept idle in between (``_compat/torch.py``,
 ``fsdp_set_hooks_idle``): they keep one training state per module, which the two threads' hooks would otherwise
 flip under each other (a forward ending while the other thread's backward set the state would reshard).
+
+``overlap_grad_reduce`` (sharded modes): every element of a ``nn.ModuleList`` that holds an experts module (the
+model's layers) becomes an FSDP unit of its own over ``dp_cp``, and :meth:`ShardedModel.before_last_backward` arms
+an :class:`~lightning_moe_overlap.parallel.grad_reduce.EarlyReduction`: each unit is reduced as soon as its
+gradients are final in the last backward, which runs alone, after every overlapped pair (``grad_reduce.py``).
 """
 
 from __future__ import annotations
@@ -39,6 +44,7 @@ from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
 from lightning_moe_overlap._compat import torch as torch_compat
 from lightning_moe_overlap.config import ShardMode
+from lightning_moe_overlap.parallel.grad_reduce import EarlyReduction, Observer
 from lightning_moe_overlap.parallel.mesh import ParallelMesh
 
 
@@ -52,7 +58,9 @@ class ShardedModel:
     """The modules ``fully_shard`` was applied to (``roots``: the model at ``pp = 1``, each held chunk at
     ``pp > 1``) and the per-step calls that keep FSDP's communication out of the overlapped pairs."""
 
-    def __init__(self, roots: Sequence[FSDPModule], mode: ShardMode = "none") -> None:
+    def __init__(
+        self, roots: Sequence[FSDPModule], mode: ShardMode = "none", *, overlap_grad_reduce: bool = False
+    ) -> None:
         self.roots = list(roots)
         self.mode = mode
         # The parameters as the optimizer holds them (sharded DTensors), taken while the modules hold them.
@@ -60,6 +68,10 @@ class ShardedModel:
             p for root in self.roots for p in root.parameters()  # type: ignore[attr-defined]
         ]
         self._fresh = False  # gathered right after an optimizer step: the next step needs no new gather
+        # Each unit reduced as soon as its gradients are final in the last backward (sharded modes only).
+        self.early: EarlyReduction | None = None
+        if overlap_grad_reduce and self.sharded:
+            self.early = EarlyReduction(self.named_units())
 
     @classmethod
     def replicate(cls, roots: Sequence[nn.Module], ignored: Iterable[nn.Parameter], mesh: DeviceMesh) -> ShardedModel:
@@ -80,20 +92,26 @@ class ShardedModel:
         mode: ShardMode,
         *,
         mp_policy: MixedPrecisionPolicy | None = None,
+        overlap_grad_reduce: bool = False,
     ) -> ShardedModel:
         """``fully_shard`` each of ``experts`` over ``mesh["edp"]``, then ``model`` over ``mesh["dp_cp"]``
         (``mode``: ``"optimizer"`` or ``"full"``). Call once the replicas are equal and before the optimizer is
-        created. FSDP's forward hooks never reshard (``reshard_after_forward=False``): the step does."""
+        created. FSDP's forward hooks never reshard (``reshard_after_forward=False``): the step does.
+
+        ``overlap_grad_reduce``: also each of the model's layers (:func:`layer_modules`) over ``mesh["dp_cp"]``,
+        between the experts and the root, so that each layer's dense gradients are a unit reduced on its own."""
         divide = float(mesh.dims.dp * mesh.dims.cp)
         kwargs = {"reshard_after_forward": False, "mp_policy": mp_policy or MixedPrecisionPolicy()}
         modules = [fully_shard(m, mesh=mesh["edp"], **kwargs) for m in experts]  # type: ignore[arg-type]
+        layers = layer_modules(model, experts) if overlap_grad_reduce else []
+        layers = [fully_shard(m, mesh=mesh["dp_cp"], **kwargs) for m in layers]  # type: ignore[arg-type]
         root = fully_shard(model, mesh=mesh["dp_cp"], **kwargs)  # type: ignore[arg-type]
         gloo = dist.get_backend(mesh.group("dp_cp")) == "gloo"  # no pre-multiplied sum: divide afterwards
-        for module, kind in [*((m, "edp") for m in modules), (root, "dp_cp")]:
+        for module, kind in [*((m, "edp") for m in modules), *((m, "dp_cp") for m in layers), (root, "dp_cp")]:
             module.set_gradient_divide_factor(divide)
             # Not over one rank: torch then divides both while copying and after the (skipped) reduce-scatter
             module.set_force_sum_reduction_for_comms(gloo and mesh[kind].size() > 1)
-        return cls([root], mode=mode)
+        return cls([root], mode=mode, overlap_grad_reduce=overlap_grad_reduce)
 
     @property
     def sharded(self) -> bool:
@@ -103,6 +121,16 @@ class ShardedModel:
     def modules(self) -> list[FSDPModule]:
         """Every module under the roots that ``fully_shard`` was applied to (each gathers its own parameters)."""
         return [m for root in self.roots for m in root.modules() if isinstance(m, FSDPModule)]
+
+    def named_units(self) -> list[tuple[str, nn.Module]]:
+        """``(name, module)`` of every FSDP unit, in the model's order (a root is ``""``)."""
+        return [(n, m) for root in self.roots for n, m in root.named_modules() if isinstance(m, FSDPModule)]
+
+    def observe_reduction(self, observer: Observer | None) -> None:
+        """Tell ``observer(event, unit)`` of the early reduction's events (``grad_reduce.EarlyReduction``); for
+        tests and benchmarks. Nothing without ``overlap_grad_reduce``."""
+        if self.early is not None:
+            self.early.observer = observer
 
     def begin_step(self) -> None:
         """Before the first micro-batch: sync and resharding off, the parameters gathered once (here, on this thread).
@@ -114,6 +142,8 @@ class ShardedModel:
             root.set_is_last_backward(False)
             root.set_requires_gradient_sync(False)
             root.set_reshard_after_backward(False)
+        if self.early is not None:
+            self.early.reset()
         for module in self.modules():
             if not self._fresh:
                 module.reshard()
@@ -123,9 +153,23 @@ class ShardedModel:
             for root in self.roots:
                 torch_compat.fsdp_set_hooks_idle(root, True)
 
+    def before_last_backward(self) -> None:
+        """Just before the step's last backward, which runs alone: with ``overlap_grad_reduce``, gradient sync on
+        and each unit's reduction issued as soon as its gradients are final (``grad_reduce.py``); resharding stays
+        off until :meth:`end_step`. Otherwise nothing."""
+        if self.early is None:
+            return
+        for root in self.roots:
+            root.set_is_last_backward(True)
+            root.set_requires_gradient_sync(True)
+        self.early.arm()
+
     def end_step(self) -> None:
         """After the last micro-batch's backward: reduce the accumulated gradients (reduce-scatter in the sharded
-        modes) and reshard; FSDP's hooks are active again afterwards."""
+        modes; with ``overlap_grad_reduce`` only the units not reduced during the backward, after waiting for
+        those) and reshard; FSDP's hooks are active again afterwards."""
+        if self.early is not None:
+            self.early.finish()
         for root in self.roots:
             root.set_is_last_backward(True)
             root.set_requires_gradient_sync(True)
@@ -157,3 +201,20 @@ class ShardedModel:
         elif self.mode == "optimizer":
             self.gather()
             self._fresh = False
+
+
+def layer_modules(model: nn.Module, experts: Sequence[nn.Module]) -> list[nn.Module]:
+    """The model's layers: every element of a ``nn.ModuleList`` that holds one of ``experts`` (``model.layers[i]``
+    of ``MoEGPT`` and HF models), outermost lists first; an element inside another layer is not one."""
+    expert_ids = {id(m) for m in experts}
+    layers: list[nn.Module] = []
+    taken: set[int] = set()
+    for module in model.modules():
+        if not isinstance(module, nn.ModuleList) or id(module) in taken:
+            continue
+        for element in module:
+            inside = {id(m) for m in element.modules()}
+            if inside & expert_ids and id(element) not in taken:
+                layers.append(element)
+                taken |= inside
+    return layers

@@ -364,6 +364,36 @@ def test_fsdp_set_hooks_idle(tmp_path) -> None:
             dist.destroy_process_group()
 
 
+def test_fsdp_unit_groups_unsharded_params_and_reduce_group(tmp_path) -> None:
+    """A unit's groups, the gathered parameters autograd accumulates into, and one group's ``post_backward``."""
+    model, owned = _one_rank_fsdp(tmp_path)
+    try:
+        torch_compat.fsdp_lazy_init(model)
+        model.set_requires_gradient_sync(False)
+        model.unshard()
+        model[0].unshard()
+        groups = torch_compat.fsdp_module_groups(model[0])
+        assert len(groups) == 1, _broken("FSDPState._fsdp_param_groups", "fsdp_module_groups", "no group of the unit")
+        gathered = torch_compat.fsdp_group_unsharded_params(groups[0])
+        assert [p is q for p, q in zip(gathered, model[0].parameters())] == [True, True], _broken(
+            "FSDPParam.unsharded_param", "fsdp_group_unsharded_params", "is not what the gathered module holds"
+        )
+        model(torch.ones(2, 4)).sum().backward()
+        expected = [p.grad.clone() for p in gathered]
+        model.set_requires_gradient_sync(True)
+        torch_compat.fsdp_reduce_group(groups[0])
+        assert all(p.grad is None for p in gathered)  # taken by the reduction
+        model[0].reshard()
+        sharded = [p.grad for p in model[0].parameters()]  # the shards again once resharded
+        assert all(g is not None for g in sharded), _broken(
+            "FSDPParamGroup.post_backward", "fsdp_reduce_group", "left no gradient on the shards"
+        )
+        assert all(torch.equal(g.to_local(), e) for g, e in zip(sharded, expected))
+    finally:
+        if owned:
+            dist.destroy_process_group()
+
+
 def test_grad_scaler_found_inf_reads_the_flags_unscale_recorded() -> None:
     param = torch.nn.Parameter(torch.ones(2))
     optimizer = torch.optim.SGD([param], lr=0.1)
@@ -535,3 +565,31 @@ def test_cp_batch_order_is_torchs_head_tail(seq: int, cp: int) -> None:
     torchs = _HeadTailLoadBalancer(seq, cp, "cpu")._generate_indices()[0]
     ours = torch.cat([shard_positions(seq, cp, r) for r in range(cp)])
     assert torch.equal(torchs, ours), _broken("_HeadTailLoadBalancer._generate_indices", "(context_batch)", "reorders")
+
+
+def test_wrapper_subclass_names() -> None:
+    """``make_wrapper_subclass``, ``disabled_torch_function`` and ``tree_map``: a storage-less subclass whose
+    operations go through ``__torch_dispatch__`` and come back as plain tensors (as ``fp8/rows.py`` relies on)."""
+    _require(torch.Tensor, "_make_wrapper_subclass", "torch.Tensor._make_wrapper_subclass", "make_wrapper_subclass")
+    _require(torch._C, "_disabled_torch_function_impl", "torch._C._disabled_torch_function_impl",
+             "disabled_torch_function")  # fmt: skip
+
+    class Ones(torch.Tensor):
+        __torch_function__ = torch_compat.disabled_torch_function()
+
+        @staticmethod
+        def __new__(cls, shape):  # noqa: ANN001, ANN205
+            return torch_compat.make_wrapper_subclass(cls, shape, dtype=torch.float32, device=torch.device("cpu"))
+
+        @classmethod
+        def __torch_dispatch__(cls, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN206
+            ones = lambda t: torch.ones(t.shape) if isinstance(t, Ones) else t  # noqa: E731
+            return func(*torch_compat.tree_map(ones, args), **torch_compat.tree_map(ones, kwargs or {}))
+
+    out = Ones((2, 3)) + 1
+    assert type(out) is torch.Tensor and torch.equal(out, torch.full((2, 3), 2.0)), _broken(
+        "torch.Tensor._make_wrapper_subclass", "make_wrapper_subclass", "changed how a wrapper subclass dispatches"
+    )
+    assert torch_compat.tree_map(lambda x: x * 2, {"a": (1, [2])}) == {"a": (2, [4])}, _broken(
+        "torch.utils._pytree.tree_map", "tree_map", "changed"
+    )

@@ -37,6 +37,7 @@ import torch
 from torch import Tensor
 from torch.distributed import ProcessGroup
 
+from lightning_moe_overlap.fp8.recipes import Float8Recipe
 from lightning_moe_overlap.moe.dispatch.base import DispatcherBase
 from lightning_moe_overlap.moe.dispatch.comm import all_to_all, all_to_all_many, communicator_of, exchange_counts
 from lightning_moe_overlap.moe.dispatch.dedup import (
@@ -49,6 +50,7 @@ from lightning_moe_overlap.moe.dispatch.dedup import (
     token_rows,
     unpack_choices,
 )
+from lightning_moe_overlap.moe.dispatch.float8 import float8_all_to_all
 from lightning_moe_overlap.moe.dispatch.host import host_ints
 from lightning_moe_overlap.moe.grouped import RowSplits
 from lightning_moe_overlap.overlap.runtime import CommRuntime
@@ -125,6 +127,7 @@ class AllToAllDispatcher(DispatcherBase):
     name = "alltoall"
     knobs = ("dedup",)
     backward_handoffs = 1  # the token-count exchange
+    fp8_dispatch = True  # `dispatch(..., fp8=recipe)` sends the rows in FP8 (not on the deduplicated path)
 
     def __init__(
         self, ep_group: ProcessGroup | None, num_experts: int, runtime: CommRuntime | None, dedup: bool = False
@@ -142,12 +145,14 @@ class AllToAllDispatcher(DispatcherBase):
 
     # -- dispatch ----------------------------------------------------------------------------------------------
     def dispatch(
-        self, x_TD: Tensor, indices_TK: Tensor, weights_TK: Tensor
+        self, x_TD: Tensor, indices_TK: Tensor, weights_TK: Tensor, fp8: Float8Recipe | None = None
     ) -> tuple[Tensor, RowSplits, AllToAllHandle | DedupHandle]:
         """Send rows to their experts' ranks; returns ``(x_RD, splits, handle)``.
 
         ``splits``: the rows of each local expert, sorted by local expert or, on CPU with more than one rank, in the
-        receive layout's segments (see the module docstring).
+        receive layout's segments (see the module docstring). ``fp8``: send the rows in FP8, quantised for this
+        recipe's experts (``x_RD`` is then a :class:`~lightning_moe_overlap.fp8.rows.Float8Rows`, ``float8.py``); the
+        deduplicated path sends them in high precision.
         """
         if self.dedup and self._worth_deduplicating(indices_TK.shape[-1]):
             return self._dispatch_dedup(x_TD, indices_TK, weights_TK)
@@ -159,12 +164,15 @@ class AllToAllDispatcher(DispatcherBase):
             sum(send_E[r * self.num_local_experts : (r + 1) * self.num_local_experts]) for r in range(self.ep_size)
         )
         output_splits = tuple(sum(row) for row in recv_SE)
-        x_MD = self._token_dispatch(x_AD, input_splits, output_splits)
-        if self._segments(x_MD):
-            x_RD, perm_R, splits = x_MD, None, self._receive_segments(recv_SE)
+        if fp8 is not None:
+            x_RD, perm_R, splits = self._token_dispatch_fp8(x_AD, fp8, input_splits, output_splits, recv_SE, recv_GE)
         else:
-            x_RD, perm_R = self._dispatch_postprocess(x_MD, recv_GE)
-            splits = RowSplits.of([sum(row[e] for row in recv_SE) for e in range(self.num_local_experts)])
+            x_MD = self._token_dispatch(x_AD, input_splits, output_splits)
+            if self._segments(x_MD):
+                x_RD, perm_R, splits = x_MD, None, self._receive_segments(recv_SE)
+            else:
+                x_RD, perm_R = self._dispatch_postprocess(x_MD, recv_GE)
+                splits = self._expert_splits(recv_SE)
         handle = AllToAllHandle(
             assign_A=assign_A,
             weights_TK=weights_TK,
@@ -175,6 +183,28 @@ class AllToAllDispatcher(DispatcherBase):
             perm_R=perm_R,
         )
         return x_RD, splits, handle
+
+    def _expert_splits(self, recv_SE: list[list[int]]) -> RowSplits:
+        """The rows of each local expert, sorted by local expert."""
+        return RowSplits.of([sum(row[e] for row in recv_SE) for e in range(self.num_local_experts)])
+
+    def _token_dispatch_fp8(
+        self,
+        x_AD: Tensor,
+        recipe: Float8Recipe,
+        input_splits: tuple[int, ...],
+        output_splits: tuple[int, ...],
+        recv_SE: list[list[int]],
+        recv_GE: Tensor,
+    ) -> tuple[Tensor, Tensor | None, RowSplits]:
+        """Comm point, then postprocess: the rows in FP8 with their scales (``float8.py``), regrouped by local
+        expert unless the experts take the receive layout's segments; ``(x_RD, perm_R, splits)``."""
+        segments = self.ep_size > 1 and x_AD.device.type == "cpu"  # `_segments`, before any row is received
+        perm_R = None
+        if self.ep_size > 1 and not segments:
+            perm_R = chunk_permutation(recv_GE, sum(output_splits))
+        x_RD = float8_all_to_all(x_AD, recipe, output_splits, input_splits, self.ep_group, self.runtime, perm_R)
+        return x_RD, perm_R, self._receive_segments(recv_SE) if segments else self._expert_splits(recv_SE)
 
     def _segments(self, x_MD: Tensor) -> bool:
         """Whether the experts take the received rows in their segments rather than regrouped (CPU, several

@@ -101,6 +101,9 @@ class DispatcherBase:
     # Forward comm points of one dispatch + combine that have no backward twin (metadata exchanges): the backward
     # of `balance_backward` hands over this many extra times, so that forward and backward hand over equally often.
     backward_handoffs = 0
+    # Whether `dispatch` takes `fp8=recipe` and sends the rows in FP8 for FP8 experts (the all-to-all dispatcher);
+    # the others send them in high precision whatever the experts run (docs/fp8.md, "FP8 dispatch").
+    fp8_dispatch = False
 
     def __init__(self, ep_group: ProcessGroup | None, num_experts: int, runtime: CommRuntime | None) -> None:
         self.ep_group = ep_group

@@ -1,0 +1,206 @@
+"""Gradient reduction overlapped with the last backward (``overlap_grad_reduce``; docs/sharding.md, "Overlapped
+gradient reduction").
+
+In the sharded modes the micro-batches' gradients accumulate, unreduced, in the gathered parameters, and FSDP's
+hooks are idle (``parallel/sharding.py``). :class:`EarlyReduction` reduces each FSDP unit (the module
+``fully_shard`` was applied to: a layer, an experts module, the root) as soon as its gradients are final in the
+step's LAST backward, so that its reduce-scatter runs while the backward of the units before it still computes.
+
+- The last backward runs alone (``F0, (F1|B0), ..., B[M-1]``: the schedule's cooldown phase), so nothing here runs
+  inside an overlapped pair. :meth:`arm` is called just before it (``loop.py``, ``StepHooks.before_last_backward``).
+- When a unit's gradients are final is read from autograd: a post-accumulate-grad hook on each gathered parameter
+  of the unit (hand-written: FSDP registers its own post-backward trigger in its pre-forward hook, which is kept
+  idle while two contexts share the modules). A unit is final once every parameter that requires a gradient got
+  one in this backward.
+- The order of the collectives is fixed, not taken from the hooks: units are reduced in :attr:`order` (the
+  reverse of their order in the model, i.e. the order a backward finishes them), each once every unit before it
+  was reduced. A unit that got no gradient on a rank (a module unused there) holds itself and those after it back
+  to :meth:`finish`, which reduces the rest in the same order, so every rank issues the same collectives in the
+  same order on each process group, whatever the data.
+- Reducing runs on one thread of its own (the reduction lane), in that order: FSDP's ``post_backward`` blocks on
+  gloo, and a backward that blocked there could wait for a peer that is still before one of its own all-to-alls.
+  On CUDA the lane only launches onto FSDP's reduce-scatter stream, after an event recorded on the stream that
+  produced the gradients.
+- ``finish`` (the step's ``end_step``, on the calling thread) waits for the lane and removes the hooks; the unit
+  reductions left over and FSDP's end-of-backward callback then run as without the flag.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from lightning_moe_overlap._compat import torch as torch_compat
+
+Observer = Callable[[str, str], None]  # (event, unit name): "ready", "issue", "reduced"
+
+
+@dataclass
+class _Unit:
+    """One FSDP unit: its name in the model, its param groups and, while armed, the parameters still without a
+    gradient in this backward (ids)."""
+
+    name: str
+    groups: list[Any]
+    pending: set[int] = field(default_factory=set)
+    issued: bool = False
+
+
+class ReductionLane:
+    """A thread that runs submitted jobs one at a time, in order; :meth:`drain` waits for them and re-raises the
+    first error in the caller's thread."""
+
+    def __init__(self, device: torch.device) -> None:
+        self._jobs: queue.SimpleQueue[Callable[[], None] | None] = queue.SimpleQueue()
+        self._errors: list[BaseException] = []
+        self._device = device
+        self._thread = threading.Thread(target=self._loop, name="moe-overlap-grad-reduce", daemon=True)
+        self._thread.start()
+
+    def submit(self, job: Callable[[], None]) -> None:
+        self._jobs.put(job)
+
+    def drain(self) -> None:
+        """Run out the queued jobs, end the thread; raise the first job's error."""
+        self._jobs.put(None)
+        self._thread.join()
+        if self._errors:
+            raise self._errors[0]
+
+    def abandon(self) -> None:
+        """End the thread after its queued jobs without waiting (after a failed step it may be stuck in a
+        collective until the process group's timeout; it is a daemon thread)."""
+        self._jobs.put(None)
+
+    def _loop(self) -> None:
+        if self._device.type == "cuda":
+            torch.cuda.set_device(self._device)
+        while (job := self._jobs.get()) is not None:
+            if self._errors:
+                continue  # after a failure the rest is left to `finish`'s caller, which raises
+            try:
+                job()
+            except BaseException as err:  # noqa: BLE001 - re-raised by `drain` in the caller's thread
+                self._errors.append(err)
+
+
+class EarlyReduction:
+    """Reduces each FSDP unit of ``units`` (``(name, module)`` in the model's order) as soon as its gradients are
+    final in the armed backward (module docstring). ``observer(event, unit)`` is told of each ``"ready"`` (the
+    unit's gradients are final, on autograd's thread), ``"issue"`` (handed to the lane) and ``"reduced"`` (its
+    ``post_backward`` returned, on the lane)."""
+
+    def __init__(self, units: Sequence[tuple[str, nn.Module]], observer: Observer | None = None) -> None:
+        # The reverse of the model's order: the order in which a backward finishes the units.
+        self.order = [_Unit(name, torch_compat.fsdp_module_groups(m)) for name, m in reversed(list(units))]
+        self.order = [unit for unit in self.order if unit.groups]
+        self.observer = observer
+        self._lock = threading.Lock()  # hooks may run on more than one autograd thread (one per device)
+        self._cursor = 0
+        self._handles: list[Any] = []
+        self._lane: ReductionLane | None = None
+
+    @property
+    def armed(self) -> bool:
+        return self._lane is not None
+
+    def arm(self) -> None:
+        """Before the last backward (nothing else running): hook every gathered parameter, start the lane. The
+        units' gradient sync must be on (``set_requires_gradient_sync(True)``)."""
+        self.reset()
+        device = None
+        for index, unit in enumerate(self.order):
+            unit.issued = False
+            for group in unit.groups:
+                for param in torch_compat.fsdp_group_unsharded_params(group):
+                    if not param.requires_grad:
+                        continue
+                    device = device or param.device
+                    unit.pending.add(id(param))
+                    self._handles.append(param.register_post_accumulate_grad_hook(self._hook(index)))
+        self._cursor = 0
+        self._lane = ReductionLane(device or torch.device("cpu"))
+        with self._lock:
+            self._issue_ready()  # units without a parameter that takes a gradient
+
+    def finish(self) -> None:
+        """After the last backward: wait for the reductions issued, remove the hooks. Raises the lane's first
+        error. The units not issued are left to FSDP's end of step (``ShardedModel.end_step``), in model order."""
+        lane, self._lane = self._lane, None
+        self._remove_hooks()
+        if lane is not None:
+            lane.drain()
+
+    def reset(self) -> None:
+        """Drop what a failed step left armed, without waiting for it (that step has raised its error)."""
+        lane, self._lane = self._lane, None
+        self._remove_hooks()
+        if lane is not None:
+            lane.abandon()
+        for unit in self.order:
+            unit.pending.clear()
+
+    # -- on autograd's thread ------------------------------------------------------------------------------------
+    def _hook(self, index: int) -> Callable[[torch.Tensor], None]:
+        def landed(param: torch.Tensor) -> None:
+            with self._lock:
+                unit = self.order[index]
+                if unit.issued:
+                    raise RuntimeError(
+                        f"`overlap_grad_reduce`: a gradient of FSDP unit {unit.name!r} landed after the unit was "
+                        "reduced in the last backward (a parameter whose gradient accumulates twice in one backward, "
+                        "e.g. used both inside and outside a reentrant `torch.utils.checkpoint`). Its reduction would "
+                        "miss that part. Use `use_reentrant=False`, or set `overlap_grad_reduce=False`."
+                    )
+                unit.pending.discard(id(param))
+                if not unit.pending:
+                    self._tell("ready", unit.name)
+                    self._issue_ready()
+
+        return landed
+
+    def _issue_ready(self) -> None:
+        """Issue, in order, every unit from the cursor on whose gradients are final (lock held)."""
+        assert self._lane is not None
+        while self._cursor < len(self.order) and not self.order[self._cursor].pending:
+            unit = self.order[self._cursor]
+            unit.issued = True
+            self._cursor += 1
+            self._tell("issue", unit.name)
+            self._lane.submit(self._reduction(unit, _ready_event(unit)))
+
+    def _reduction(self, unit: _Unit, event: Any) -> Callable[[], None]:
+        def reduce() -> None:
+            if event is not None:  # the gradients were produced on another thread's stream
+                torch.cuda.current_stream().wait_event(event)
+            for group in unit.groups:
+                torch_compat.fsdp_reduce_group(group)
+            self._tell("reduced", unit.name)
+
+        return reduce
+
+    def _tell(self, event: str, name: str) -> None:
+        if self.observer is not None:
+            self.observer(event, name)
+
+    def _remove_hooks(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()
+
+
+def _ready_event(unit: _Unit) -> Any:
+    """On CUDA, an event on this thread's current stream (where autograd just accumulated the unit's last
+    gradient); None elsewhere."""
+    for group in unit.groups:
+        for param in torch_compat.fsdp_group_unsharded_params(group):
+            if param.device.type == "cuda":
+                return torch.cuda.current_stream(param.device).record_event()
+            return None
+    return None

@@ -1,0 +1,179 @@
+"""FP8 dispatch in one process: the all-to-all dispatcher's rows in e4m3 with a scale per row, read as they are by the
+experts' FP8 kernel; the backward in high precision; the bytes on the wire; FP8 saved activations offloaded as FP8.
+
+The exchange is real: a loopback communicator (``moe/dispatch/loopback.py``) copies every all-to-all as another
+rank would, and a recording observer sees each collective's bytes. Oracles: the same experts on high-precision
+rows (``fp8_dispatch=False``): with ``rowwise`` the first GEMM quantises each row exactly as the dispatch does, so
+the forward and the input gradient are bitwise equal; float32 experts (SQNR) for ``tensorwise``; the byte counts
+from the shapes (``D`` FP8 bytes and a 4-byte scale per row, ``2 D`` in bf16, ``4 D`` in float32).
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+from lightning_moe_overlap.callbacks import OffloadEngine, _regions
+from lightning_moe_overlap.fp8 import apply_fp8
+from lightning_moe_overlap.fp8.experts import Float8GroupedLinear
+from lightning_moe_overlap.fp8.recipes import RECIPES
+from lightning_moe_overlap.fp8.rows import Float8Rows, pack_rows, quantize_rows, unpack_rows
+from lightning_moe_overlap.moe import Experts, apply_expert_parallel
+from lightning_moe_overlap.moe.dispatch.float8 import float8_all_to_all
+from lightning_moe_overlap.moe.dispatch.loopback import Loopback
+from lightning_moe_overlap.moe.grouped import RowSplits
+from lightning_moe_overlap.overlap.observers import CommTraffic
+from lightning_moe_overlap.overlap.runtime import CommRuntime
+
+E, F, T, K = 4, 32, 24, 2
+
+
+class Recording(CommTraffic):
+    """Every collective's bytes, in order."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.each: list[int] = []
+
+    def record(self, sent_bytes: int, remote_bytes: int) -> None:
+        super().record(sent_bytes, remote_bytes)
+        self.each.append(sent_bytes)
+
+
+class Holder(nn.Module):
+    def __init__(self, hidden: int) -> None:
+        super().__init__()
+        self.experts = Experts(E, hidden, F)
+
+
+def _run(recipe: str | None, fp8_dispatch: bool, *, hidden: int = 32, dtype=torch.float32, all_to_one=False):
+    """``(out, x.grad, gate_up grad, per-collective bytes, rows sent)`` of one forward and backward."""
+    torch.manual_seed(0)
+    model = Holder(hidden).to(dtype)
+    x = torch.randn(T, hidden, dtype=dtype, requires_grad=True)
+    indices = torch.zeros(T, K, dtype=torch.long) if all_to_one else torch.randint(0, E, (T, K))
+    if all_to_one:
+        indices[:, 1] = 1  # experts 2 and 3 get no rows
+    weights = torch.rand(T, K, dtype=dtype)
+    traffic = Recording()
+    runtime = CommRuntime(communicator=Loopback(0.0))
+    runtime.attach(traffic)
+    (ep,) = apply_expert_parallel(model, None, runtime=runtime)
+    if recipe is not None:
+        apply_fp8(model, recipe, dense=False)
+    ep.fp8_dispatch = fp8_dispatch
+    out = model.experts(x, indices, weights)
+    out.float().pow(2).sum().backward()
+    return out.detach(), x.grad, ep.gate_up_proj.grad, traffic.each, T * K
+
+
+def _sqnr(ref: torch.Tensor, out: torch.Tensor) -> float:
+    return (20 * torch.log10(ref.norm() / (ref - out).norm())).item()
+
+
+@pytest.mark.parametrize("all_to_one", [False, True], ids=["random", "two-experts-empty"])
+def test_rowwise_fp8_dispatch_is_bitwise_the_high_precision_rows(all_to_one: bool) -> None:
+    out, dx, _, _, _ = _run("rowwise", True, all_to_one=all_to_one)
+    ref_out, ref_dx, _, _, _ = _run("rowwise", False, all_to_one=all_to_one)
+    assert torch.equal(out, ref_out) and torch.equal(dx, ref_dx)
+
+
+@pytest.mark.parametrize("recipe", ["tensorwise", "rowwise"])
+def test_fp8_dispatch_stays_close_to_float32_experts(recipe: str) -> None:
+    out, dx, dw, _, _ = _run(recipe, True)
+    ref_out, ref_dx, ref_dw, _, _ = _run(None, False)
+    assert _sqnr(ref_out, out) >= 18 and _sqnr(ref_dx, dx) >= 18 and _sqnr(ref_dw, dw) >= 18
+
+
+@pytest.mark.parametrize("hidden", [32, 256])
+def test_dispatch_bytes_per_row_fp8_against_bf16_and_float32(hidden: int) -> None:
+    """Collectives per call: counts, tokens, combine (forward); combine, tokens (backward)."""
+    bf16 = _run(None, False, hidden=hidden, dtype=torch.bfloat16)
+    fp32 = _run(None, False, hidden=hidden)
+    fp8 = _run("rowwise", True, hidden=hidden, dtype=torch.bfloat16)
+    rows = fp8[4]
+    per_row = {name: run[3][1] / rows for name, run in (("fp8", fp8), ("bf16", bf16), ("fp32", fp32))}
+    assert per_row == {"fp8": hidden + 4, "bf16": 2 * hidden, "fp32": 4 * hidden}
+    assert per_row["fp8"] / per_row["bf16"] <= 0.57  # about half, the scales included
+    # the combine and both backward exchanges stay in high precision: the same bytes as without FP8 dispatch
+    assert fp8[3][2:] == bf16[3][2:] == [2 * hidden * rows] * 3
+
+
+def test_fp8_dispatch_off_or_high_precision_experts_send_high_precision_rows() -> None:
+    for recipe, on in ((None, True), ("rowwise", False)):
+        assert _run(recipe, on)[3][1] == 4 * 32 * T * K
+
+
+def test_float8_all_to_all_regroups_rows_and_its_backward_undoes_it() -> None:
+    """The regrouping path (CUDA with ep > 1) on one process: oracle ``index_select`` of the quantised rows, and
+    its autograd for the gradient."""
+    recipe = RECIPES["tensorwise"]
+    x = torch.randn(6, 16, requires_grad=True)
+    perm = torch.tensor([3, 0, 5, 1, 4, 2])
+    rows = float8_all_to_all(x, recipe, (6,), (6,), None, None, perm)
+    q, scale = quantize_rows(x.detach(), recipe)
+    assert isinstance(rows, Float8Rows) and rows.dtype == torch.float32 and rows.data_fp8.dtype == torch.float8_e4m3fn
+    assert torch.equal(rows.data_fp8.view(torch.uint8), q[perm].view(torch.uint8)) and torch.equal(rows.scale, scale[perm])
+    g = torch.randn(6, 16)
+    (x_grad,) = torch.autograd.grad(rows, x, g)
+    oracle = x.detach().clone().requires_grad_()
+    oracle.index_select(0, perm).backward(g)
+    assert x_grad.dtype == torch.float32 and torch.equal(x_grad, oracle.grad)
+
+
+def test_wire_format_round_trips_and_other_ops_see_the_dequantised_rows() -> None:
+    x = torch.randn(5, 32) * torch.logspace(-3, 3, 5).unsqueeze(1)
+    q, scale = quantize_rows(x, RECIPES["rowwise"])
+    packed = pack_rows(q, scale)
+    assert packed.dtype == torch.uint8 and packed.shape == (5, 36)
+    q2, scale2 = unpack_rows(packed, torch.float8_e4m3fn)
+    assert torch.equal(q2.view(torch.uint8), q.view(torch.uint8)) and torch.equal(scale2, scale)
+    rows = Float8Rows(q2, scale2, torch.bfloat16)
+    expected = (q.float() * scale).to(torch.bfloat16)
+    assert type(rows + 0) is torch.Tensor and torch.equal(rows + 0, expected)
+    assert type(rows.detach()) is Float8Rows
+    assert _sqnr(x, (rows + 0).float()) > 25  # e4m3 with a scale per row follows rows 10^6 apart
+
+
+def test_offload_moves_the_fp8_rows_saved_by_the_fp8_gemm_as_fp8() -> None:
+    """The FP8 kernel saves the dispatched rows as e4m3 bytes and float32 scales; the offload engine moves those
+    (``D + 4`` bytes a row, not ``4 D``) and gives them back with their dtype: the gradients are bitwise."""
+    recipe = RECIPES["rowwise"]
+    weight = nn.Parameter(torch.randn(2, 48, 32) * 0.1)
+    x = torch.randn(10, 32)
+    splits = RowSplits([4, 6])
+
+    def run(engine: OffloadEngine | None) -> tuple[torch.Tensor, torch.Tensor]:
+        weight.grad = None
+        leaf = x.clone().requires_grad_()
+        rows = float8_all_to_all(leaf, recipe, (10,), (10,), None, None)
+        if engine is not None:
+            engine.open_group()
+        with _regions.region("expert_fc1"):
+            y = Float8GroupedLinear.apply(rows, weight, splits, False, recipe, None, ())
+        if engine is not None:
+            engine.close_group()
+        y.pow(2).sum().backward()
+        return leaf.grad, weight.grad.clone()
+
+    engine = OffloadEngine(modules=["expert_fc1"], tensors=[], min_tensor_size=0, exclude=[weight])
+    got, expected = run(engine), run(None)
+    assert engine.stats.offloaded_tensors == 2  # the e4m3 rows and their scales
+    assert engine.stats.offloaded_bytes == 10 * 32 + 10 * 4
+    assert torch.equal(got[0], expected[0]) and torch.equal(got[1], expected[1])
+
+
+def test_other_dispatchers_and_deduplicated_alltoall_keep_high_precision_rows() -> None:
+    model = Holder(32)
+    runtime = CommRuntime(communicator=Loopback(0.0))
+    (ep,) = apply_expert_parallel(copy.deepcopy(model), None, runtime=runtime, dispatcher="allgather")
+    apply_fp8(ep, "rowwise", dense=False)
+    assert ep.dispatcher.fp8_dispatch is False and ep.dispatch_recipe() is None
+    (ep,) = apply_expert_parallel(copy.deepcopy(model), None, runtime=runtime, dedup=True)
+    apply_fp8(ep, "rowwise", dense=False)
+    x, indices = torch.randn(T, 32), torch.randint(0, E, (T, K))
+    x_RD, _, _ = ep.dispatcher.dispatch(x, indices, torch.rand(T, K), fp8=ep.dispatch_recipe())
+    assert type(x_RD) is torch.Tensor  # the deduplicated path sends high-precision rows
