@@ -12,9 +12,10 @@ parallel folding). A mesh has one row-major order, so the block is cut into dime
 wholly in ``ep`` while ``ep`` still needs it, one dimension at most is split in two (``{name}_edp`` outside,
 ``{name}_ep`` inside), and the rest lie wholly in ``edp``. Examples (``pp`` and ``unit`` left out)::
 
-    dp=2 cp=1 tp=1 ep=2:  (dp_edp=1, dp_ep=2, cp=1, tp=1)     ep = (dp_ep, cp, tp), edp = (dp_edp,)
+    dp=4 cp=1 tp=1 ep=2:  (dp_edp=2, dp_ep=2, cp=1, tp=1)     ep = (dp_ep, cp, tp), edp = (dp_edp,)
     dp=4 cp=4 tp=1 ep=2:  (dp=4, cp_edp=2, cp_ep=2, tp=1)     ep = (cp_ep, tp),      edp = (dp, cp_edp)
     dp=2 cp=1 tp=4 ep=2:  (dp=2, cp=1, tp_edp=2, tp_ep=2)     ep = (tp_ep,),         edp = (dp, cp, tp_edp)
+    dp=2 cp=1 tp=2 ep=2:  (dp=2, cp=1, tp=2)                  ep = (tp,),            edp = (dp, cp)
 
 A kind made of several dimensions is a flattened view of them; ``ep`` (``edp``) gets a size-1 dimension of its own
 name when no dimension lies in it. ``unit``, the last dimension, has size 1: the size-1 shard dimension of the
