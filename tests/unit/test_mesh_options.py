@@ -64,7 +64,7 @@ def recorded(monkeypatch: pytest.MonkeyPatch) -> dict[str, Any]:
     return seen
 
 
-@pytest.mark.parametrize(("cp", "ep", "ep_parts"), [(2, 2, ("ep",)), (1, 2, ("dp_in_ep", "cp")), (2, 4, ("dp_in_ep", "cp"))])
+@pytest.mark.parametrize(("cp", "ep", "ep_parts"), [(2, 2, ("cp", "tp")), (1, 2, ("dp_ep", "cp", "tp")), (2, 4, ("dp", "cp", "tp"))])
 def test_nccl_ep_groups_get_the_high_priority_stream(recorded, cp: int, ep: int, ep_parts: tuple) -> None:
     dims = ParallelDims.from_world_size(4, cp=cp, ep=ep)
     build_mesh(dims, "cuda", timeout=timedelta(seconds=9))

@@ -56,7 +56,9 @@ def _raise(problems):
             r"`delay_wgrad=True` with `pp=2`.*Set `delay_wgrad=False`",
         ),
         ({"alltoall_dedup": "yes"}, TypeError, r"`alltoall_dedup='yes'` is a str; .*Pass True or False \(default\)"),
-        ({"tp": 2}, NotImplementedError, r"tp=2: this version builds the process groups"),
+        ({"cp": 2}, NotImplementedError, r"cp=2: this version builds the process groups for cp"),
+        ({"tp": 2, "sequence_parallel": False}, ValueError, r"`tp=2` with `sequence_parallel=False`: the MoE blocks"),
+        ({"tp": 2, "pp": 2, "vpp": 2, "num_microbatches": 4}, NotImplementedError, r"`tp=2` with `pp=2`: the pipeline chunks are cut"),
         ({"shard": "zero3"}, ValueError, r"`shard='zero3'` is not one of \['none', 'optimizer', 'full'\]"),
         (
             {"shard": "full", "expert_backend": "te"},
