@@ -10,6 +10,9 @@ point then reports, in this order::
     on_wait_start(holder)      it starts waiting for the collective
     on_wait_end(holder)        the wait returned
 
+``on_host_read(holder)`` reports each read of sizes back to the host (the split sizes an uneven all-to-all takes as
+Python ints, ``moe/dispatch/host.py``); the dispatchers make it after a comm point's wait, never between its issue
+and its hand-over (``order.py`` records the order, ``docs/overlap.md``, "Host reads and hand-overs").
 ``on_traffic(sent_bytes, remote_bytes)`` follows every all-to-all's issue, and the engine reports each task's
 ``on_task_start(task)`` / ``on_task_end(task)``. ``holder`` is the role holding the baton (the running context), or
 ``None`` outside a schedule. Events of one comm point arrive on one thread; the two contexts of a schedule report to
@@ -62,6 +65,9 @@ class CommObserver:
         pass
 
     def on_traffic(self, sent_bytes: int, remote_bytes: int) -> None:
+        pass
+
+    def on_host_read(self, holder: Role | None) -> None:
         pass
 
 

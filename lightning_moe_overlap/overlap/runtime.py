@@ -7,9 +7,10 @@ passes) is a *comm point*. At a comm point the running code does::
     runtime.handoff()                                       # let other work run while it is in flight
     runtime.wait(work)                                      # then wait for it (``work.wait()``)
 
-``handoff`` first runs any queued side work (shared experts under ``shared_expert_overlap``) and weight-gradient
-GEMMs (``delay_wgrad``), then, while the engine has a phase of two execution contexts bound, hands the baton to the
-other context and returns once this context holds it again. Outside a schedule (validation, ``overlap=False``) it
+``handoff`` first runs any queued side work (shared experts under ``shared_expert_overlap``; held back at the
+metadata exchanges, so it runs at the next comm point that moves tokens: ``PendingWork.hold_side_work``) and
+weight-gradient GEMMs (``delay_wgrad``), then, while the engine has a phase of two execution contexts bound, hands
+the baton to the other context and returns once this context holds it again. Outside a schedule (validation, ``overlap=False``) it
 only runs the queued work, so the same code path serves both and the results are bitwise equal.
 
 A ``CommRuntime`` is made of three explicit parts and a list of observers:
@@ -90,6 +91,16 @@ class CommRuntime:
         baton.handoff()
         for observer in observers:
             observer.on_resume(holder)
+
+    def report_host_read(self) -> None:
+        """Tell the observers that sizes were read back to the host (``moe/dispatch/host.py``'s ``host_ints``)."""
+        observers = self._observers
+        if not observers:
+            return
+        baton = self.phase.bound_handoff
+        holder = None if baton is None else baton.holder
+        for observer in observers:
+            observer.on_host_read(holder)
 
     def wait(self, work: Waitable) -> Any:
         """Wait for an issued collective (call after ``handoff``), reported to the observers.

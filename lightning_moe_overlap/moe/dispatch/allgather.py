@@ -10,8 +10,9 @@ of the size and index exchanges (``backward_handoffs``).
 It moves ``ep`` times the tokens of an all-to-all, but needs no count exchange before the token transfer and
 its collectives are the simplest ones, so it suits small ``ep`` and few tokens.
 
-Host syncs: two per dispatch, none in the backward: the gathered token counts (after their all-gather's wait)
-and the kept rows per local expert (after the indices' all-gather), both through :func:`host_ints`.
+Host syncs: two per dispatch, none in the backward: the gathered token counts (after their all-gather's hand-over
+and wait) and the kept rows per local expert (after the indices' all-gather), both through :func:`host_ints`. The
+size all-gather is a metadata comm point: queued side work (shared experts) waits for the tokens' all-gather.
 
 Shape legend:
     T: tokens on this rank   P: padded tokens per rank (max over ranks)   G: ep ranks   K: top-k   D: hidden
@@ -98,7 +99,8 @@ class AllGatherDispatcher(DispatcherBase):
         """No comm: keep the pairs routed to local experts, sorted by local expert."""
         local_GPK = indices_GPK - self.first_expert  # non-local experts fall outside [0, e) and count as dropped
         order, counts_e = sort_by_expert(local_GPK, self.num_local_experts)
-        counts = host_ints(counts_e)  # NOTE: D2H sync (rows per local expert; after the indices' all-gather)
+        # NOTE: D2H sync (rows per local expert), after the indices' all-gather: its hand-over and wait
+        counts = host_ints(counts_e, self.runtime)
         assign_R = order[: sum(counts)]
         return gather_rows(x_GPD, assign_R, indices_GPK.shape[-1]), counts, assign_R
 

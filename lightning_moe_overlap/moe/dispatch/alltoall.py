@@ -18,8 +18,10 @@ experts' backward hands over once more in place of the counts (``backward_handof
 never cross the wire: they are applied on the source rank when the outputs are scattered back to their tokens.
 
 Host syncs: one per dispatch and none in the backward: the send and receive counts that ``all_to_all_single``
-needs as Python split sizes, read after the count exchange's wait (:func:`host_ints`, marked ``NOTE: D2H
-sync``). Everything else (counting, regrouping, the combine) stays on the device.
+needs as Python split sizes, read after the count exchange's hand-over and wait (:func:`host_ints`, marked
+``NOTE: D2H sync``; ``docs/overlap.md``, "Host reads and hand-overs"). Everything else (counting, regrouping, the
+combine) stays on the device. The count exchange is a metadata comm point: queued side work (shared experts) waits
+for the token dispatch's, whose transfer can hide it.
 
 Shape legend:
     T: tokens on this rank   K: top-k   D: hidden size   E: global experts   e: local experts   G: ep ranks
@@ -233,7 +235,8 @@ class AllToAllDispatcher(DispatcherBase):
         dest_TK, order_GT, rows_G = destinations(indices_TK, local, self.ep_size)
         # Comm point: per destination, its experts' assignments and its unique rows.
         recv_GC = exchange_counts(exchange_layout(counts_E, rows_G, local), self.ep_group, self.runtime)
-        sizes = host_ints(torch.cat([rows_G, recv_GC.reshape(-1)]))  # NOTE: D2H sync (the all-to-all's splits)
+        # NOTE: D2H sync (the all-to-all's splits), after the count exchange's hand-over and wait
+        sizes = host_ints(torch.cat([rows_G, recv_GC.reshape(-1)]), self.runtime)
         input_splits = tuple(sizes[: self.ep_size])
         recv_SC = [sizes[self.ep_size + s * (local + 1) :][: local + 1] for s in range(self.ep_size)]
         output_splits = tuple(row[local] for row in recv_SC)
@@ -288,7 +291,8 @@ class AllToAllDispatcher(DispatcherBase):
         the exchange's wait), and the receive counts on the device ``[G, e]`` (for the regrouping).
         """
         recv_GE = exchange_counts(counts_E.view(self.ep_size, self.num_local_experts), self.ep_group, self.runtime)
-        sizes = host_ints(torch.cat([counts_E, recv_GE.reshape(-1)]))  # NOTE: D2H sync (the all-to-all's splits)
+        # NOTE: D2H sync (the all-to-all's splits), after the count exchange's hand-over and wait
+        sizes = host_ints(torch.cat([counts_E, recv_GE.reshape(-1)]), self.runtime)
         send_E = sizes[: self.num_experts]
         flat_recv = sizes[self.num_experts :]
         local = self.num_local_experts
