@@ -25,6 +25,7 @@ from torch.utils.data import DataLoader, Dataset
 from lightning_moe_overlap.loss.fused import DEFAULT_CHUNK_SIZE, fused_linear_cross_entropy
 from lightning_moe_overlap.moe.layer import MoELayer
 from lightning_moe_overlap.moe.router import TopKRouter
+from lightning_moe_overlap.parallel.context_module import ContextParallel
 from lightning_moe_overlap.pipeline.batches import token_ids
 from lightning_moe_overlap.pipeline.layout import Chunk, PipelineLayout
 from lightning_moe_overlap.pipeline.split import PipelineChunks, reset_module
@@ -108,7 +109,13 @@ class MoEGPT(LightningModule):
             ``--cross-entropy-loss-fusion --cross-entropy-fusion-impl linear``), at ``pp = 1`` and on the last
             pipeline stage. ``forward`` and ``predict_step`` still return logits.
         cross_entropy_chunk_size: Vocabulary rows (and tokens) per block of the fused loss.
+
+    Attributes:
+        context_parallel: ``None``, or at ``cp > 1`` the strategy's handle with which ``_loss`` shards each
+            micro-batch's sequences (docs/context_parallel.md).
     """
+
+    context_parallel: ContextParallel | None = None  # set by the strategy at cp > 1
 
     def __init__(
         self,
@@ -159,13 +166,20 @@ class MoEGPT(LightningModule):
 
     def _loss(self, batch: Any) -> Tensor:
         """Next-token loss of a batch of token ids ``[B, S]`` (a tensor, or a tuple / list holding one, as a
-        ``TensorDataset`` loader yields; the same batches as at ``pp > 1``)."""
+        ``TensorDataset`` loader yields; the same batches as at ``pp > 1``).
+
+        At ``cp > 1`` (``self.context_parallel`` set by the strategy) the inputs and targets, shifted on the whole
+        sequence, are sharded for this cp rank and the loss is the mean over the tokens it keeps; the model has no
+        position embedding, so the kept tokens' position ids are not needed (causal ring attention orders them)."""
         tokens_BS = token_ids(batch, type(self).__name__)
+        inputs_BT, targets_BT = tokens_BS[:, :-1], tokens_BS[:, 1:]
+        if self.context_parallel is not None:
+            (inputs_BT, targets_BT), _ = self.context_parallel.shard(inputs_BT, targets_BT)
         if self.hparams.fused_cross_entropy:
-            x_BSD = self(tokens_BS[:, :-1], logits=False)
-            return gpt_fused_loss(x_BSD, self.head, tokens_BS[:, 1:], self.hparams.cross_entropy_chunk_size)
-        logits_BSV = self(tokens_BS[:, :-1])
-        return F.cross_entropy(logits_BSV.reshape(-1, logits_BSV.shape[-1]).float(), tokens_BS[:, 1:].reshape(-1))
+            x_BTD = self(inputs_BT, logits=False)
+            return gpt_fused_loss(x_BTD, self.head, targets_BT, self.hparams.cross_entropy_chunk_size)
+        logits_BTV = self(inputs_BT)
+        return F.cross_entropy(logits_BTV.reshape(-1, logits_BTV.shape[-1]).float(), targets_BT.reshape(-1))
 
     def training_step(self, batch: Any, batch_idx: int) -> Tensor:
         return log_loss(self, self._loss(batch))

@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 import os
 from collections.abc import Callable, Generator, Mapping
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from datetime import timedelta
 from typing import Any
 
@@ -57,9 +57,12 @@ from lightning_moe_overlap.parallel.apply import (
     apply_materialize,
     apply_pipeline,
     apply_pretrained,
+    apply_cp,
     apply_tp,
+    aux_loss_scale,
     tensor_parallel_grads,
 )
+from lightning_moe_overlap.parallel.context_module import ContextParallel
 from lightning_moe_overlap.parallel.tensor import TensorParallelGrads
 from lightning_moe_overlap.parallel.held import global_shapes, held_tensors
 from lightning_moe_overlap.parallel.materialize import build_on_meta, meta_init_of
@@ -80,6 +83,7 @@ from lightning_moe_overlap.validation import (
     check_model,
     check_offload_settings,
     check_train_loaders,
+    check_callbacks,
     check_trainer,
     check_world,
     raise_problems,
@@ -109,7 +113,10 @@ class MoEOverlapStrategy(ParallelStrategy):
         vpp: Virtual pipeline stages (chunks) per pp rank; None is 1, or the layout's chunks / ``pp``. With
             ``overlap``, ``pp > 1`` needs ``vpp >= 2`` (the forward of one chunk's micro-batch runs against the
             backward of another chunk's). Ignored (warning) at ``pp=1``.
-        cp: Context-parallel size (groups are built; execution supports 1 in this version).
+        cp: Context-parallel size: each sequence is split over ``cp`` ranks (head-tail chunks) and attention runs as
+            torch's ring over them (docs/context_parallel.md). The LightningModule shards its micro-batches with the
+            ``context_parallel`` handle the strategy sets on it (``MoEGPT`` does); ``2 * cp`` must divide the
+            sequence length. Not with ``pp > 1`` nor ``tp > 1`` in this version.
         pipeline_schedule: ``"1f1b"``, ``"interleaved_1f1b"``, ``"dualpipev"`` (vpp=2, a V) or ``"zero_bubble"``
             (no overlap); None picks ``1f1b`` at vpp=1 and ``interleaved_1f1b`` with virtual stages.
         pipeline_layout: Which layers each chunk holds, as a Megatron layout string (``"Et*3|(tt|)*29,m|L"``,
@@ -265,6 +272,7 @@ class MoEOverlapStrategy(ParallelStrategy):
         self._mesh: ParallelMesh | None = None
         self._sharded: ShardedModel | None = None  # what `fully_shard` was applied to (parallel/sharding.py)
         self._tp_grads: TensorParallelGrads | None = None  # at tp > 1: the replicas' gradients summed over tp
+        self._cp: ContextParallel | None = None  # at cp > 1: the module's handle; its ring attention entered per step
         self._failed = False  # set by `on_exception`: the teardown then does no more work than it must
         self.runtime = CommRuntime(delay_wgrad=delay_wgrad)
         self._ep_model: MoEModelHandle | None = None
@@ -461,6 +469,7 @@ class MoEOverlapStrategy(ParallelStrategy):
                     accumulate_grad_batches=trainer.accumulate_grad_batches,
                     automatic_optimization=self.lightning_module.automatic_optimization,
                 )
+                + check_callbacks(self.config, trainer.callbacks)
             )
         self._adopt_prepared()
         if self._ep_model is None:
@@ -512,6 +521,7 @@ class MoEOverlapStrategy(ParallelStrategy):
         init = meta_init_of(self.lightning_module, self.root_device, torch.initial_seed(), split)
         apply_materialize(self.model, init, self._pipeline)
         apply_tp(self.lightning_module, self.parallel_mesh)
+        self._cp = apply_cp(self.lightning_module, self.parallel_mesh)
         apply_ep(ep_model, self.config, self.parallel_mesh, self.runtime, self._pipeline, rank=rank, init=init)
         self._tp_grads = tensor_parallel_grads(self.model, self.parallel_mesh)
         self._ep_model = ep_model
@@ -552,8 +562,9 @@ class MoEOverlapStrategy(ParallelStrategy):
         self._ep_model, self._pipeline, self._sharded = prepared.ep_model, prepared.pipeline, prepared.sharded
         self._tp_grads = prepared.tp_grads
         self._hand_to_module(self.lightning_module, prepared.mesh, prepared.groups)  # what its layers use
+        self._cp = apply_cp(self.lightning_module, prepared.mesh)
         if self._pipeline is None:  # this run's micro-batch count
-            self._ep_model.set_aux_loss_scale(1.0 / self.config.num_microbatches)
+            self._ep_model.set_aux_loss_scale(aux_loss_scale(self.config.num_microbatches, self.dims, pipelined=False))
 
     @override
     def on_train_start(self) -> None:
@@ -572,7 +583,8 @@ class MoEOverlapStrategy(ParallelStrategy):
             self._sharded.begin_step()
 
         def forward(micro_batch: Any, batch_idx: int, *rest: Any) -> Any:
-            with self.precision_plugin.train_step_context():
+            # on the thread that runs it (an engine lane, with overlap): this thread's attention through the ring
+            with self._cp_thread_context(), self.precision_plugin.train_step_context():
                 return module.training_step(micro_batch, batch_idx, *rest)
 
         def backward(loss: Tensor) -> None:
@@ -584,9 +596,23 @@ class MoEOverlapStrategy(ParallelStrategy):
             backward=backward,
             sync_gradients=self.sync_gradients,
             capture_logs=lambda: MicroBatchLogs(module),
-            aux_loss_scale=self._ep_model.set_aux_loss_scale if self._ep_model is not None else None,
+            aux_loss_scale=self._scale_aux_loss if self._ep_model is not None else None,
             before_last_backward=lambda: self._sharded.before_last_backward() if self._sharded else None,
         )
+
+    def _scale_aux_loss(self, scale: float) -> None:
+        """The loop's auxiliary-loss weight of the next forwards, times ``cp`` (``apply.aux_loss_scale``)."""
+        assert self._ep_model is not None
+        self._ep_model.set_aux_loss_scale(scale * self.dims.cp)
+
+    def _cp_enabled(self) -> AbstractContextManager[Any]:
+        """At cp > 1, torch's process-wide ring handlers, entered on the main thread around a step's forwards and
+        backwards (``ContextParallelAttention.enabled``); nothing at cp = 1."""
+        return nullcontext() if self._cp is None else self._cp.attention.enabled()
+
+    def _cp_thread_context(self) -> AbstractContextManager[Any]:
+        """At cp > 1, the ring for the SDPA calls of the calling thread (``thread_context``); nothing at cp = 1."""
+        return nullcontext() if self._cp is None else self._cp.attention.thread_context()
 
     @override
     def optimizer_step(
@@ -615,21 +641,33 @@ class MoEOverlapStrategy(ParallelStrategy):
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
         if self._loop_trainer is None:  # not in fit: Lightning's own step
             return super().training_step(*args, **kwargs)
-        return self._step_path().train(*args, **kwargs)
+        with self._cp_enabled():
+            return self._step_path().train(*args, **kwargs)
 
     @override
     def validation_step(self, *args: Any, **kwargs: Any) -> Any:
-        user_step = super().validation_step
+        user_step = self._cp_step(super().validation_step)
         return self._step_path().evaluate(user_step, self.precision_plugin.val_step_context, *args, **kwargs)
 
     @override
     def test_step(self, *args: Any, **kwargs: Any) -> Any:
-        user_step = super().test_step
+        user_step = self._cp_step(super().test_step)
         return self._step_path().evaluate(user_step, self.precision_plugin.test_step_context, *args, **kwargs)
 
     @override
     def predict_step(self, *args: Any, **kwargs: Any) -> Any:
         return self._step_path().predict(super().predict_step, *args, **kwargs)
+
+    def _cp_step(self, user_step: Callable[..., Any]) -> Callable[..., Any]:
+        """An evaluation step (the module shards its batch as in training) run with the ring at cp > 1."""
+        if self._cp is None:
+            return user_step
+
+        def step(*args: Any, **kwargs: Any) -> Any:
+            with self._cp_enabled(), self._cp_thread_context():
+                return user_step(*args, **kwargs)
+
+        return step
 
     def _step_path(self) -> StepPath:
         assert self._path is not None, "a step before MoEOverlapStrategy.setup"

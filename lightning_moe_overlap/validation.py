@@ -11,7 +11,7 @@ from __future__ import annotations
 import importlib.util
 import math
 import os
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -241,20 +241,28 @@ def rule_overlap_needs_microbatches(cfg: OverlapConfig) -> list[Problem]:
     )
 
 
-def rule_not_implemented(cfg: OverlapConfig) -> list[Problem]:
-    sizes = (("cp", cfg.cp),)
-    unsupported = [f"{n}={v}" for n, v in sizes if is_positive_int(v) and v > 1]
-    if unsupported:
-        return [
-            Problem(
-                "not-implemented-parallelism",
-                f"{OWNER}: {', '.join(unsupported)}: this version builds the process groups for cp but executes "
-                "expert, tensor, data and pipeline parallelism only. Use cp=1 (the world becomes dp x tp x pp, and ep "
-                "folds into dp x tp).",
-                NotImplementedError,
-            )
-        ]
-    return []
+def rule_context_parallel(cfg: OverlapConfig) -> list[Problem]:
+    """What context parallelism (``cp > 1``) does not run with in this version (docs/context_parallel.md)."""
+    if not (is_positive_int(cfg.cp) and cfg.cp > 1):
+        return []
+    return [
+        *_when(
+            is_positive_int(cfg.pp) and cfg.pp > 1,
+            "cp-pipeline",
+            f"`cp={cfg.cp}` with `pp={cfg.pp}`: the pipeline's chunks pass whole sequences between stages and its "
+            "schedule runs the micro-batches without the per-thread ring attention; not implemented in this version. "
+            "Use `pp=1` with context parallelism, or `cp=1` with pipeline parallelism.",
+            NotImplementedError,
+        ),
+        *_when(
+            is_positive_int(cfg.tp) and cfg.tp > 1,
+            "cp-tensor-parallel",
+            f"`cp={cfg.cp}` with `tp={cfg.tp}`: the routers' balancing loss would need a group over cp x tp and the "
+            "attention's heads would be tensor-parallel inside the ring; not implemented in this version. Use `tp=1` "
+            "with context parallelism, or `cp=1` with tensor parallelism.",
+            NotImplementedError,
+        ),
+    ]
 
 
 def rule_tensor_parallel(cfg: OverlapConfig) -> list[Problem]:
@@ -375,7 +383,7 @@ CONFIG_RULES: tuple[Callable[[OverlapConfig], list[Problem]], ...] = (
     rule_shared_expert_overlap,
     rule_pipeline,
     rule_overlap_needs_microbatches,
-    rule_not_implemented,
+    rule_context_parallel,
     rule_tensor_parallel,
     rule_shard,
     rule_overlap_grad_reduce,
@@ -711,6 +719,22 @@ def check_trainer(cfg: OverlapConfig, *, accumulate_grad_batches: int, automatic
             )
         )
     return out
+
+
+def check_callbacks(cfg: OverlapConfig, callbacks: Sequence[object]) -> list[Problem]:
+    """Rules on the Trainer's callbacks: at ``cp > 1`` no ``SelectiveRecompute`` (rule ``cp-recompute``)."""
+    from lightning_moe_overlap.callbacks.recompute import SelectiveRecompute
+
+    recompute = [type(cb).__name__ for cb in callbacks if isinstance(cb, SelectiveRecompute)]
+    return _when(
+        bool(recompute) and is_positive_int(cfg.cp) and cfg.cp > 1,
+        "cp-recompute",
+        f"`cp={cfg.cp}` with the `{recompute[0] if recompute else ''}` callback: a recomputed attention runs inside the "
+        "backward, where only checkpoint's `context_fn` can route it to the ring attention, and the callback does not "
+        "pass one yet; it would recompute plain attention over this rank's tokens only. Drop the callback at cp > 1, "
+        "or use cp=1.",
+        NotImplementedError,
+    )
 
 
 # -- rules on the arguments of `fit` (before spawning) ------------------------------------------------------------

@@ -12,6 +12,8 @@ each rank then allocates only what it holds (``parallel/materialize.py``):
 3. :func:`apply_tp` (``tp > 1``): tensor and sequence parallelism of the dense layers (``parallelize_module`` over
    ``mesh["tp"]`` with the model's plan, ``parallel/tensor.py``), each tp rank keeping its shard of the tensors it
    initialised; the routers learn their sequence group. The experts are left whole: ep folds over the tp ranks.
+3b. :func:`apply_cp` (``cp > 1``): the LightningModule gets its ``context_parallel`` handle (it shards its
+   micro-batches' sequences, ``parallel/context_module.py``) and the routers the cp group as their sequence group.
 4. :func:`apply_ep`: every experts module becomes expert-parallel over ``mesh["ep"]`` (``DTensor`` experts), its
    routers' auxiliary losses scaled like the main loss. Experts built on meta get only this rank's slice: one layer
    at a time the full experts are initialised, the slice kept and the rest freed (left uninitialised when a
@@ -52,8 +54,12 @@ from lightning_moe_overlap.parallel.materialize import (
     materialize_dense,
     materialize_experts,
 )
+from lightning_moe_overlap.parallel.context_attention import ContextParallelAttention
+from lightning_moe_overlap.parallel.context_module import ATTR as CP_ATTR
+from lightning_moe_overlap.parallel.context_module import ContextParallel
 from lightning_moe_overlap.parallel.held import global_shapes, held_tensors
 from lightning_moe_overlap.parallel.materialize import WEIGHTS_ATTR
+from lightning_moe_overlap.parallel.dims import ParallelDims
 from lightning_moe_overlap.parallel.mesh import ParallelMesh
 from lightning_moe_overlap.parallel.sharding import ShardedModel, replicate_mesh
 from lightning_moe_overlap.parallel.tensor import (
@@ -94,6 +100,39 @@ def apply_tp(module: LightningModule, mesh: ParallelMesh) -> None:
     set_sequence_group(module, mesh.group("tp"))
 
 
+def apply_cp(module: LightningModule, mesh: ParallelMesh) -> ContextParallel | None:
+    """At ``cp > 1``: set ``module.context_parallel`` to this rank's :class:`ContextParallel` (the module shards its
+    micro-batches with it) and give every ``TopKRouter`` the cp group as its sequence group (its balancing loss counts
+    the whole sequence's tokens). Returns the handle; ``None`` at ``cp = 1`` (the attribute, if declared, stays).
+
+    Raises:
+        NotImplementedError: the LightningModule does not declare ``context_parallel`` (rule ``cp-model``): the
+            strategy cannot know which of its tensors are sequences, nor how it shifts its targets."""
+    if mesh.dims.cp == 1:
+        return None
+    if not hasattr(module, CP_ATTR):
+        raise NotImplementedError(
+            f"`MoEOverlapStrategy(cp={mesh.dims.cp})` (rule `cp-model`, docs/validation.md): "
+            f"`{type(module).__name__}` declares no `{CP_ATTR}` attribute, so nothing would shard its sequences over "
+            "the cp ranks. Rule: a model runs at cp > 1 when it shards its micro-batches itself (`MoEGPT` does; "
+            "Hugging Face models are not supported at cp > 1 in this version). Fix: use cp=1, or declare "
+            f"`{CP_ATTR} = None` on the LightningModule and shard with it in the loss (docs/context_parallel.md)."
+        )
+    cp_mesh = mesh["cp"]
+    handle = ContextParallel(cp_mesh.size(), cp_mesh.get_local_rank(), ContextParallelAttention(cp_mesh))
+    setattr(module, CP_ATTR, handle)
+    set_sequence_group(module, mesh.group("cp"))
+    return handle
+
+
+def aux_loss_scale(num_microbatches: int, dims: ParallelDims, *, pipelined: bool) -> float:
+    """The routers' auxiliary-loss weight: ``1 / num_microbatches`` at ``pp = 1`` (each micro-batch backpropagates
+    ``loss / M``), ``1`` at ``pp > 1`` (torch's schedules divide every gradient); times ``cp``, because each cp rank's
+    balancing loss is its share of the whole sequence's (the shares add up) while the gradients are averaged over
+    ``dp x cp``."""
+    return (1.0 if pipelined else 1.0 / num_microbatches) * dims.cp
+
+
 def tensor_parallel_grads(module: nn.Module, mesh: ParallelMesh) -> TensorParallelGrads | None:
     """At ``tp > 1``, after :func:`apply_ep`: the dense parameters the plan left whole, whose gradients are summed
     over tp each step (``TensorParallelGrads``); None at ``tp = 1``."""
@@ -112,7 +151,8 @@ def apply_ep(
 ) -> None:
     """Make the experts of ``ep_model`` (of the chunks this rank holds at ``pp > 1``) expert-parallel over
     ``mesh["ep"]``, and scale the routers' auxiliary losses: by ``1 / num_microbatches`` at ``pp = 1`` (each
-    micro-batch backpropagates ``loss / M``), not at all at ``pp > 1`` (torch's schedules divide every gradient).
+    micro-batch backpropagates ``loss / M``), not at all at ``pp > 1`` (torch's schedules divide every gradient),
+    times ``cp`` (:func:`aux_loss_scale`).
 
     Experts built on meta get this rank's slice per ``init`` (``materialize_experts``); without ``init`` they stay
     on meta."""
@@ -121,7 +161,7 @@ def apply_ep(
     ep_model.apply(config, mesh.process_groups(rank), runtime, modules=held, ep_mesh=mesh["ep"])
     if init is not None:
         materialize_experts(pending, init)
-    ep_model.set_aux_loss_scale(1.0 if held is not None else 1.0 / config.num_microbatches)
+    ep_model.set_aux_loss_scale(aux_loss_scale(config.num_microbatches, mesh.dims, pipelined=held is not None))
 
 
 def apply_fp8_step(model: nn.Module, fp8: str | None, device: torch.device) -> Float8Report | None:

@@ -56,7 +56,6 @@ def _raise(problems):
             r"`delay_wgrad=True` with `pp=2`.*Set `delay_wgrad=False`",
         ),
         ({"alltoall_dedup": "yes"}, TypeError, r"`alltoall_dedup='yes'` is a str; .*Pass True or False \(default\)"),
-        ({"cp": 2}, NotImplementedError, r"cp=2: this version builds the process groups for cp"),
         ({"tp": 2, "sequence_parallel": False}, ValueError, r"`tp=2` with `sequence_parallel=False`: the MoE blocks"),
         ({"tp": 2, "pp": 2, "vpp": 2, "num_microbatches": 4}, NotImplementedError, r"`tp=2` with `pp=2`: the pipeline chunks are cut"),
         ({"shard": "zero3"}, ValueError, r"`shard='zero3'` is not one of \['none', 'optimizer', 'full'\]"),
@@ -70,7 +69,12 @@ def _raise(problems):
             NotImplementedError,
             r"`shard='full'` with `pp=2`.*Use `pp=1` with sharding, or `shard='none'`",
         ),
-        ({"pp": 2, "vpp": 2, "cp": 2, "num_microbatches": 4}, NotImplementedError, r"cp=2: this version"),
+        (
+            {"pp": 2, "vpp": 2, "cp": 2, "num_microbatches": 4},
+            NotImplementedError,
+            r"`cp=2` with `pp=2`.*Use `pp=1` with context parallelism, or `cp=1`",
+        ),
+        ({"cp": 2, "tp": 2}, NotImplementedError, r"`cp=2` with `tp=2`.*Use `tp=1` with context parallelism"),
     ],
 )
 def test_validation_config_rules(kwargs, error, match):
