@@ -89,7 +89,7 @@ from lightning_moe_overlap.validation import (
     raise_problems,
 )
 from lightning_moe_overlap.moe.handle import MoEModelHandle
-from lightning_moe_overlap.optim.offload import offload_optimizers
+from lightning_moe_overlap.optim.offload import describe_offload, offload_optimizers
 
 log = logging.getLogger(__name__)
 
@@ -486,6 +486,7 @@ class MoEOverlapStrategy(ParallelStrategy):
             if self.optimizer_offload_fraction is not None:  # a share of the state and update on the host
                 fraction = self.optimizer_offload_fraction
                 self.optimizers = offload_optimizers(self.optimizers, fraction, self.root_device)
+                rank_zero_info(f"{type(self).__name__}: {describe_offload(self.optimizers)} (rank 0)")
             hooks = self._step_hooks(trainer)
             pl_compat.set_skip_backward(trainer, True)
             self._loop_trainer = trainer

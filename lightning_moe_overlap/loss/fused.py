@@ -18,6 +18,7 @@ from typing import Any, Literal
 import torch
 import torch.distributed as dist
 from torch import Tensor
+from torch.distributed.tensor import DTensor
 
 from lightning_moe_overlap.loss.blocks import Blocks, SoftmaxStats, block_grads, softmax_stats
 
@@ -67,12 +68,25 @@ def fused_linear_cross_entropy(
     return _FusedLinearCrossEntropy.apply(flat_TD, weight_VD, bias, flat_T, blocks, ignore_index, reduction, group)
 
 
+def refuse_tensor_parallel_head(weight: Tensor, where: str) -> None:
+    """``NotImplementedError`` for a head made tensor-parallel by a plan (a ``DTensor`` over tp): its rows are spread
+    over the tp ranks while the sequence-parallel hidden states are too, and the fused loss takes plain tensors."""
+    if isinstance(weight, DTensor):
+        raise NotImplementedError(
+            f"`{where}`: the LM head's weight is a DTensor {list(weight.shape)} with placements "
+            f"{tuple(weight.placements)} (tensor parallelism, `tp > 1`). Rule: the fused cross-entropy takes the "
+            "head's plain weight, or this rank's rows with `group=` and the whole sequence's hidden states; the "
+            "tensor-parallel plans gather the logits instead. Fix: `fused_cross_entropy=False` at tp > 1, or tp=1."
+        )
+
+
 def check_fused_inputs(
     hidden: Tensor, weight: Tensor, target: Tensor, bias: Tensor | None, reduction: str, chunk_size: int,
     token_chunk_size: int | None,
 ) -> None:
     """``ValueError`` / ``TypeError`` naming the shapes or values that cannot go together."""
     where = "fused_linear_cross_entropy"
+    refuse_tensor_parallel_head(weight, where)
     if reduction not in ("mean", "sum"):
         raise ValueError(f"`{where}`: reduction={reduction!r}. Rule: 'mean' or 'sum'. Fix: pass one of them.")
     for name, value in (("chunk_size", chunk_size), ("token_chunk_size", token_chunk_size)):

@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from lightning_moe_overlap.loss.fused import DEFAULT_CHUNK_SIZE, fused_linear_cross_entropy
+from lightning_moe_overlap.loss.fused import DEFAULT_CHUNK_SIZE, fused_linear_cross_entropy, refuse_tensor_parallel_head
 
 IGNORE_INDEX = -100  # HF's label for "no loss here"
 
@@ -76,7 +76,11 @@ def hf_causal_lm_loss(
 
 
 def check_plain_head(hf_model: nn.Module) -> None:
-    """``NotImplementedError`` for an HF model whose logits are more than ``lm_head(hidden)``."""
+    """``NotImplementedError`` for an HF model whose logits are more than ``lm_head(hidden)``, or whose head is
+    tensor-parallel."""
+    head = getattr(hf_model, "lm_head", None)
+    if head is not None:
+        refuse_tensor_parallel_head(head.weight, "fused cross-entropy")
     config = getattr(hf_model, "config", None)
     for name in ("final_logit_softcapping", "logit_scale"):
         value = getattr(config, name, None)

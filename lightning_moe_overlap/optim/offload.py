@@ -253,6 +253,22 @@ def _wait(event: torch.cuda.Event | None) -> None:
         event.synchronize()
 
 
+def describe_offload(optimizers: Sequence[torch.optim.Optimizer]) -> str:
+    """One line: how many parameters (and elements) of this rank have their optimizer state and update on the host."""
+    params = [p for optimizer in optimizers for group in optimizer.param_groups for p in group["params"]]
+    moved = {k for optimizer in optimizers if isinstance(optimizer, OffloadedOptimizer) for k in optimizer.copies}
+    host = [p for p in params if id(p) in moved]
+    total, on_host = sum(_numel(p) for p in params), sum(_numel(p) for p in host)
+    return (
+        f"optimizer CPU offload: the state and update of {len(host)} of {len(params)} parameters "
+        f"({on_host:,} of {total:,} elements held here, {on_host / max(total, 1):.0%}) on the host"
+    )
+
+
+def _numel(p: torch.Tensor) -> int:
+    return p.to_local().numel() if hasattr(p, "to_local") else p.numel()
+
+
 def offload_optimizers(
     optimizers: Sequence[torch.optim.Optimizer], fraction: float, device: torch.device
 ) -> list[torch.optim.Optimizer]:

@@ -145,6 +145,7 @@ def _causal(q, k, v):
     return F.scaled_dot_product_attention(q, k, v, is_causal=True)
 
 
+@pytest.mark.long
 def test_attention_in_other_threads() -> None:
     for rank, got in enumerate(run_distributed(_threads, 2)):
         assert max(got["lane"]) <= TOL, f"rank {rank}: second-thread ring out/dq/dk/dv {got['lane']}"
@@ -170,6 +171,7 @@ def _torch_context_parallel(rank: int, world: int) -> list[float]:
     return _errors(got, _full(q, k, v, grad_out, True))
 
 
+@pytest.mark.long
 def test_torch_context_parallel_runs_on_cpu() -> None:
     for rank, errors in enumerate(run_distributed(_torch_context_parallel, 2)):
         assert max(errors) <= TOL, f"rank {rank}: torch's context_parallel out/dq/dk/dv {errors}"
@@ -223,6 +225,7 @@ def _rotary_block(rank: int, world: int) -> dict:
             "grads": [float((p.grad - g).abs().max()) for p, g in zip(block.parameters(), full_grads, strict=True)]}
 
 
+@pytest.mark.long
 def test_rotary_block_with_global_positions_matches_unsharded() -> None:
     for rank, got in enumerate(run_distributed(_rotary_block, 2)):
         assert got["out"] <= TOL and max(got["grads"]) <= TOL, f"rank {rank}: {got}"

@@ -15,6 +15,8 @@ parameter relative to its largest entry).
 
 from __future__ import annotations
 
+import pytest
+
 import torch
 from lightning.pytorch import Callback, Trainer, seed_everything
 
@@ -23,6 +25,8 @@ from lightning_moe_overlap.demo import MoEGPT, SyntheticTokens
 from lightning_moe_overlap.demo_hf import HFMoECausalLM
 from lightning_moe_overlap.parallel.dtensors import local
 from tests.helpers.distributed import run_distributed
+
+pytestmark = pytest.mark.long  # a variant matrix: `pytest -m long` (docs/benchmarks.md, Tests)
 
 STEPS, LR, CHUNK = 2, 0.5, 19
 MODEL = dict(vocab_size=48, hidden_size=16, num_layers=2, num_heads=2, num_experts=4, top_k=2, ffn_hidden_size=8)

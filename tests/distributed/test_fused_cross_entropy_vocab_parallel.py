@@ -8,12 +8,16 @@ reductions, ignored tokens, and targets that all live on one rank.
 
 from __future__ import annotations
 
+import pytest
+
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
 from lightning_moe_overlap.loss import fused_linear_cross_entropy
 from tests.helpers.distributed import run_distributed
+
+pytestmark = pytest.mark.long  # a variant matrix: `pytest -m long` (docs/benchmarks.md, Tests)
 
 T, D, V = 29, 12, 2 * 53  # 53 rows per rank
 CASES = [  # (chunk_size, reduction, targets)

@@ -20,6 +20,8 @@ from lightning_moe_overlap import MoEOverlapStrategy
 from lightning_moe_overlap.demo import MoEGPT
 from tests.helpers.distributed import run_distributed
 
+pytestmark = pytest.mark.long  # a variant matrix: `pytest -m long` (docs/benchmarks.md, Tests)
+
 WORLD, EP, STEPS, BATCH, MICRO, VOCAB = 2, 2, 3, 6, 3, 64
 
 

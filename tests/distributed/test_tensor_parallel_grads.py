@@ -62,3 +62,24 @@ def test_tp2_gradients_equal_the_unsplit_model(kind):
     assert results[0]["loss"] == results[1]["loss"]  # the full logits: the same loss on both tp ranks
     if kind == "qwen3":
         assert any("q_proj" in n for n in results[0]["sharded"]) and any("mlp.gate.weight" in n for n in results[0]["summed"])
+
+
+def _fused_worker(rank: int, world: int, kind: str) -> str:
+    torch.set_num_threads(1)
+    if kind == "gpt":
+        model, seq = MoEGPT(**GPT, seed=3, fused_cross_entropy=True), 9
+        loss_of = lambda m, t: m._loss(t)  # noqa: E731
+    else:
+        model, seq = HFMoECausalLM(model_type="qwen3_moe", fused_cross_entropy=True), 8
+        loss_of = lambda m, t: m._hf_loss(t)  # noqa: E731
+    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("tp",))
+    apply_tensor_parallel(model, mesh, plan_of(model, mesh))
+    tokens = torch.randint(0, 64, (2, seq), generator=torch.Generator().manual_seed(1))
+    with pytest.raises(NotImplementedError, match=r"LM head's weight is a DTensor .*Fix: `fused_cross_entropy=False` at tp > 1"):
+        loss_of(model, tokens)
+    return "refused"
+
+
+@pytest.mark.parametrize("kind", ["gpt", "qwen3"])
+def test_the_fused_cross_entropy_is_refused_at_tp2_with_the_fix(kind):
+    assert run_distributed(_fused_worker, 2, kind, timeout_s=120) == ["refused", "refused"]
