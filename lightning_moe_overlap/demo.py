@@ -175,9 +175,10 @@ class MoEGPT(LightningModule):
         inputs_BT, targets_BT = tokens_BS[:, :-1], tokens_BS[:, 1:]
         if self.context_parallel is not None:
             (inputs_BT, targets_BT), _ = self.context_parallel.shard(inputs_BT, targets_BT)
-        if self.hparams.fused_cross_entropy:
+        chunk = self._fused_chunk_size()
+        if chunk is not None:
             x_BTD = self(inputs_BT, logits=False)
-            return gpt_fused_loss(x_BTD, self.head, targets_BT, self.hparams.cross_entropy_chunk_size)
+            return gpt_fused_loss(x_BTD, self.head, targets_BT, chunk)
         logits_BTV = self(inputs_BT)
         return F.cross_entropy(logits_BTV.reshape(-1, logits_BTV.shape[-1]).float(), targets_BT.reshape(-1))
 
@@ -222,9 +223,13 @@ class MoEGPT(LightningModule):
     def configure_pipeline(self, layout: PipelineLayout) -> PipelineChunks:
         """The pipeline chunks at ``pp > 1`` (docs/pipeline.md): :func:`split_moegpt`, its loss logged as
         ``training_step`` / ``validation_step`` log it (on the last stage; the strategy replays it on every rank)."""
-        h = self.hparams
-        fused_chunk = h.cross_entropy_chunk_size if h.fused_cross_entropy else None
-        return with_logged_loss(self, split_moegpt(self, layout, fused_chunk_size=fused_chunk))
+        return with_logged_loss(self, split_moegpt(self, layout, fused_chunk_size=self._fused_chunk_size()))
+
+    def _fused_chunk_size(self) -> int | None:
+        """The fused loss's block size, None without it (a subclass that saves other hyperparameters: None)."""
+        if not self.hparams.get("fused_cross_entropy", False):
+            return None
+        return self.hparams.get("cross_entropy_chunk_size", DEFAULT_CHUNK_SIZE)
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
         return torch.optim.AdamW(self.parameters(), lr=self.hparams.lr)

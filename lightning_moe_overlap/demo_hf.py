@@ -166,16 +166,21 @@ class HFMoECausalLM(LightningModule):
         tensor, or a tuple / list holding one) or a dict with ``input_ids`` and optionally ``labels`` (-100: no
         loss), ``attention_mask``, ``position_ids``; without labels the loss is next-token on ``input_ids``."""
         kwargs = lm_batch(batch, type(self.model).__name__).model_kwargs()
-        if self.hparams.fused_cross_entropy:
-            return hf_causal_lm_loss(self.model, kwargs, chunk_size=self.hparams.cross_entropy_chunk_size)
+        chunk = self._fused_chunk_size()
+        if chunk is not None:
+            return hf_causal_lm_loss(self.model, kwargs, chunk_size=chunk)
         return self.model(**kwargs).loss
+
+    def _fused_chunk_size(self) -> int | None:
+        """The fused loss's block size, None without it (a subclass that saves other hyperparameters: None)."""
+        if not self.hparams.get("fused_cross_entropy", False):
+            return None
+        return self.hparams.get("cross_entropy_chunk_size", DEFAULT_CHUNK_SIZE)
 
     def configure_pipeline(self, layout: PipelineLayout) -> PipelineChunks:
         """The pipeline chunks at ``pp > 1``: the built-in split of the HF decoder, its loss logged as the steps
         log it (docs/pipeline.md)."""
-        h = self.hparams
-        fused_chunk = h.cross_entropy_chunk_size if h.fused_cross_entropy else None
-        return with_logged_loss(self, split_hf_decoder(self, layout, fused_chunk_size=fused_chunk))
+        return with_logged_loss(self, split_hf_decoder(self, layout, fused_chunk_size=self._fused_chunk_size()))
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
         return torch.optim.AdamW(self.parameters(), lr=self.hparams.lr)

@@ -72,7 +72,7 @@ def _worker(rank: int, world: int) -> dict:
 
 def test_the_module_gets_the_one_mesh_before_configure_model_and_every_group_is_its() -> None:
     for rank, r in enumerate(run_distributed(_worker, 2, timeout_s=120)):
-        assert r["configure"] == {"names": ("pp", "edp", "dp_in_ep", "cp", "tp"), "groups": True}, (rank, r)
+        assert r["configure"] == {"names": ("pp", "edp", "dp", "cp", "tp", "unit"), "groups": True}, (rank, r)
         assert all(r["same"].values()), (rank, r["same"])
         assert r["module_mesh"] and r["module_groups"], rank
         assert r["spanning_groups_in_setup"] == [], (rank, r["spanning_groups_in_setup"])

@@ -66,9 +66,11 @@ def _check_mesh(dims: ParallelDims, rank: int, groups) -> int:
         members = dist.get_process_group_ranks(view.get_group())
         assert members == dist.get_process_group_ranks(getattr(groups, kind)), (kind, rank, dims, members)
         assert view.mesh.tolist() == members, (kind, rank, view)
-        expected = coords.dp * dims.cp + coords.cp if kind == "dp_cp" else getattr(coords, kind)
+        block = coords.dp * dims.cp + coords.cp
+        expected = {"dp_cp": block, "dp_cp_tp": block * dims.tp + coords.tp}.get(kind) if kind.startswith("dp_") else None
+        expected = getattr(coords, kind) if expected is None else expected
         assert view.get_local_rank() == expected, (kind, rank, dims)
-    for kind in ("dp_cp", "ep", "edp"):  # the views the sharding uses
+    for kind in ("dp_cp", "dp_cp_tp", "ep", "edp"):  # the views the sharding and the token counts use
         total = torch.tensor([float(rank)])
         dist.all_reduce(total, group=mesh.group(kind))
         assert total.item() == float(sum(dims.group_of(kind, rank))), (kind, rank, dims)
