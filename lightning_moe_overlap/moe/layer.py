@@ -55,7 +55,7 @@ class MoELayer(nn.Module):
         capacity_factor: per-expert capacity ``ceil(T*K/E * factor)`` on local tokens; ``None`` is dropless.
         token_drop_policy: ``"probs"`` (keep the highest-weight assignments per expert) or ``"position"``
             (keep the first ones).
-        shared_expert_overlap: run the shared experts at the token dispatch (the first comm point that moves tokens).
+        shared_expert_overlap: run the shared experts at the routed experts' first comm point.
         activation: activation of routed and shared experts.
         experts_impl: ``"grouped"`` or ``"loop"`` (see :class:`Experts`).
         runtime: the comm runtime; set by ``apply_expert_parallel``, needed only for ``shared_expert_overlap``.

@@ -4,9 +4,7 @@ Which thread touches the queues: only the context that holds the phase's baton, 
 lane, or on CUDA autograd's device thread for its backward), since only the holder runs. A comm point drains both
 queues before it passes the baton, and the engine flushes the weight gradients at the end of every backward task,
 so what a context queued is run by that context. Side work is taken by the block that submitted it (``result()``)
-or runs at its own next token comm point: a metadata exchange (the token counts, the gathered sizes) calls
-:meth:`PendingWork.hold_side_work` before its hand-over, so the side work stays queued until a comm point that moves
-tokens, whose transfer is long enough to hide it. No lock is needed.
+or runs at its own next comm point. No lock is needed.
 """
 
 from __future__ import annotations
@@ -45,13 +43,12 @@ class PendingWork:
             while an all-to-all is in flight, instead of inline.
     """
 
-    __slots__ = ("delay_wgrad", "_side", "_wgrad", "_hold_side")
+    __slots__ = ("delay_wgrad", "_side", "_wgrad")
 
     def __init__(self, delay_wgrad: bool = False) -> None:
         self.delay_wgrad = delay_wgrad
         self._side: deque[SideWork] = deque()
         self._wgrad: deque[Callable[[], None]] = deque()
-        self._hold_side = False  # set by a metadata comm point, consumed by its own hand-over
 
     def submit(self, fn: Callable[[], Any]) -> SideWork:
         """Run ``fn`` at the next comm point (while that communication is in flight), or on ``result()``."""
@@ -59,19 +56,7 @@ class PendingWork:
         self._side.append(work)
         return work
 
-    def hold_side_work(self) -> None:
-        """The next :meth:`run_side_work` (this comm point's hand-over) leaves the side work queued.
-
-        A metadata exchange calls it right before its hand-over: the side work then runs at the next token comm
-        point. The hold lasts one call, made before the baton passes, so the other context never sees it.
-        """
-        self._hold_side = True
-
     def run_side_work(self) -> None:
-        """Run the queued side work, oldest first, unless :meth:`hold_side_work` held this call back."""
-        if self._hold_side:
-            self._hold_side = False
-            return
         queue = self._side
         while queue:
             queue.popleft().run()

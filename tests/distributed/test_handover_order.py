@@ -4,8 +4,8 @@ A model of three ``MoELayer`` blocks runs one overlapped step of three micro-bat
 under the engine, with a :class:`~lightning_moe_overlap.overlap.order.CommOrder` attached. The oracle is the
 sequence each dispatcher's docstring states, written out here per layer: the host reads of split sizes come after a
 hand-over and its resume, never between a comm point's issue and its hand-over; the backward reads nothing. With
-``shared_expert_overlap`` (a sequential schedule, as the strategy requires) the shared experts run inside the token
-dispatch's window (after its issue, before its hand-over), not at the count exchange's.
+``shared_expert_overlap`` (a sequential schedule, as the strategy requires) the shared experts run inside the first
+comm point's window (after its issue, before its hand-over), before the host read.
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ FORWARD = {
     "alltoall": POINT + READ + POINT + POINT,
     "allgather": POINT + READ + POINT + POINT + POINT + READ + POINT,
 }
-SHARED_FORWARD = POINT + READ + ["issue", "shared", "handoff", "resume"] + POINT  # alltoall, shared experts
+SHARED_FORWARD = ["issue", "shared", "handoff", "resume"] + READ + POINT + POINT  # alltoall, shared experts
 
 
 class Net(nn.Module):
@@ -73,7 +73,7 @@ def _worker(rank: int, world_size: int) -> dict:
     }
 
 
-def test_host_reads_follow_the_handover_and_shared_experts_run_in_the_token_window() -> None:
+def test_host_reads_follow_the_handover_and_shared_experts_run_in_the_first_window() -> None:
     for rank, results in enumerate(run_distributed(_worker, 2, timeout_s=120)):
         for case, got in results.items():
             events, forward = got["events"], SHARED_FORWARD if case == "shared" else FORWARD[case]

@@ -9,7 +9,6 @@ import torch
 from lightning_moe_overlap.moe import MoELayer, apply_expert_parallel
 from lightning_moe_overlap.moe.dispatch.host import host_ints
 from lightning_moe_overlap.overlap.order import OUTSIDE, CommOrder
-from lightning_moe_overlap.overlap.pending import PendingWork
 from lightning_moe_overlap.overlap.runtime import CommRuntime
 from lightning_moe_overlap.overlap.schedule import Role, Task
 
@@ -42,16 +41,6 @@ def test_outside_a_schedule_events_are_kept_but_not_checked() -> None:
     assert order.host_reads_before_handoff() == []
 
 
-def test_hold_side_work_holds_exactly_one_run() -> None:
-    pending, ran = PendingWork(), []
-    pending.submit(lambda: ran.append(1))
-    pending.hold_side_work()
-    pending.run_side_work()
-    assert ran == []  # held at this (metadata) comm point
-    pending.run_side_work()
-    assert ran == [1]  # ran at the next one
-
-
 def test_host_ints_reports_to_the_runtime_observers() -> None:
     runtime, order = CommRuntime(), CommOrder()
     with runtime.attach(order):
@@ -60,7 +49,7 @@ def test_host_ints_reports_to_the_runtime_observers() -> None:
     assert order.events == {OUTSIDE: ["host_read"]}
 
 
-def test_shared_experts_run_at_the_token_dispatch_not_at_the_count_exchange() -> None:
+def test_shared_experts_run_at_the_first_comm_point_before_the_host_read() -> None:
     torch.manual_seed(0)
     layer = MoELayer(16, 8, 4, 2, shared_expert_ffn_hidden_size=12, shared_expert_overlap=True)
     runtime, order = CommRuntime(), CommOrder()
@@ -68,5 +57,5 @@ def test_shared_experts_run_at_the_token_dispatch_not_at_the_count_exchange() ->
     layer.shared_experts.register_forward_hook(lambda *_: order.mark("shared"))
     with runtime.attach(order):
         layer(torch.randn(2, 5, 16))
-    # counts, then their read; tokens with the shared experts in their window; combine.
-    assert order.events == {OUTSIDE: ["issue", "host_read", "issue", "shared", "issue"]}
+    # counts with the shared experts in their window, then their read; tokens; combine.
+    assert order.events == {OUTSIDE: ["issue", "shared", "host_read", "issue", "issue"]}
