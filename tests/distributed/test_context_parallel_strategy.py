@@ -180,6 +180,7 @@ def _odd_sequence(rank: int, world: int) -> None:
     trainer.fit(Odd())
 
 
+@pytest.mark.long  # the message itself is tested in tests/unit/test_context_batch.py
 def test_a_sequence_2cp_does_not_divide_fails_at_the_first_step():
     errors = run_distributed_expect_errors(_odd_sequence, WORLD, timeout_s=120)
     assert errors, "the run did not fail"
