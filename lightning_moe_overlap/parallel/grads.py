@@ -35,7 +35,7 @@ from lightning_moe_overlap.parallel.dtensors import local
 _BUCKET_BYTES = 64 << 20
 
 
-def _materialised_grads(params: Iterable[torch.nn.Parameter]) -> list[Tensor]:
+def materialised_grads(params: Iterable[torch.nn.Parameter]) -> list[Tensor]:
     """The local shards of the gradients of ``params``; a missing one becomes zeros so every rank reduces the same
     buffers."""
     grads = []
@@ -85,14 +85,14 @@ def sync_gradients(
 ) -> None:
     """Average dense gradients over ``dp_cp`` and expert gradients over ``edp``, both scaled by ``1/dp_cp_size``
     (for the layers used without the strategy, whose dense gradients go through ``fully_shard`` instead)."""
-    allreduce_mean(_materialised_grads(dense), dp_cp_group, dp_cp_size)
+    allreduce_mean(materialised_grads(dense), dp_cp_group, dp_cp_size)
     sync_expert_gradients(expert, edp_group=edp_group, dp_cp_size=dp_cp_size)
 
 
 def sync_expert_gradients(expert: Sequence[torch.nn.Parameter], *, edp_group: ProcessGroup, dp_cp_size: int) -> None:
     """Average expert gradients over ``edp``, scaled by ``1/dp_cp_size`` (the dense ones go through FSDP:
     ``parallel/sharding.py``)."""
-    allreduce_mean(_materialised_grads(expert), edp_group, dp_cp_size)
+    allreduce_mean(materialised_grads(expert), edp_group, dp_cp_size)
 
 
 def _by_device_and_dtype(grads: Iterable[Tensor]) -> dict[tuple[torch.device, torch.dtype], list[Tensor]]:

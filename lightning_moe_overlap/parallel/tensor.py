@@ -25,11 +25,9 @@ MLP entries; the MoE entries are left out), see :func:`hf_tensor_parallel_plan`.
 from __future__ import annotations
 
 import fnmatch
-from collections.abc import Iterable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass
 
-import torch
-import torch.distributed as dist
 from torch import Tensor, nn
 from torch.distributed import ProcessGroup
 from torch.distributed.device_mesh import DeviceMesh
@@ -43,6 +41,7 @@ from torch.distributed.tensor.parallel import (
 )
 
 from lightning_moe_overlap.moe.adapters import find_experts
+from lightning_moe_overlap.parallel.grads import allreduce_mean, materialised_grads
 from lightning_moe_overlap.moe.ep import ExpertParallelExperts
 from lightning_moe_overlap.moe.router import TopKRouter
 
@@ -269,30 +268,6 @@ class TensorParallelGrads:
 
     def reduce(self, model: nn.Module) -> None:
         """Sum the gradients of :attr:`names` over the tp group (collective; a missing gradient counts as zeros, so
-        every rank reduces the same buffers)."""
-        grads = []
-        for name in self.names:
-            param = model.get_parameter(name)
-            if param.grad is None:
-                param.grad = torch.zeros_like(param)
-            grads.append(_local(param.grad))
-        for flat, parts in _flat_buckets(grads):
-            dist.all_reduce(flat, group=self.group)
-            for g, synced in zip(parts, flat.split([g.numel() for g in parts])):
-                g.copy_(synced.view_as(g))
-
-
-def _local(t: Tensor) -> Tensor:
-    return t.to_local() if isinstance(t, DTensor) else t
-
-
-def _flat_buckets(grads: Iterable[Tensor], limit: int = 64 << 20) -> Iterable[tuple[Tensor, list[Tensor]]]:
-    bucket: list[Tensor] = []
-    size = 0
-    for g in [*grads, None]:
-        if bucket and (g is None or g.dtype != bucket[0].dtype or size + g.numel() * g.element_size() > limit):
-            yield torch.cat([b.reshape(-1) for b in bucket]), bucket
-            bucket, size = [], 0
-        if g is not None:
-            bucket.append(g)
-            size += g.numel() * g.element_size()
+        every rank reduces the same buffers): ``parallel/grads.py``'s bucketed all-reduce, divided by 1."""
+        params = [model.get_parameter(name) for name in self.names]
+        allreduce_mean(materialised_grads(params), self.group, 1)
