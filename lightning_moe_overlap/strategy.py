@@ -83,7 +83,6 @@ from lightning_moe_overlap.validation import (
     check_model,
     check_offload_settings,
     check_train_loaders,
-    check_callbacks,
     check_trainer,
     check_world,
     raise_problems,
@@ -469,7 +468,6 @@ class MoEOverlapStrategy(ParallelStrategy):
                     accumulate_grad_batches=trainer.accumulate_grad_batches,
                     automatic_optimization=self.lightning_module.automatic_optimization,
                 )
-                + check_callbacks(self.config, trainer.callbacks)
             )
         self._adopt_prepared()
         if self._ep_model is None:

@@ -721,22 +721,6 @@ def check_trainer(cfg: OverlapConfig, *, accumulate_grad_batches: int, automatic
     return out
 
 
-def check_callbacks(cfg: OverlapConfig, callbacks: Sequence[object]) -> list[Problem]:
-    """Rules on the Trainer's callbacks: at ``cp > 1`` no ``SelectiveRecompute`` (rule ``cp-recompute``)."""
-    from lightning_moe_overlap.callbacks.recompute import SelectiveRecompute
-
-    recompute = [type(cb).__name__ for cb in callbacks if isinstance(cb, SelectiveRecompute)]
-    return _when(
-        bool(recompute) and is_positive_int(cfg.cp) and cfg.cp > 1,
-        "cp-recompute",
-        f"`cp={cfg.cp}` with the `{recompute[0] if recompute else ''}` callback: a recomputed attention runs inside the "
-        "backward, where only checkpoint's `context_fn` can route it to the ring attention, and the callback does not "
-        "pass one yet; it would recompute plain attention over this rank's tokens only. Drop the callback at cp > 1, "
-        "or use cp=1.",
-        NotImplementedError,
-    )
-
-
 # -- rules on the arguments of `fit` (before spawning) ------------------------------------------------------------
 CKPT_ALIASES = ("last", "best", "hpc", "registry")
 

@@ -26,7 +26,8 @@ Under ``torch.no_grad()`` (validation) the module runs as it is.
 from __future__ import annotations
 
 import inspect
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from typing import Any
 
 import torch
@@ -37,6 +38,25 @@ from lightning_moe_overlap.callbacks.meter import report_held
 from lightning_moe_overlap.moe.router import not_counted
 
 _EARLY_STOP_ARG = "early_stop" in inspect.signature(checkpoint).parameters
+
+
+RecomputeContext = Callable[[], AbstractContextManager[Any]]
+
+
+@contextmanager
+def recomputing(context: RecomputeContext | None) -> Iterator[None]:
+    """The state a recomputation runs in: router counting paused, and ``context()`` entered where given."""
+    with (context() if context is not None else nullcontext()), not_counted():
+        yield
+
+
+def recompute_context(module: object) -> RecomputeContext | None:
+    """What a recomputation of ``module``'s layers must re-enter, None if nothing: at ``cp > 1`` the ring attention
+    (``module.context_parallel``, set by the strategy). A recomputation runs inside the backward, where no thread's
+    ``TorchFunctionMode`` is seen, so the mode routing SDPA to the ring is entered again around it (what
+    ``checkpoint(..., context_fn=...)`` does for its recomputation)."""
+    cp = getattr(module, "context_parallel", None)
+    return None if cp is None else cp.attention.thread_context
 
 
 def full_checkpoint(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
@@ -97,9 +117,10 @@ def for_recompute(kwargs: dict[str, Any]) -> dict[str, Any]:
     return {**kwargs, **{name: RecomputeCache() for name in caches}}
 
 
-def checkpointed() -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+def checkpointed(context: RecomputeContext | None = None) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
     """A wrapper factory: ``fn`` becomes a non-reentrant checkpoint of itself (see the module docstring); its
-    recomputation runs inside :func:`~lightning_moe_overlap.moe.router.not_counted`."""
+    recomputation runs inside :func:`~lightning_moe_overlap.moe.router.not_counted` and inside ``context()``
+    where given (:func:`recompute_context`)."""
 
     def wrap(fn: Callable[..., Any]) -> Callable[..., Any]:
         def run(*args: Any, **kwargs: Any) -> Any:
@@ -111,7 +132,7 @@ def checkpointed() -> Callable[[Callable[..., Any]], Callable[..., Any]]:
                 calls[0] += 1
                 if calls[0] == 1:
                     return fn(*a, **k)
-                with not_counted():
+                with recomputing(context):
                     return fn(*a, **for_recompute(k))
 
             report_held(args)

@@ -25,9 +25,14 @@ import torch
 from torch import Tensor, nn
 from torch.utils.checkpoint import get_device_states, set_device_states
 
-from lightning_moe_overlap.callbacks._checkpoint import checkpointed, for_recompute, full_checkpoint
+from lightning_moe_overlap.callbacks._checkpoint import (
+    RecomputeContext,
+    checkpointed,
+    for_recompute,
+    full_checkpoint,
+    recomputing,
+)
 from lightning_moe_overlap.callbacks.meter import report_held
-from lightning_moe_overlap.moe.router import not_counted
 
 Where = tuple[str, Any]  # ("arg", index) or ("kw", name)
 
@@ -47,6 +52,7 @@ class _Pass:
     """One forward of one unit (kept alive by the checkpoints of its layers)."""
 
     anchor: Tensor
+    context: RecomputeContext | None = None  # re-entered around the replay (``recompute_context``)
     calls: list[_Call] = field(default_factory=list)
     last_out: weakref.ref | None = None
     cache: dict[int, Tensor] = field(default_factory=dict)
@@ -63,7 +69,7 @@ class _Pass:
                 call = self.calls[i]
                 _set_rng(call.rng)
                 args, kwargs = (call.args, call.kwargs) if call.where is None else _insert(call, hidden)
-                with not_counted():
+                with recomputing(self.context):
                     out = call.fn(*args, **for_recompute(kwargs))
                 nxt = self.calls[i + 1]
                 hidden = _hidden_of(out).detach().requires_grad_(nxt.requires_grad)
@@ -79,9 +85,13 @@ class LayerUnits:
     Args:
         layers: the decoder layers, in model order.
         units: each unit as a list of positions in ``layers`` (consecutive).
+        context: re-entered around every recomputation (``_checkpoint.recompute_context``), None: nothing.
     """
 
-    def __init__(self, layers: Sequence[nn.Module], units: Sequence[Sequence[int]]) -> None:
+    def __init__(
+        self, layers: Sequence[nn.Module], units: Sequence[Sequence[int]], context: RecomputeContext | None = None
+    ) -> None:
+        self.context = context
         self.layers = list(layers)
         self.units = [list(u) for u in units]
         self._warned = False
@@ -93,7 +103,7 @@ class LayerUnits:
             for k, index in enumerate(unit):
                 layer = self.layers[index]
                 if len(unit) == 1:
-                    out.append((layer, checkpointed()))
+                    out.append((layer, checkpointed(self.context)))
                 else:
                     out.append((layer, self._chained(unit_id, k, layer)))
         return out
@@ -122,11 +132,11 @@ class LayerUnits:
         """The unit's first layer: a plain checkpoint, whose inputs are the anchor (and the other arguments)."""
         hidden = _hidden_arg(args, kwargs)
         if hidden is None:  # no recognisable hidden state: this layer is a unit of its own
-            return _plain_checkpoint(fn, args, kwargs)
-        state = _Pass(anchor=hidden)
+            return _plain_checkpoint(fn, args, kwargs, context=self.context)
+        state = _Pass(anchor=hidden, context=self.context)
         state.calls.append(_Call(fn, args, kwargs, None, _rng(args), hidden.requires_grad))
         self._passes()[unit_id] = weakref.ref(state)
-        out = _plain_checkpoint(fn, args, kwargs, keep=state)
+        out = _plain_checkpoint(fn, args, kwargs, keep=state, context=self.context)
         state.last_out = weakref.ref(_hidden_of(out))
         return out
 
@@ -146,7 +156,7 @@ class LayerUnits:
                 return fn(*full_args, **full_kwargs)
             hidden = state.replayed_input(k)
             full_args, full_kwargs = _insert(call, hidden)
-            with not_counted():
+            with recomputing(self.context):
                 return fn(*full_args, **for_recompute(full_kwargs))
 
         report_held([state.anchor, *rest_args, *rest_kwargs.values()])
@@ -172,7 +182,9 @@ class LayerUnits:
             )
 
 
-def _plain_checkpoint(fn: Callable[..., Any], args: tuple, kwargs: dict, keep: Any = None) -> Any:
+def _plain_checkpoint(
+    fn: Callable[..., Any], args: tuple, kwargs: dict, keep: Any = None, context: RecomputeContext | None = None
+) -> Any:
     """A checkpoint of ``fn``; ``keep`` lives as long as it (the unit's pass, held by its first layer)."""
     calls = [0]
 
@@ -181,7 +193,7 @@ def _plain_checkpoint(fn: Callable[..., Any], args: tuple, kwargs: dict, keep: A
         calls[0] += 1
         if calls[0] == 1:
             return fn(*a, **kw)
-        with not_counted():
+        with recomputing(context):
             return fn(*a, **for_recompute(kw))
 
     report_held([*args, *kwargs.values()])

@@ -16,11 +16,13 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any, Literal
 
+from lightning.pytorch import LightningModule, Trainer
 from torch import nn
+from typing_extensions import override
 
 from lightning_moe_overlap.callbacks import _patch
 from lightning_moe_overlap.callbacks._attach import Handle, LayerCallback, Target
-from lightning_moe_overlap.callbacks._checkpoint import checkpointed
+from lightning_moe_overlap.callbacks._checkpoint import RecomputeContext, checkpointed, recompute_context
 from lightning_moe_overlap.callbacks._regions import around_sdpa
 from lightning_moe_overlap.callbacks._units import LayerUnits
 from lightning_moe_overlap.callbacks.names import (
@@ -91,8 +93,15 @@ class SelectiveRecompute(LayerCallback):
                 )
             self.modules = check_names(owner, "modules", modules, (*RECOMPUTE_NAMES, *sorted(user_names())))
         self.granularity = granularity
+        self._context: RecomputeContext | None = None  # set at fit start (``recompute_context``)
         self.method: Literal["uniform", "block"] = method or "uniform"
         self.num_layers = num_layers
+
+    @override
+    def on_fit_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        """Attach (``LayerCallback.on_fit_start``); at ``cp > 1`` every recomputation re-enters the ring attention."""
+        self._context = recompute_context(pl_module)
+        super().on_fit_start(trainer, pl_module)
 
     def apply(self, model: Target) -> None:
         """Install the recompute on ``model`` (after expert parallelism was applied, for the expert names).
@@ -147,7 +156,7 @@ class SelectiveRecompute(LayerCallback):
         if key in done:  # two names sharing a module (layernorm and a2a_overlap_attn): one checkpoint
             return
         done.add(key)
-        self._handles.append(_checkpoint(region))
+        self._handles.append(_checkpoint(region, self._context))
 
     def _apply_full(self, per_part: list[list[Layer]]) -> None:
         n = self.num_layers
@@ -168,7 +177,7 @@ class SelectiveRecompute(LayerCallback):
                 size = 1 if n is None else n
                 units = [list(range(i, min(i + size, count))) for i in range(0, count, size)]
             modules = [layer.module for layer in layers]
-            for module, wrap in LayerUnits(modules, units).wrappers():
+            for module, wrap in LayerUnits(modules, units, self._context).wrappers():
                 self._handles.append(_patch.wrap_forward(module, wrap, order=_patch.UNIT))
 
     def __repr__(self) -> str:
@@ -177,15 +186,15 @@ class SelectiveRecompute(LayerCallback):
         return f"SelectiveRecompute(modules={list(self.modules)})"
 
 
-def _checkpoint(region: ModuleRegion | CallRegion | StageRegion) -> Handle:
+def _checkpoint(region: ModuleRegion | CallRegion | StageRegion, context: RecomputeContext | None) -> Handle:
     """Run ``region`` as a checkpoint: a module's ``forward``, the SDPA call inside a module, or a stage of the
-    experts (through its wrapper API)."""
+    experts (through its wrapper API); ``context`` is re-entered around each recomputation."""
     if isinstance(region, ModuleRegion):
-        return _patch.wrap_forward(region.module, checkpointed(), order=_patch.CHECKPOINT)
+        return _patch.wrap_forward(region.module, checkpointed(context), order=_patch.CHECKPOINT)
     if isinstance(region, CallRegion):
-        around = around_sdpa(lambda func, args, kwargs: checkpointed()(func)(*args, **kwargs))
+        around = around_sdpa(lambda func, args, kwargs: checkpointed(context)(func)(*args, **kwargs))
         return _patch.wrap_forward(region.module, around, order=_patch.INNER)
-    return region.experts.stage(region.stage).add_wrapper(checkpointed())
+    return region.experts.stage(region.stage).add_wrapper(checkpointed(context))
 
 
 def _check_full(modules: Sequence[str] | None, method: str | None, num_layers: int | None) -> None:

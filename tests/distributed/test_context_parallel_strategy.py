@@ -14,6 +14,7 @@ from torch.distributed.tensor import DTensor
 from torch.utils.data import DataLoader, Dataset
 
 from lightning_moe_overlap import MoEOverlapStrategy
+from lightning_moe_overlap.callbacks import SelectiveRecompute
 from lightning_moe_overlap.demo import MoEGPT
 from lightning_moe_overlap.moe.router import TopKRouter
 from tests.helpers.distributed import run_distributed, run_distributed_expect_errors
@@ -71,13 +72,13 @@ class GPT(MoEGPT):
         return DataLoader(Tokens(seq=self.seq), batch_size=BATCH)
 
 
-def _fit(validate: bool = False, **kwargs) -> dict:
+def _fit(validate: bool = False, callbacks=(), **kwargs) -> dict:
     torch.manual_seed(0)
     model = GPT()
     losses: list[float] = []
     trainer = Trainer(
         accelerator="cpu", devices=WORLD, max_steps=STEPS, logger=False, enable_checkpointing=False,
-        enable_progress_bar=False, enable_model_summary=False,
+        enable_progress_bar=False, enable_model_summary=False, callbacks=list(callbacks),
         strategy=MoEOverlapStrategy(num_microbatches=MICRO, **{"cp": CP, "ep": 2, **kwargs}),
     )
     model.on_train_batch_end = lambda outputs, *_: losses.append(float(outputs["loss"]))
@@ -98,6 +99,9 @@ def _worker(rank: int, world: int) -> dict:
         "gpt": _fit(validate=True, overlap=False),
         "gpt_overlap": _fit(overlap=True),
         "gpt_cp1": _fit(cp=1, overlap=False),
+        # recomputed in backward: the attention call alone (overlapped), two-layer units (sequential)
+        "gpt_recompute_attn": _fit(overlap=True, callbacks=[SelectiveRecompute(["core_attn"])]),
+        "gpt_recompute_full": _fit(overlap=False, callbacks=[SelectiveRecompute(granularity="full", num_layers=2)]),
     }
 
 
@@ -155,6 +159,17 @@ def test_overlap_at_cp2_is_bitwise_equal_to_sequential(results):
         assert r["gpt_overlap"]["losses"] == r["gpt"]["losses"]
         for name, value in r["gpt"]["state"].items():
             assert torch.equal(r["gpt_overlap"]["state"][name], value), name
+
+
+def test_recompute_at_cp2_is_bitwise_equal_to_keeping_activations(results):
+    """A recomputation runs inside the backward, outside every thread's ring mode: it must re-enter the ring (plain
+    attention over the rank's own tokens would change the gradients). Recomputing saves less, so it did run."""
+    for r in results:
+        for name, kept in (("gpt_recompute_attn", "gpt_overlap"), ("gpt_recompute_full", "gpt")):
+            assert r[name]["losses"] == r[kept]["losses"], name
+            for key, value in r[kept]["state"].items():
+                assert torch.equal(r[name]["state"][key], value), (name, key)
+            assert sum(r[name]["saved_bytes"]) < sum(r[kept]["saved_bytes"]), name
 
 
 def test_cp2_saves_about_half_the_activations(results):

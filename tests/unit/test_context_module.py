@@ -50,13 +50,3 @@ def test_aux_loss_weight_is_times_cp():
     dims = ParallelDims.from_world_size(4, cp=2, ep=2)
     assert aux_loss_scale(4, dims, pipelined=False) == 0.5
     assert aux_loss_scale(4, ParallelDims.from_world_size(4, ep=2), pipelined=False) == 0.25
-
-
-def test_selective_recompute_is_refused_at_cp2():
-    from lightning_moe_overlap.callbacks import SelectiveRecompute
-    from lightning_moe_overlap.config import OverlapConfig
-    from lightning_moe_overlap.validation import check_callbacks
-
-    (problem,) = check_callbacks(OverlapConfig(cp=2), [SelectiveRecompute(["core_attn"])])
-    assert problem.rule == "cp-recompute" and "Drop the callback at cp > 1, or use cp=1" in problem.message
-    assert check_callbacks(OverlapConfig(cp=1), [SelectiveRecompute(["core_attn"])]) == []
