@@ -9,8 +9,9 @@ Capacity (``capacity_factor``) is applied here on the rank's own tokens, before 
 parallelism it stays the layer's one drop (``apply_expert_parallel`` gives the experts none).
 
 ``shared_expert_overlap``: the shared-expert forward is submitted to the comm runtime, so it runs at the routed
-experts' first comm point (while the dispatch all-to-all is in flight), and its result is taken after the routed
-experts. Without expert parallelism (no comm point) it simply runs when the result is taken.
+experts' token dispatch (while the tokens' all-to-all or all-gather is in flight; the count exchange before it
+leaves it queued), in the context that called the layer, and its result is taken after the routed experts.
+Without expert parallelism (no comm point) it simply runs when the result is taken.
 
 Shape legend:
     B: batch   S: sequence   T: tokens (B * S)   D: hidden size   F: ffn size   K: top-k   E: experts
@@ -55,7 +56,7 @@ class MoELayer(nn.Module):
         capacity_factor: per-expert capacity ``ceil(T*K/E * factor)`` on local tokens; ``None`` is dropless.
         token_drop_policy: ``"probs"`` (keep the highest-weight assignments per expert) or ``"position"``
             (keep the first ones).
-        shared_expert_overlap: run the shared experts at the routed experts' first comm point.
+        shared_expert_overlap: run the shared experts at the token dispatch (the first comm point that moves tokens).
         activation: activation of routed and shared experts.
         experts_impl: ``"grouped"`` or ``"loop"`` (see :class:`Experts`).
         runtime: the comm runtime; set by ``apply_expert_parallel``, needed only for ``shared_expert_overlap``.

@@ -6,8 +6,9 @@ runtime); HF v5 blocks call their shared experts inline, in one of two orders:
 
 - before the routed experts (Qwen2-MoE: ``shared_expert_output = self.shared_expert(x)`` first): the call returns a
   placeholder of the right shape and dtype (probed on zero rows) and the real forward is submitted to the runtime;
-  it runs at the routed experts' first comm point and copies into the placeholder, which the block only reads
-  after the routed experts returned;
+  it runs at the routed experts' token dispatch (the first comm point that moves tokens: metadata exchanges leave
+  side work queued, in the submitting context's own queue, ``overlap/pending.py``) and copies into the
+  placeholder, which the block only reads after the routed experts returned;
 - after them (DeepSeek-V3: ``self.shared_experts(residuals)`` last): when the routed experts start, the shared
   forward on the block's input is submitted; the later call with that input returns its result.
 

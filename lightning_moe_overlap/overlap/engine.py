@@ -319,6 +319,7 @@ class EngineStep:
         try:
             with self.state.applied(), self.engine.context_factory(task):
                 body(task)
+                runtime.run_side_work()  # what this task left queued runs in it, not in its role's next task
                 if task.role is Role.BACKWARD:
                     runtime.flush_wgrad()  # this task's weight gradients land before the next backward
         finally:

@@ -7,18 +7,22 @@ passes) is a *comm point*. At a comm point the running code does::
     runtime.handoff()                                       # let other work run while it is in flight
     runtime.wait(work)                                      # then wait for it (``work.wait()``)
 
-``handoff`` first runs any queued side work (shared experts under ``shared_expert_overlap``; held back at the
-metadata exchanges, so it runs at the next comm point that moves tokens: ``PendingWork.hold_side_work``) and
+``handoff`` first runs this context's queued side work (shared experts under ``shared_expert_overlap``) and the
 weight-gradient GEMMs (``delay_wgrad``), then, while the engine has a phase of two execution contexts bound, hands
-the baton to the other context and returns once this context holds it again. Outside a schedule (validation, ``overlap=False``) it
-only runs the queued work, so the same code path serves both and the results are bitwise equal.
+the baton to the other context and returns once this context holds it again. A metadata exchange (the token
+counts, the gathered sizes) calls ``hold_side_work()`` before its ``handoff()``: its transfer is a few integers,
+too short to hide a shared MLP, so the side work stays queued for this context's next comm point, the one that
+moves tokens. The side-work queues (and the holds) are per context (``pending.py``), so work left queued across a
+hand-over is never run by the partner. Outside a schedule (validation, ``overlap=False``) ``handoff`` only runs
+the queued work, at the same comm points, so the same code path serves both and the results are bitwise equal.
 
 A ``CommRuntime`` is made of three explicit parts and a list of observers:
 
 - ``phase`` (:class:`~lightning_moe_overlap.overlap.handover.PhaseHandOff`): the bound phase's hand-over, set by the
   engine (``handover.py`` says why it is a field and not a context variable);
-- ``pending`` (:class:`~lightning_moe_overlap.overlap.pending.PendingWork`): the side-work and weight-gradient
-  queues, touched only by the context holding the baton (``pending.py``);
+- ``pending`` (:class:`~lightning_moe_overlap.overlap.pending.PendingWork`): the side-work queues (one per
+  context, keyed by the baton's holder) and the weight-gradient queue, touched only by the context holding the
+  baton (``pending.py``);
 - ``communicator``: how the dispatchers' collectives are issued, given at construction; ``None`` is
   ``torch.distributed`` (``moe/dispatch/communicator.py``; a benchmark passes its loopback instead);
 - observers (``observers.py``: timing, traffic, the timeline), attached with :meth:`CommRuntime.attach`. Without
@@ -38,6 +42,7 @@ from lightning_moe_overlap.overlap.pending import PendingWork, SideWork
 
 if TYPE_CHECKING:
     from lightning_moe_overlap.moe.dispatch.communicator import Communicator
+    from lightning_moe_overlap.overlap.schedule import Role
 
 
 class ObserverHandle:
@@ -75,11 +80,10 @@ class CommRuntime:
     def handoff(self) -> None:
         """Call right after issuing an async collective and before waiting on it."""
         observers, baton = self._observers, self.phase.bound_handoff
-        if observers:
-            holder = None if baton is None else baton.holder
-            for observer in observers:
-                observer.on_issue(holder)
-        self.pending.run_side_work()
+        holder = None if baton is None else baton.holder
+        for observer in observers:
+            observer.on_issue(holder)
+        self.pending.run_side_work(holder)
         self.pending.flush_wgrad()
         if baton is None:
             return
@@ -143,8 +147,24 @@ class CommRuntime:
         return self.pending.delay_wgrad
 
     def submit(self, fn: Callable[[], Any]) -> SideWork:
-        """Run ``fn`` at the next comm point (while that communication is in flight), or on ``result()``."""
-        return self.pending.submit(fn)
+        """Run ``fn`` at the calling context's next comm point that moves tokens (while that communication is in
+        flight), or on ``result()``; never in the other context (``pending.py``)."""
+        return self.pending.submit(fn, self.context)
+
+    def hold_side_work(self) -> None:
+        """This context's next ``handoff()`` leaves its queued side work for the comm point after it (call right
+        before the hand-over of a metadata exchange)."""
+        self.pending.hold_side_work(self.context)
+
+    def run_side_work(self) -> None:
+        """Run the calling context's queued side work now (the engine, at the end of a task)."""
+        self.pending.drain_side_work(self.context)
+
+    @property
+    def context(self) -> Role | None:
+        """The running context: the bound phase's baton holder; ``None`` outside a schedule."""
+        baton = self.phase.bound_handoff
+        return None if baton is None else baton.holder
 
     def defer_wgrad(self, fn: Callable[[], None]) -> bool:
         """Queue a weight-gradient GEMM when ``delay_wgrad`` is on; False: run it inline (``PendingWork``)."""

@@ -1,6 +1,6 @@
-"""``CommOrder`` (the order of issue, host read, hand-over and resume), the one-call hold of the side work at
-metadata comm points, and the host reads reported to the runtime's observers. The two-rank, overlapped version is
-``tests/distributed/test_handover_order.py``."""
+"""``CommOrder`` (the order of issue, host read, hand-over and resume), the host reads reported to the runtime's
+observers, and the shared experts at the token dispatch. The two-rank, overlapped version is
+``tests/distributed/test_handover_order.py``; the per-context side-work queues are ``test_pending_side_work.py``."""
 
 from __future__ import annotations
 
@@ -49,7 +49,7 @@ def test_host_ints_reports_to_the_runtime_observers() -> None:
     assert order.events == {OUTSIDE: ["host_read"]}
 
 
-def test_shared_experts_run_at_the_first_comm_point_before_the_host_read() -> None:
+def test_shared_experts_run_at_the_token_dispatch_not_at_the_count_exchange() -> None:
     torch.manual_seed(0)
     layer = MoELayer(16, 8, 4, 2, shared_expert_ffn_hidden_size=12, shared_expert_overlap=True)
     runtime, order = CommRuntime(), CommOrder()
@@ -57,5 +57,5 @@ def test_shared_experts_run_at_the_first_comm_point_before_the_host_read() -> No
     layer.shared_experts.register_forward_hook(lambda *_: order.mark("shared"))
     with runtime.attach(order):
         layer(torch.randn(2, 5, 16))
-    # counts with the shared experts in their window, then their read; tokens; combine.
-    assert order.events == {OUTSIDE: ["issue", "shared", "host_read", "issue", "issue"]}
+    # counts, then their read; tokens with the shared experts in their window; combine.
+    assert order.events == {OUTSIDE: ["issue", "host_read", "issue", "shared", "issue"]}

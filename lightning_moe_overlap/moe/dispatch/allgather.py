@@ -11,7 +11,8 @@ It moves ``ep`` times the tokens of an all-to-all, but needs no count exchange b
 its collectives are the simplest ones, so it suits small ``ep`` and few tokens.
 
 Host syncs: two per dispatch, none in the backward: the gathered token counts (after their all-gather's hand-over
-and wait) and the kept rows per local expert (after the indices' all-gather), both through :func:`host_ints`.
+and wait) and the kept rows per local expert (after the indices' all-gather), both through :func:`host_ints`. The
+size all-gather is a metadata comm point: queued side work (shared experts) waits for the tokens' all-gather.
 
 Shape legend:
     T: tokens on this rank   P: padded tokens per rank (max over ranks)   G: ep ranks   K: top-k   D: hidden

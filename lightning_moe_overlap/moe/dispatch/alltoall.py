@@ -20,7 +20,8 @@ never cross the wire: they are applied on the source rank when the outputs are s
 Host syncs: one per dispatch and none in the backward: the send and receive counts that ``all_to_all_single``
 needs as Python split sizes, read after the count exchange's hand-over and wait (:func:`host_ints`, marked
 ``NOTE: D2H sync``; ``docs/overlap.md``, "Host reads and hand-overs"). Everything else (counting, regrouping, the
-combine) stays on the device.
+combine) stays on the device. The count exchange is a metadata comm point: queued side work (shared experts) waits
+for the token dispatch's, whose transfer can hide it.
 
 Shape legend:
     T: tokens on this rank   K: top-k   D: hidden size   E: global experts   e: local experts   G: ep ranks

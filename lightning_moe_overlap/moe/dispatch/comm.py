@@ -41,15 +41,19 @@ def communicator_of(runtime: CommRuntime | None) -> Communicator:
     return TORCH if communicator is None else communicator
 
 
-def handoff(runtime: CommRuntime | None, grad_enabled: bool | None = None) -> None:
+def handoff(runtime: CommRuntime | None, grad_enabled: bool | None = None, side_work: bool = True) -> None:
     """Hand over at a comm point, with the caller's grad mode when called from inside an autograd function.
 
     An autograd function's forward runs with grad disabled, but the work done at a hand-over (a submitted
     shared-expert forward) must build its graph as the layer's caller would have: ``grad_enabled`` restores the
-    mode captured before entering the function.
+    mode captured before entering the function. ``side_work=False`` (a metadata exchange: token counts, sizes)
+    leaves this context's queued side work for its next comm point, one that moves tokens, whose transfer can hide
+    it (the queue is the context's own: the partner never runs it, ``overlap/pending.py``).
     """
     if runtime is None:
         return
+    if not side_work:
+        runtime.hold_side_work()
     if grad_enabled is None:
         runtime.handoff()
         return
@@ -72,9 +76,10 @@ def all_to_all_raw(
     group: ProcessGroup | None,
     runtime: CommRuntime | None,
     grad_enabled: bool | None = None,
+    side_work: bool = True,
 ) -> Tensor:
-    """Uneven ``all_to_all_single`` along dim 0 at a comm point (no autograd)."""
-    return all_to_all_raw_many((x_ND,), output_splits, input_splits, group, runtime, grad_enabled)[0]
+    """Uneven ``all_to_all_single`` along dim 0 at a comm point (no autograd); ``side_work``: see :func:`handoff`."""
+    return all_to_all_raw_many((x_ND,), output_splits, input_splits, group, runtime, grad_enabled, side_work)[0]
 
 
 class _Works:
@@ -96,6 +101,7 @@ def all_to_all_raw_many(
     group: ProcessGroup | None,
     runtime: CommRuntime | None,
     grad_enabled: bool | None = None,
+    side_work: bool = True,
 ) -> tuple[Tensor, ...]:
     """Uneven all-to-alls of several tensors with the same row splits, issued together at one comm point.
 
@@ -104,7 +110,7 @@ def all_to_all_raw_many(
     """
     communicator = communicator_of(runtime)
     if not communicator.exchanges(group):
-        handoff(runtime, grad_enabled)
+        handoff(runtime, grad_enabled, side_work)
         return tuple(tensors)
     observers = () if runtime is None else runtime.observers
     outs, works = [], []
@@ -117,22 +123,27 @@ def all_to_all_raw_many(
             for observer in observers:
                 observer.on_traffic(sent, remote)
         outs.append(out_MD)
-    handoff(runtime, grad_enabled)
+    handoff(runtime, grad_enabled, side_work)
     wait(runtime, works[0] if len(works) == 1 else _Works(works))
     return tuple(outs)
 
 
 def all_gather_raw(
-    x_ND: Tensor, group: ProcessGroup | None, runtime: CommRuntime | None, grad_enabled: bool | None = None
+    x_ND: Tensor,
+    group: ProcessGroup | None,
+    runtime: CommRuntime | None,
+    grad_enabled: bool | None = None,
+    side_work: bool = True,
 ) -> Tensor:
-    """Equal-size all-gather along dim 0 at a comm point (no autograd): ``[G * N, ...]`` in rank order."""
+    """Equal-size all-gather along dim 0 at a comm point (no autograd): ``[G * N, ...]`` in rank order;
+    ``side_work``: see :func:`handoff`."""
     size = group_size(group)
     if size == 1:
-        handoff(runtime, grad_enabled)
+        handoff(runtime, grad_enabled, side_work)
         return x_ND
     out = x_ND.new_empty((size * x_ND.shape[0], *x_ND.shape[1:]))
     work = communicator_of(runtime).all_gather(out, x_ND.contiguous(), group)
-    handoff(runtime, grad_enabled)
+    handoff(runtime, grad_enabled, side_work)
     wait(runtime, work)
     return out
 
@@ -302,16 +313,23 @@ def reduce_scatter(x_GND: Tensor, group: ProcessGroup | None, runtime: CommRunti
 
 
 def exchange_counts(counts_GE: Tensor, group: ProcessGroup | None, runtime: CommRuntime | None) -> Tensor:
-    """All-to-all of per-destination counts ``[G, E]``: returns the counts every source sends here, ``[G, E]``."""
+    """All-to-all of per-destination counts ``[G, E]``: returns the counts every source sends here, ``[G, E]``.
+
+    A metadata comm point: its hand-over leaves the queued side work for the token dispatch (:func:`handoff`).
+    """
     num_ranks, per_rank = counts_GE.shape
     splits = [per_rank] * num_ranks
-    return all_to_all_raw(counts_GE.reshape(-1), splits, splits, group, runtime).view(num_ranks, per_rank)
+    flat = all_to_all_raw(counts_GE.reshape(-1), splits, splits, group, runtime, side_work=False)
+    return flat.view(num_ranks, per_rank)
 
 
 def gather_sizes(
     num_rows: int, group: ProcessGroup | None, runtime: CommRuntime | None, device: torch.device
 ) -> list[int]:
-    """Every rank's ``num_rows`` (an all-gather at a comm point); index = rank in ``group``."""
+    """Every rank's ``num_rows`` (an all-gather at a comm point); index = rank in ``group``.
+
+    A metadata comm point: its hand-over leaves the queued side work for the token all-gather (:func:`handoff`).
+    """
     mine = torch.full((1,), num_rows, dtype=torch.long, device=device)  # a fill kernel, no host-to-device copy
-    sizes = all_gather_raw(mine, group, runtime)
+    sizes = all_gather_raw(mine, group, runtime, side_work=False)
     return host_ints(sizes, runtime)  # NOTE: D2H sync (sizes of the gathered rows), after the hand-over and wait
