@@ -17,9 +17,11 @@ from torch import Tensor
 
 from lightning_moe_overlap._install import install_hint
 from lightning_moe_overlap.demo import log_loss, with_logged_loss
+from lightning_moe_overlap.hf.context import check_batch, context_parallel_loss
 from lightning_moe_overlap.hf.load import HFWeights
 from lightning_moe_overlap.loss.fused import DEFAULT_CHUNK_SIZE
 from lightning_moe_overlap.loss.hf import hf_causal_lm_loss
+from lightning_moe_overlap.parallel.context_module import ContextParallel
 from lightning_moe_overlap.pipeline.batches import lm_batch
 from lightning_moe_overlap.pipeline.layout import PipelineLayout
 from lightning_moe_overlap.pipeline.split import PipelineChunks
@@ -114,7 +116,13 @@ class HFMoECausalLM(LightningModule):
             (:func:`~lightning_moe_overlap.loss.hf.hf_causal_lm_loss`), at ``pp = 1`` and on the last pipeline stage;
             the router's auxiliary loss is added as HF adds it. ``predict_step`` still computes logits.
         cross_entropy_chunk_size: Vocabulary rows (and tokens) per block of the fused loss.
+
+    Attributes:
+        context_parallel: ``None``, or at ``cp > 1`` the strategy's handle with which ``_hf_loss`` shards each
+            micro-batch's sequences (``hf/context.py``, docs/context_parallel.md).
     """
+
+    context_parallel: ContextParallel | None = None  # set by the strategy at cp > 1
 
     def __init__(
         self, model_type: ModelType = "qwen3_moe", lr: float = 1e-2, seed: int = 0,
@@ -159,14 +167,21 @@ class HFMoECausalLM(LightningModule):
         """The most likely next token after each position: ``[B, S]`` token ids."""
         kwargs = lm_batch(batch, type(self.model).__name__).model_kwargs()
         kwargs.pop("labels", None)
+        if self.context_parallel is not None:  # whole sequences, no ring, but the model's attention is the ring's
+            check_batch(kwargs, self.context_parallel.size)
         return self.model(**kwargs).logits.argmax(dim=-1)
 
     def _hf_loss(self, batch: Any) -> Tensor:
         """HF's own loss of a batch as the pipeline takes it (docs/pipeline.md, "Batches"): token ids ``[B, S]`` (a
         tensor, or a tuple / list holding one) or a dict with ``input_ids`` and optionally ``labels`` (-100: no
-        loss), ``attention_mask``, ``position_ids``; without labels the loss is next-token on ``input_ids``."""
+        loss), ``attention_mask``, ``position_ids``; without labels the loss is next-token on ``input_ids``.
+
+        At ``cp > 1`` the labels are shifted on the whole sequence, the batch sharded for this cp rank, and the loss
+        is this rank's share of the micro-batch's (``hf/context.py``: the cp ranks' mean is HF's loss)."""
         kwargs = lm_batch(batch, type(self.model).__name__).model_kwargs()
         chunk = self._fused_chunk_size()
+        if self.context_parallel is not None:
+            return context_parallel_loss(self.model, self.context_parallel, kwargs, chunk_size=chunk)
         if chunk is not None:
             return hf_causal_lm_loss(self.model, kwargs, chunk_size=chunk)
         return self.model(**kwargs).loss

@@ -55,6 +55,18 @@ def hf_causal_lm_loss(
     check_plain_head(hf_model)
     kwargs = dict(model_kwargs)
     labels_BS = kwargs.pop("labels")
+    hidden_BSD, output = final_hidden_states(hf_model, kwargs)
+    loss = lm_head_loss(hidden_BSD, hf_model.lm_head, labels_BS, chunk_size=chunk_size)
+    aux_loss = getattr(output, "aux_loss", None)
+    if aux_loss is not None:  # HF adds it when it computed it and labels were given
+        loss = loss + hf_model.router_aux_loss_coef * aux_loss.to(loss.device)
+    return loss
+
+
+def final_hidden_states(hf_model: nn.Module, model_kwargs: dict[str, Tensor]) -> tuple[Tensor, Any]:
+    """``hf_model``'s forward on ``model_kwargs`` (no ``labels``) without its head's logits (``logits_to_keep``
+    empty): the base model's ``last_hidden_state`` ``[B, S, D]`` (the final norm's output, from a forward hook held
+    for this one call) and the forward's output (its ``aux_loss`` / ``router_logits``)."""
     captured: list[Tensor] = []
     caller = threading.get_ident()  # a recompute on another thread (the overlap's backward) is not this forward
 
@@ -64,15 +76,12 @@ def hf_causal_lm_loss(
 
     handle = hf_model.model.register_forward_hook(keep_hidden)
     try:
-        no_positions = torch.empty(0, dtype=torch.long, device=labels_BS.device)
-        output = hf_model(**kwargs, logits_to_keep=no_positions)
+        device = next(t.device for t in model_kwargs.values() if isinstance(t, Tensor))
+        no_positions = torch.empty(0, dtype=torch.long, device=device)
+        output = hf_model(**model_kwargs, logits_to_keep=no_positions)
     finally:
         handle.remove()
-    loss = lm_head_loss(captured[0], hf_model.lm_head, labels_BS, chunk_size=chunk_size)
-    aux_loss = getattr(output, "aux_loss", None)
-    if aux_loss is not None:  # HF adds it when it computed it and labels were given
-        loss = loss + hf_model.router_aux_loss_coef * aux_loss.to(loss.device)
-    return loss
+    return captured[0], output
 
 
 def check_plain_head(hf_model: nn.Module) -> None:

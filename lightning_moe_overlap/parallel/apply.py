@@ -114,9 +114,10 @@ def apply_cp(module: LightningModule, mesh: ParallelMesh) -> ContextParallel | N
         raise NotImplementedError(
             f"`MoEOverlapStrategy(cp={mesh.dims.cp})` (rule `cp-model`, docs/validation.md): "
             f"`{type(module).__name__}` declares no `{CP_ATTR}` attribute, so nothing would shard its sequences over "
-            "the cp ranks. Rule: a model runs at cp > 1 when it shards its micro-batches itself (`MoEGPT` does; "
-            "Hugging Face models are not supported at cp > 1 in this version). Fix: use cp=1, or declare "
-            f"`{CP_ATTR} = None` on the LightningModule and shard with it in the loss (docs/context_parallel.md)."
+            "the cp ranks. Rule: a model runs at cp > 1 when it shards its micro-batches itself (`MoEGPT` and "
+            "`HFMoECausalLM` do). Fix: use cp=1, or declare "
+            f"`{CP_ATTR} = None` on the LightningModule and shard with it in the loss (docs/context_parallel.md; "
+            "for a Hugging Face model, `lightning_moe_overlap.hf.context.context_parallel_loss`)."
         )
     cp_mesh = mesh["cp"]
     handle = ContextParallel(cp_mesh.size(), cp_mesh.get_local_rank(), ContextParallelAttention(cp_mesh))

@@ -1,0 +1,183 @@
+"""``HFMoECausalLM`` (HF Qwen3-MoE) under MoEOverlapStrategy(cp=2, ep=2): on 2 gloo ranks (dp=1), and on 4 (dp=2;
+ep folds over dp x cp) under the ``long`` marker.
+
+Oracles: a single process training the unsplit HF model on the same global batches, whole sequences, with HF's own
+``model(input_ids, labels).loss`` (its shift, its mean, its router balancing loss); at cp=2 the overlapped schedule
+bitwise equal to the sequential one; a padded attention_mask refused at the first step.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from lightning.pytorch import Trainer
+from torch.distributed.tensor import DTensor
+from torch.utils.data import DataLoader, Dataset
+
+from lightning_moe_overlap import MoEOverlapStrategy
+from lightning_moe_overlap.demo_hf import HFMoECausalLM
+from tests.helpers.distributed import run_distributed, run_distributed_expect_errors
+
+CP, STEPS, BATCH, MICRO, SEQ, LR = 2, 3, 4, 2, 16, 1e-2  # 16 tokens: 2 x cp = 4 chunks of 4
+AUX = dict(output_router_logits=True, router_aux_loss_coef=0.1)  # a coefficient large enough to move the weights
+
+
+class Tokens(Dataset):
+    def __init__(self, n: int = 32, seq: int = SEQ, vocab: int = 128) -> None:
+        self.data = torch.randint(0, vocab, (n, seq), generator=torch.Generator().manual_seed(7))
+
+    def __len__(self) -> int:
+        return len(self.data)
+
+    def __getitem__(self, i: int):
+        return self.data[i], torch.tensor(i)
+
+
+class Recorder(HFMoECausalLM):
+    """The user's module, unchanged, plus a record of the samples each rank trained on."""
+
+    def __init__(self, config_overrides: dict, fused: bool) -> None:
+        super().__init__("qwen3_moe", lr=LR, config_overrides=config_overrides, fused_cross_entropy=fused,
+                         cross_entropy_chunk_size=32)  # fmt: skip
+        self.seen: list[int] = []
+
+    def training_step(self, batch, batch_idx):
+        tokens, idx = batch
+        self.seen.extend(idx.tolist())
+        return super().training_step(tokens, batch_idx)
+
+    def train_dataloader(self):
+        return DataLoader(Tokens(), batch_size=BATCH)
+
+
+def _fit(world: int, config_overrides: dict | None = None, fused: bool = False, **strategy_kwargs) -> dict:
+    model = Recorder(config_overrides or {}, fused)
+    losses: list[float] = []
+    trainer = Trainer(
+        accelerator="cpu", devices=world, max_steps=STEPS, logger=False, enable_checkpointing=False,
+        enable_progress_bar=False, enable_model_summary=False,
+        strategy=MoEOverlapStrategy(num_microbatches=MICRO, **{"cp": CP, "ep": 2, **strategy_kwargs}),
+    )
+    model.on_train_batch_end = lambda outputs, *_: losses.append(float(outputs["loss"]))
+    trainer.fit(model)
+    state = {n: (p.full_tensor() if isinstance(p, DTensor) else p).detach().clone()
+             for n, p in model.named_parameters()}  # fmt: skip
+    return {"losses": losses, "seen": model.seen, "state": state}
+
+
+def _worker(rank: int, world: int) -> dict:
+    torch.set_num_threads(1)
+    return {
+        "plain": _fit(world, overlap=False),
+        "plain_overlap": _fit(world, overlap=True),
+        "aux": _fit(world, AUX, overlap=False),
+        "aux_fused": _fit(world, AUX, fused=True, overlap=True),
+    }
+
+
+@pytest.fixture(scope="module")
+def results2() -> list[dict]:
+    return run_distributed(_worker, 2, timeout_s=300)
+
+
+@pytest.fixture(scope="module")
+def results4() -> list[dict]:
+    return run_distributed(_worker, 4, timeout_s=300)
+
+
+def _reference(config_overrides: dict, seen_per_dp: list[list[int]]) -> tuple[list[float], dict]:
+    """One process, the unsplit HF model on whole sequences with its own loss: each step's loss is the mean over dp
+    ranks and micro-batches."""
+    model = HFMoECausalLM("qwen3_moe", lr=LR, config_overrides=config_overrides).model
+    opt = torch.optim.AdamW(model.parameters(), lr=LR)
+    data = Tokens().data
+    size = BATCH // MICRO
+    losses = []
+    for step in range(STEPS):
+        first = step * BATCH
+        parts = [seen[first + m * size : first + (m + 1) * size] for seen in seen_per_dp for m in range(MICRO)]
+        opt.zero_grad()
+        loss = torch.stack([model(input_ids=data[p], labels=data[p]).loss for p in parts]).mean()
+        loss.backward()
+        losses.append(float(loss.detach()))
+        opt.step()
+    return losses, {f"model.{n}": p.detach() for n, p in model.named_parameters()}
+
+
+def _check_follows_one_process(runs: list[dict], config_overrides: dict) -> tuple[float, float]:
+    """Per-step loss (the mean over the ranks' shares) and final parameters within 1e-4; returns the largest
+    relative loss difference and the largest parameter difference."""
+    dp_ranks = runs[::CP]  # ranks 2d and 2d + 1 are the cp peers of dp rank d
+    for d, run in enumerate(dp_ranks):  # cp peers share samples, dp ranks do not
+        assert all(peer["seen"] == run["seen"] for peer in runs[d * CP : (d + 1) * CP])
+    ref_losses, ref_state = _reference(config_overrides, [run["seen"] for run in dp_ranks])
+    dist_losses = [sum(run["losses"][s] for run in runs) / len(runs) for s in range(STEPS)]
+    torch.testing.assert_close(torch.tensor(dist_losses), torch.tensor(ref_losses), rtol=1e-4, atol=0)
+    assert len(set(ref_losses)) == STEPS  # the steps change the model (the comparison is not of constants)
+    loss_err = max(abs(a - b) / abs(b) for a, b in zip(dist_losses, ref_losses))
+    worst = 0.0
+    for name, value in ref_state.items():
+        got = runs[0]["state"][name]
+        torch.testing.assert_close(got, value, rtol=1e-4, atol=1e-4, msg=name)
+        worst = max(worst, float((got - value).abs().max()))
+    return loss_err, worst
+
+
+def _follows(results: list[dict], key: str, overrides: dict) -> None:
+    loss_err, worst = _check_follows_one_process([r[key] for r in results], overrides)
+    print(f"{len(results)} ranks, {key}: loss rel. diff {loss_err:.1e}, largest parameter diff {worst:.1e}")
+
+
+def _bitwise(results: list[dict]) -> None:
+    for r in results:
+        assert r["plain_overlap"]["losses"] == r["plain"]["losses"]
+        for name, value in r["plain"]["state"].items():
+            assert torch.equal(r["plain_overlap"]["state"][name], value), name
+
+
+CASES = [("plain", {}), ("aux", AUX), ("aux_fused", AUX)]
+
+
+@pytest.mark.parametrize("key,overrides", CASES)
+def test_hf_qwen3_moe_at_cp2_follows_one_process(results2, key, overrides):
+    _follows(results2, key, overrides)
+
+
+def test_hf_overlap_at_cp2_is_bitwise_equal_to_sequential(results2):
+    _bitwise(results2)
+
+
+@pytest.mark.long
+@pytest.mark.parametrize("key,overrides", CASES)
+def test_hf_qwen3_moe_at_cp2_dp2_follows_one_process(results4, key, overrides):
+    _follows(results4, key, overrides)
+
+
+@pytest.mark.long
+def test_hf_overlap_at_cp2_dp2_is_bitwise_equal_to_sequential(results4):
+    _bitwise(results4)
+
+
+class Padded(HFMoECausalLM):
+    def train_dataloader(self):
+        data = Tokens(n=8).data
+        mask = torch.ones_like(data)
+        mask[:, -3:] = 0  # right padding
+        return DataLoader([{"input_ids": i, "attention_mask": m} for i, m in zip(data, mask)], batch_size=BATCH)
+
+
+def _padded(rank: int, world: int) -> None:
+    torch.set_num_threads(1)
+    trainer = Trainer(
+        accelerator="cpu", devices=world, max_steps=1, logger=False, enable_checkpointing=False,
+        enable_progress_bar=False, enable_model_summary=False,
+        strategy=MoEOverlapStrategy(num_microbatches=MICRO, cp=2, ep=2),
+    )
+    trainer.fit(Padded("qwen3_moe"))
+
+
+def test_a_padded_attention_mask_is_refused_at_cp2():
+    errors = run_distributed_expect_errors(_padded, 2, timeout_s=120)
+    assert errors, "the run did not fail"
+    for rank, text in errors.items():
+        assert "rule `cp-hf-batch`" in text and "cp=2: the batch's attention_mask [2, 16] marks 6 padding" in text, text
