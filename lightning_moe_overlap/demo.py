@@ -22,6 +22,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, PrepareModuleInput, RowwiseParallel
 from torch.utils.data import DataLoader, Dataset
 
+from lightning_moe_overlap.fp8.dense import HIGH_PRECISION_ATTR
 from lightning_moe_overlap.loss.fused import DEFAULT_CHUNK_SIZE, fused_linear_cross_entropy
 from lightning_moe_overlap.moe.layer import MoELayer
 from lightning_moe_overlap.moe.router import TopKRouter
@@ -40,6 +41,13 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         return self.weight * x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+
+
+# Why the fused qkv stays in high precision under `fp8=` at tp > 1 (fp8/dense.py): the FP8 linear is never called.
+FUSED_QKV_AT_TP = (
+    "fused qkv at tp > 1: each tp rank computes with its heads' rows of the whole weight outside the linear's "
+    "forward (`CausalSelfAttention.tp_mesh`), so an FP8 linear would never run"
+)
 
 
 class CausalSelfAttention(nn.Module):
@@ -213,6 +221,7 @@ class MoEGPT(LightningModule):
             )
         for layer in self.layers:
             layer.attn.tp_mesh = tp_mesh
+            setattr(layer.attn.qkv, HIGH_PRECISION_ATTR, FUSED_QKV_AT_TP)
         return {
             "embed": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)),
             "layers.*.attn": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),

@@ -40,6 +40,7 @@ from lightning_moe_overlap.config import (
     StartMethod,
 )
 from lightning_moe_overlap.fp8.apply import Float8Report
+from lightning_moe_overlap.fp8.dense import precompute_float8_scales
 from lightning_moe_overlap.fp8.recipes import FP8Recipe
 from lightning_moe_overlap.parallel.grads import clip_grad_norm, global_grad_norm
 from lightning_moe_overlap.processes.launcher import ExpertParallelScriptLauncher, ExpertParallelSpawnLauncher
@@ -524,7 +525,7 @@ class MoEOverlapStrategy(ParallelStrategy):
         apply_ep(ep_model, self.config, self.parallel_mesh, self.runtime, self._pipeline, rank=rank, init=init)
         self._tp_grads = tensor_parallel_grads(self.model, self.parallel_mesh)
         self._ep_model = ep_model
-        self.fp8_report = apply_fp8_step(self.model, self.fp8, self.root_device)
+        self.fp8_report = apply_fp8_step(self.model, self.fp8, self.root_device, self.config)
         self.precision_plugin.convert_module(self.model)
         self.model_to_device()
         ep_model.broadcast_replicas(self.parallel_groups)
@@ -622,6 +623,8 @@ class MoEOverlapStrategy(ParallelStrategy):
         **kwargs: Any,
     ) -> Any:
         output = super().optimizer_step(optimizer, closure, model, **kwargs)
+        if self.fp8_report is not None and self.fp8_report.float8_all_gather:
+            precompute_float8_scales(self.model)  # the next all-gather's float8 scales, in one all-reduce
         if self._sharded is not None:
             self._sharded.after_optimizer_step()
         assert self._ep_model is not None

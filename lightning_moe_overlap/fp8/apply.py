@@ -39,15 +39,19 @@ class Float8Report:
         linears: FQNs of the dense linears now in FP8 (torchao's ``Float8Linear``).
         experts: FQNs of the experts modules whose projections now run in FP8.
         skipped: FQN -> why that linear or experts module stays in high precision.
+        float8_all_gather: the linears' weights are all-gathered in float8 by ``fully_shard``.
     """
 
     recipe: Float8Recipe
     linears: tuple[str, ...] = ()
     experts: tuple[str, ...] = ()
     skipped: dict[str, str] = field(default_factory=dict)
+    float8_all_gather: bool = False
 
     def __str__(self) -> str:
         lines = [f"FP8 {self.recipe.name}: {len(self.linears)} linears, {len(self.experts)} experts modules"]
+        if self.float8_all_gather:
+            lines[0] += ", weights all-gathered in float8"
         lines += [f"  kept in high precision: {fqn or '<root>'}: {why}" for fqn, why in self.skipped.items()]
         return "\n".join(lines)
 
@@ -60,6 +64,7 @@ def apply_fp8(
     experts: bool = True,
     module_filter: LinearFilter = default_linear_filter,
     device: torch.device | str | None = None,
+    float8_all_gather: bool = False,
 ) -> Float8Report:
     """Run ``model``'s dense linears and routed experts in FP8 with ``recipe`` (``"tensorwise"`` or ``"rowwise"``).
 
@@ -71,12 +76,15 @@ def apply_fp8(
         module_filter: ``(fqn, linear) -> bool``, which dense linears may convert (default: all but output heads and
             routers); a linear whose dims are not multiples of 16 stays in high precision whatever it says.
         device: where the model will train (default: its parameters' device).
+        float8_all_gather: ``tensorwise`` only: the dense linears' weights are cast to float8 before
+            ``fully_shard``'s all-gather (torchao's ``enable_fsdp_float8_all_gather``); call
+            :func:`~lightning_moe_overlap.fp8.dense.precompute_float8_scales` after each optimizer step.
 
     Returns:
         The :class:`Float8Report`.
 
     Raises:
-        ValueError: an unknown recipe.
+        ValueError: an unknown recipe; ``float8_all_gather`` with a recipe other than ``tensorwise``.
         NotImplementedError: a recipe that needs Transformer Engine; a CUDA GPU without FP8; experts on the
             Transformer Engine backend.
         TypeError: experts whose weights are not float32, bfloat16 or float16.
@@ -97,11 +105,12 @@ def apply_fp8(
             converted_experts.append((fqn, module))
     linears: tuple[str, ...] = ()
     if planned:
-        linears, skipped_dense = convert_linears(model, recipe, module_filter)
+        linears, skipped_dense = convert_linears(model, recipe, module_filter, float8_all_gather=float8_all_gather)
         skipped.update(skipped_dense)
     for _, module in converted_experts:
         module.kernel = kernel
-    return Float8Report(recipe, linears, tuple(fqn for fqn, _ in converted_experts), skipped)
+    experts_fqns = tuple(fqn for fqn, _ in converted_experts)
+    return Float8Report(recipe, linears, experts_fqns, skipped, float8_all_gather=float8_all_gather and bool(linears))
 
 
 def _training_device(model: nn.Module, device: torch.device | str | None) -> torch.device:

@@ -11,11 +11,19 @@ default filter (:func:`default_linear_filter`) leaves out the output head and th
 more than their share of the FLOPs (torchtitan leaves its output layer out by default too). Every linear left out
 is reported with the reason.
 
+Under a tensor-parallel plan (``tp > 1``, ``parallel/tensor.py``), which the strategy applies before this conversion:
+each planned linear holds its ``DTensor`` shard, and its ``Float8Linear`` holds the same one and gets the same
+style again (:class:`~lightning_moe_overlap.parallel.tensor.PlannedLinear`): the GEMMs run in FP8 on each rank's
+shard, and the plan's collectives stay in the training dtype (torchao's FP8 parallel styles, which all-gather in
+FP8, are not used: docs/fp8.md). A linear whose weight its model uses outside the linear's forward says so with
+:data:`HIGH_PRECISION_ATTR` (the reason) and stays in high precision (``MoEGPT``'s fused ``qkv`` at ``tp > 1``).
+
 torchao is optional (the ``fp8`` extra) and imported on the first conversion.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from types import ModuleType
 
@@ -29,6 +37,9 @@ LinearFilter = Callable[[str, nn.Linear], bool]
 # Leaf names of the linears the default filter leaves out: output heads and routers (HF MoE routers are `gate`).
 SKIPPED_NAMES: frozenset[str] = frozenset({"lm_head", "head", "output", "score", "classifier", "gate", "router"})
 ALIGN = 16
+# On a linear, set by its model: why it stays in high precision (the model computes with its weight outside forward).
+HIGH_PRECISION_ATTR = "fp8_high_precision"
+FLOAT8_ALL_GATHER_RECIPE = "tensorwise"  # the recipe torchao's FP8 all-gather of FSDP weights supports
 
 
 def default_linear_filter(fqn: str, module: nn.Linear) -> bool:
@@ -62,6 +73,8 @@ def plan_linears(
             continue
         if type(module).__name__ == "Float8Linear":
             skipped[fqn] = "already an FP8 linear"
+        elif getattr(module, HIGH_PRECISION_ATTR, None):
+            skipped[fqn] = getattr(module, HIGH_PRECISION_ATTR)
         elif not module_filter(fqn, module):
             skipped[fqn] = "left out by the filter (default: output heads and routers stay in high precision)"
         elif module.in_features % ALIGN or module.out_features % ALIGN:
@@ -75,17 +88,32 @@ def plan_linears(
 
 
 def convert_linears(
-    model: nn.Module, recipe: Float8Recipe, module_filter: LinearFilter = default_linear_filter
+    model: nn.Module,
+    recipe: Float8Recipe,
+    module_filter: LinearFilter = default_linear_filter,
+    *,
+    float8_all_gather: bool = False,
 ) -> tuple[tuple[str, ...], dict[str, str]]:
     """Swap the chosen linears of ``model`` for torchao's ``Float8Linear`` in place (:func:`plan_linears`).
+
+    ``float8_all_gather`` (``tensorwise`` only): torchao's ``enable_fsdp_float8_all_gather``, each weight wrapped so
+    that ``fully_shard`` casts its shard to float8 before the all-gather (:func:`precompute_float8_scales` after each
+    optimizer step computes the scales in one all-reduce).
 
     Returns:
         ``(converted, skipped)``: the FQNs converted, and each linear left out with its reason.
 
     Raises:
-        ValueError: ``recipe`` is not one of torchao's named recipes.
+        ValueError: ``recipe`` is not one of torchao's named recipes, or ``float8_all_gather`` with a recipe other
+            than ``tensorwise``.
         ImportError: torchao is not installed (and a linear is to be converted).
     """
+    if float8_all_gather and recipe.name != FLOAT8_ALL_GATHER_RECIPE:
+        raise ValueError(
+            f"`apply_fp8`: float8_all_gather=True with recipe {recipe.name!r}: torchao casts a weight to float8 "
+            f"before FSDP's all-gather with one scale per tensor, i.e. only for {FLOAT8_ALL_GATHER_RECIPE!r}. Use "
+            f"recipe={FLOAT8_ALL_GATHER_RECIPE!r}, or float8_all_gather=False."
+        )
     if RECIPES.get(recipe.name) != recipe:
         raise ValueError(
             f"`apply_fp8`: dense linears run torchao's named recipes {list(RECIPES)}, but the recipe is {recipe}. "
@@ -95,9 +123,31 @@ def convert_linears(
     if convert:
         float8 = import_float8()
         chosen = frozenset(convert)
-        float8.convert_to_float8_training(
+        config = float8.Float8LinearConfig.from_recipe_name(recipe.name)
+        if float8_all_gather:
+            config = dataclasses.replace(config, enable_fsdp_float8_all_gather=True)
+        float8.float8_linear_utils.swap_linear_layers(
             model,
+            lambda linear: _float8_linear(float8, linear, config),
             module_filter_fn=lambda module, fqn: fqn in chosen,
-            config=float8.Float8LinearConfig.from_recipe_name(recipe.name),
         )
     return tuple(convert), skipped
+
+
+def _float8_linear(float8: ModuleType, linear: nn.Linear, config: object) -> nn.Linear:
+    """torchao's ``Float8Linear`` holding ``linear``'s parameters (what ``convert_to_float8_training`` makes), given
+    ``linear``'s tensor-parallel style again when a plan parallelized it."""
+    from lightning_moe_overlap.parallel.tensor import PLANNED_ATTR  # noqa: PLC0415 - parallel imports the moe package
+
+    converted = float8.float8_linear.Float8Linear.from_float(linear, config=config)
+    planned = getattr(linear, PLANNED_ATTR, None)
+    if planned is not None:
+        planned.apply_to(converted)
+    return converted
+
+
+def precompute_float8_scales(model: nn.Module) -> None:
+    """After an optimizer step: the float8 scales of every FSDP-sharded FP8 weight (converted with
+    ``float8_all_gather``), in one all-reduce of their amaxes (torchao's ``precompute_float8_dynamic_scale_for_fsdp``),
+    so that the next all-gather casts without one. Nothing when no weight is so converted. Collective."""
+    import_float8().precompute_float8_dynamic_scale_for_fsdp(model)

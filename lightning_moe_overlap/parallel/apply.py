@@ -20,7 +20,9 @@ each rank then allocates only what it holds (``parallel/materialize.py``):
    checkpoint will fill them, ``hf_weights``).
 4b. :func:`apply_fp8_step` (``fp8`` set): the dense linears and the now expert-parallel experts in FP8
    (``fp8.apply_fp8``; docs/fp8.md), before the precision plugin and ``fully_shard`` see the modules; with
-   ``dispatcher="alltoall"`` the experts' rows are dispatched in FP8.
+   ``dispatcher="alltoall"`` the experts' rows are dispatched in FP8. After step 3 at ``tp > 1``: each planned
+   linear's FP8 replacement gets its style again (``parallel/tensor.py::PlannedLinear``). With ``shard="full"``
+   (``tensorwise``, ``tp = 1``) the dense weights are then all-gathered in float8.
 5. activation checkpointing: the ``Recompute`` callback wraps the chunks at ``on_fit_start``, after these steps.
 6. the precision plugin converts the module, and it moves to the device; replicas are made equal
    (``MoEModelHandle.broadcast_replicas``, ``DTensor``-aware).
@@ -46,6 +48,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
 from lightning_moe_overlap.config import OverlapConfig, ShardMode
 from lightning_moe_overlap.fp8.apply import Float8Report, apply_fp8
+from lightning_moe_overlap.fp8.dense import FLOAT8_ALL_GATHER_RECIPE
 from lightning_moe_overlap.hf.load import HFLoadReport, as_hf_weights, load_hf_weights
 from lightning_moe_overlap.overlap.runtime import CommRuntime
 from lightning_moe_overlap.parallel.materialize import (
@@ -165,13 +168,23 @@ def apply_ep(
     ep_model.set_aux_loss_scale(aux_loss_scale(config.num_microbatches, mesh.dims, pipelined=held is not None))
 
 
-def apply_fp8_step(model: nn.Module, fp8: str | None, device: torch.device) -> Float8Report | None:
+def apply_fp8_step(
+    model: nn.Module, fp8: str | None, device: torch.device, config: OverlapConfig | None = None
+) -> Float8Report | None:
     """With ``fp8`` (a recipe name): run ``model``'s dense linears and routed experts in FP8 (``apply_fp8``), after
     :func:`apply_ep` (the expert-parallel experts take the FP8 kernel, and their dispatcher then sends the rows in
-    FP8) and before :func:`apply_fsdp`; the layers left in high precision are logged once. ``None``: nothing."""
+    FP8) and before :func:`apply_fsdp`; the layers left in high precision are logged once. ``None``: nothing.
+
+    With ``config.shard="full"``, ``fp8="tensorwise"`` and ``tp = 1`` the dense weights are all-gathered in float8
+    (``Float8Report.float8_all_gather``; the strategy then calls ``precompute_float8_scales`` after each optimizer
+    step). At ``tp > 1`` they are not: a planned linear's weight is already a tp ``DTensor``, which torchao's float8
+    weight wrapper does not take through the plan (docs/fp8.md)."""
     if fp8 is None:
         return None
-    report = apply_fp8(model, fp8, device=device)
+    float8_all_gather = (
+        config is not None and config.shard == "full" and config.tp == 1 and fp8 == FLOAT8_ALL_GATHER_RECIPE
+    )
+    report = apply_fp8(model, fp8, device=device, float8_all_gather=float8_all_gather)
     rank_zero_info(f"`MoEOverlapStrategy(fp8={fp8!r})`: {report}")
     return report
 

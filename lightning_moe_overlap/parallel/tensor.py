@@ -46,6 +46,7 @@ from lightning_moe_overlap.moe.ep import ExpertParallelExperts
 from lightning_moe_overlap.moe.router import TopKRouter
 
 PLAN_HOOK = "tensor_parallel_plan"  # LightningModule method: tensor_parallel_plan(tp_mesh) -> {fqn pattern: style}
+PLANNED_ATTR = "tensor_parallel_planned"  # on each linear the plan parallelized: its `PlannedLinear`
 
 
 class TensorParallelPlanError(ValueError):
@@ -64,6 +65,28 @@ def apply_tensor_parallel(module: nn.Module, tp_mesh: DeviceMesh, plan: Mapping[
     for name, sub in module.named_modules():
         if any(fnmatch.fnmatchcase(name, pattern) for pattern in cutting):
             sub.register_forward_pre_hook(_SequenceCheck(name, tp), prepend=True)  # before the style's own
+        styles = [style for pattern, style in plan.items() if fnmatch.fnmatchcase(name, pattern)]
+        if isinstance(sub, nn.Linear) and styles:
+            setattr(sub, PLANNED_ATTR, PlannedLinear(name, styles[-1], tp_mesh))
+
+
+@dataclass(frozen=True)
+class PlannedLinear:
+    """A linear the plan parallelized, kept on it (attribute :data:`PLANNED_ATTR`) so that a module swapped in for it
+    afterwards (FP8: torchao's ``Float8Linear`` holding the same ``DTensor`` weight, ``fp8/dense.py``) is parallelized
+    the same way: the style's input and output hooks, and the sequence check, belong to the module object."""
+
+    name: str
+    style: ParallelStyle
+    tp_mesh: DeviceMesh
+
+    def apply_to(self, linear: nn.Module) -> None:
+        """Parallelize ``linear`` (whose parameters are already this plan's ``DTensor`` shards: they are kept) with
+        the style, as :func:`apply_tensor_parallel` did the module it replaces."""
+        parallelize_module(linear, self.tp_mesh, self.style)
+        if _cuts_sequence(self.style):
+            linear.register_forward_pre_hook(_SequenceCheck(self.name, self.tp_mesh.size()), prepend=True)
+        setattr(linear, PLANNED_ATTR, self)
 
 
 def _cuts_sequence(style: ParallelStyle) -> bool:

@@ -11,6 +11,9 @@ from torch import nn
 
 from lightning_moe_overlap.demo import MoEGPT
 from lightning_moe_overlap.fp8 import RECIPES, Float8ExpertsKernel, apply_fp8, has_fp8_kernel
+from lightning_moe_overlap.config import OverlapConfig
+from lightning_moe_overlap.fp8.dense import HIGH_PRECISION_ATTR
+from lightning_moe_overlap.parallel.apply import apply_fp8_step
 from lightning_moe_overlap.moe import ExpertParallelExperts, Experts, layout_of
 from lightning_moe_overlap.moe.dispatch import AllToAllDispatcher
 from tests.unit.test_fp8_gemm import FORWARD_DB, sqnr_db
@@ -55,6 +58,49 @@ def test_linears_with_dims_off_16_and_filtered_ones_stay_with_their_reasons() ->
     assert report.skipped["odd"] == "in_features=24, out_features=32: FP8 GEMMs need both to be multiples of 16"
     assert report.skipped["mine"].startswith("left out by the filter")
     assert apply_fp8(nn.ModuleDict({"router": nn.Linear(32, 16)})).skipped.keys() == {"router"}
+
+
+def test_a_linear_its_model_marks_stays_in_high_precision_with_the_models_reason() -> None:
+    model = nn.ModuleDict({"fused": nn.Linear(32, 96), "ok": nn.Linear(32, 32)})
+    setattr(model["fused"], HIGH_PRECISION_ATTR, "computed outside its forward")
+    report = apply_fp8(model, "tensorwise")
+    assert report.linears == ("ok",) and report.skipped == {"fused": "computed outside its forward"}
+    assert type(model["fused"]) is nn.Linear and type(model["ok"]).__name__ == "Float8Linear"
+
+
+def test_moegpt_marks_its_fused_qkv_only_under_a_tensor_parallel_plan() -> None:
+    model = MoEGPT(vocab_size=64, hidden_size=32, num_layers=1, num_heads=4, num_experts=4, ffn_hidden_size=32)
+    assert not hasattr(model.layers[0].attn.qkv, HIGH_PRECISION_ATTR)
+    mesh = type("Mesh", (), {"size": lambda self: 2})()  # the plan reads only the mesh's size here
+    model.tensor_parallel_plan(mesh)
+    report = apply_fp8(model, "tensorwise")
+    assert "fused qkv at tp > 1" in report.skipped["layers.0.attn.qkv"]
+    assert report.linears == ("layers.0.attn.proj",)
+
+
+def test_float8_all_gather_wraps_the_weights_for_tensorwise_and_refuses_rowwise() -> None:
+    model = nn.ModuleDict({"ok": nn.Linear(32, 32)})
+    report = apply_fp8(model, "tensorwise", float8_all_gather=True)
+    assert report.float8_all_gather and "all-gathered in float8" in str(report)
+    assert type(model["ok"].weight).__name__ == "WeightWithDynamicFloat8CastTensor"
+    with pytest.raises(ValueError, match=r"float8_all_gather=True with recipe 'rowwise'.*Use recipe='tensorwise'"):
+        apply_fp8(nn.ModuleDict({"ok": nn.Linear(32, 32)}), "rowwise", float8_all_gather=True)
+    assert not apply_fp8(nn.ModuleDict({"ok": nn.Linear(32, 32)}), "tensorwise").float8_all_gather
+
+
+@pytest.mark.parametrize(
+    ("recipe", "cfg", "expected"),
+    [
+        ("tensorwise", {"shard": "full"}, True),
+        ("tensorwise", {"shard": "full", "tp": 2}, False),  # a tp DTensor weight: not wrapped (docs/fp8.md)
+        ("rowwise", {"shard": "full"}, False),
+        ("tensorwise", {"shard": "optimizer"}, False),
+        ("tensorwise", {}, False),
+    ],
+)
+def test_the_strategy_step_all_gathers_in_float8_only_at_shard_full_tensorwise_tp1(recipe, cfg, expected) -> None:
+    report = apply_fp8_step(nn.ModuleDict({"ok": nn.Linear(32, 32)}), recipe, torch.device("cpu"), OverlapConfig(**cfg))
+    assert report is not None and report.float8_all_gather is expected
 
 
 def test_experts_with_dims_off_16_stay_with_the_reason() -> None:
