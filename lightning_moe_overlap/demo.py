@@ -19,14 +19,16 @@ from lightning.pytorch import LightningDataModule, LightningModule
 from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
-from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, PrepareModuleInput, RowwiseParallel
+from torch.distributed.tensor.parallel import ParallelStyle, PrepareModuleInput, RowwiseParallel
 from torch.utils.data import DataLoader, Dataset
 
 from lightning_moe_overlap.fp8.dense import HIGH_PRECISION_ATTR
-from lightning_moe_overlap.loss.fused import DEFAULT_CHUNK_SIZE, fused_linear_cross_entropy
+from lightning_moe_overlap.loss.fused import DEFAULT_CHUNK_SIZE
+from lightning_moe_overlap.loss.vocab_parallel import check_loss_parallel, head_cross_entropy, plain_logits, plain_loss
 from lightning_moe_overlap.moe.layer import MoELayer
 from lightning_moe_overlap.moe.router import TopKRouter
 from lightning_moe_overlap.parallel.context_module import ContextParallel
+from lightning_moe_overlap.parallel.tensor import vocab_parallel_head
 from lightning_moe_overlap.pipeline.batches import token_ids
 from lightning_moe_overlap.pipeline.layout import Chunk, PipelineLayout
 from lightning_moe_overlap.pipeline.split import PipelineChunks, reset_module
@@ -114,8 +116,8 @@ class MoEGPT(LightningModule):
         seed: Seed of the parameter initialisation (same model on every rank).
         fused_cross_entropy: Compute the head's projection and the loss together, in blocks, so the ``[B, S, V]``
             logits never exist (:func:`~lightning_moe_overlap.loss.fused_linear_cross_entropy`; Megatron's
-            ``--cross-entropy-loss-fusion --cross-entropy-fusion-impl linear``), at ``pp = 1`` and on the last
-            pipeline stage. ``forward`` and ``predict_step`` still return logits.
+            ``--cross-entropy-loss-fusion --cross-entropy-fusion-impl linear``), at ``pp = 1`` (at ``tp > 1`` over
+            the vocabulary-parallel head's rows) and on the last pipeline stage. ``forward`` and ``predict_step`` still return logits.
         cross_entropy_chunk_size: Vocabulary rows (and tokens) per block of the fused loss.
 
     Attributes:
@@ -165,7 +167,8 @@ class MoEGPT(LightningModule):
         self.pipeline_num_layers = len(self.layers)  # what the layout places at pp > 1 (configure_pipeline)
 
     def forward(self, tokens_BS: Tensor, *, logits: bool = True) -> Tensor:
-        """``logits_BSV``; with ``logits=False`` the final norm's output ``x_BSD`` (the fused loss's input)."""
+        """``logits_BSV``; with ``logits=False`` the final norm's output ``x_BSD`` (the fused loss's input). At
+        ``tp > 1`` the logits are a vocabulary-sharded ``DTensor`` and ``x_BSD`` the rank's ``S / tp`` positions."""
         x_BSD = self.embed(tokens_BS)
         for layer in self.layers:
             x_BSD = layer(x_BSD)
@@ -187,8 +190,7 @@ class MoEGPT(LightningModule):
         if chunk is not None:
             x_BTD = self(inputs_BT, logits=False)
             return gpt_fused_loss(x_BTD, self.head, targets_BT, chunk)
-        logits_BTV = self(inputs_BT)
-        return F.cross_entropy(logits_BTV.reshape(-1, logits_BTV.shape[-1]).float(), targets_BT.reshape(-1))
+        return gpt_loss(self(inputs_BT), targets_BT)
 
     def training_step(self, batch: Any, batch_idx: int) -> Tensor:
         return log_loss(self, self._loss(batch))
@@ -201,7 +203,7 @@ class MoEGPT(LightningModule):
 
     def predict_step(self, batch: Tensor, batch_idx: int) -> Tensor:
         """The most likely next token after each position: ``[B, S]`` token ids."""
-        return self(token_ids(batch, type(self).__name__)).argmax(dim=-1)
+        return plain_logits(self(token_ids(batch, type(self).__name__))).argmax(dim=-1)
 
     def init_module(self, module: nn.Module) -> None:
         """The initialisation of one module (:func:`gpt_init_module`): the strategy's hook for a model built on the
@@ -211,7 +213,9 @@ class MoEGPT(LightningModule):
     def tensor_parallel_plan(self, tp_mesh: DeviceMesh) -> dict[str, ParallelStyle]:
         """The plan at ``tp > 1`` (docs/tensor_parallel.md), torch's styles with sequence parallelism: the embedding
         vocabulary-parallel, cut onto the sequence; each attention gathers its input, computes its heads and
-        reduce-scatters onto the sequence; norms and MoE blocks run on the rank's tokens; the head gathers logits."""
+        reduce-scatters onto the sequence; norms and MoE blocks run on the rank's tokens; the head gathers its input
+        and keeps its logits vocabulary-sharded (a ``Shard(-1)`` ``DTensor``: the loss runs over the shards under
+        ``loss_parallel``, entered by the strategy)."""
         tp = tp_mesh.size()
         hidden, heads = self.hparams.hidden_size, self.hparams.num_heads
         if heads % tp or hidden % tp:
@@ -226,7 +230,7 @@ class MoEGPT(LightningModule):
             "embed": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)),
             "layers.*.attn": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
             "layers.*.attn.proj": RowwiseParallel(output_layouts=Shard(1)),
-            "head": ColwiseParallel(input_layouts=Shard(1), output_layouts=Replicate()),
+            "head": vocab_parallel_head(),
         }
 
     def configure_pipeline(self, layout: PipelineLayout) -> PipelineChunks:
@@ -293,13 +297,19 @@ class GPTChunk(nn.Module):
 
 
 def gpt_loss(logits_BSV: Tensor, target_BS: Tensor) -> Tensor:
-    """``MoEGPT``'s next-token loss (as in its ``training_step``)."""
-    return F.cross_entropy(logits_BSV.reshape(-1, logits_BSV.shape[-1]).float(), target_BS.reshape(-1))
+    """``MoEGPT``'s next-token loss (as in its ``training_step``), a plain scalar. At ``tp > 1`` the logits are a
+    vocabulary-sharded ``DTensor`` and the cross-entropy runs over the shards (``loss_parallel``, entered by the
+    strategy)."""
+    check_loss_parallel(logits_BSV, "the logits", "MoEGPT")
+    loss = F.cross_entropy(logits_BSV.reshape(-1, logits_BSV.shape[-1]).float(), target_BS.reshape(-1))
+    return plain_loss(loss)
 
 
 def gpt_fused_loss(x_BSD: Tensor, head: nn.Module, target_BS: Tensor, chunk_size: int) -> Tensor:
-    """``gpt_loss(head(x_BSD), target_BS)`` without the logits (:func:`fused_linear_cross_entropy`)."""
-    return fused_linear_cross_entropy(x_BSD, head.weight, target_BS, bias=head.bias, chunk_size=chunk_size)
+    """``gpt_loss(head(x_BSD), target_BS)`` without the logits (:func:`head_cross_entropy`: the fused loss, over the
+    vocabulary-parallel head's rows at ``tp > 1``)."""
+    return head_cross_entropy(x_BSD, head.weight, target_BS, bias=head.bias, chunk_size=chunk_size,
+                              where="MoEGPT(fused_cross_entropy=True)")  # fmt: skip
 
 
 def gpt_prepare_batch(batch: Any) -> tuple[tuple[Tensor, ...], Tensor]:

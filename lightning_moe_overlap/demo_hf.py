@@ -22,6 +22,7 @@ from lightning_moe_overlap.hf.load import HFWeights
 from lightning_moe_overlap.loss.fused import DEFAULT_CHUNK_SIZE
 from lightning_moe_overlap.loss.hf import hf_causal_lm_loss
 from lightning_moe_overlap.parallel.context_module import ContextParallel
+from lightning_moe_overlap.loss.vocab_parallel import check_loss_parallel, plain_logits, plain_loss
 from lightning_moe_overlap.pipeline.batches import lm_batch
 from lightning_moe_overlap.pipeline.layout import PipelineLayout
 from lightning_moe_overlap.pipeline.split import PipelineChunks
@@ -113,8 +114,8 @@ class HFMoECausalLM(LightningModule):
             ``__init__``.
         fused_cross_entropy: HF's loss without the ``[B, S, V]`` logits: the model's own forward without its head
             (``logits_to_keep`` empty), then ``lm_head`` and the loss in blocks
-            (:func:`~lightning_moe_overlap.loss.hf.hf_causal_lm_loss`), at ``pp = 1`` and on the last pipeline stage;
-            the router's auxiliary loss is added as HF adds it. ``predict_step`` still computes logits.
+            (:func:`~lightning_moe_overlap.loss.hf.hf_causal_lm_loss`), at ``pp = 1`` (also at ``tp > 1``) and on the
+            last pipeline stage; the router's auxiliary loss is added as HF adds it. ``predict_step`` still computes logits.
         cross_entropy_chunk_size: Vocabulary rows (and tokens) per block of the fused loss.
 
     Attributes:
@@ -169,7 +170,7 @@ class HFMoECausalLM(LightningModule):
         kwargs.pop("labels", None)
         if self.context_parallel is not None:  # whole sequences, no ring, but the model's attention is the ring's
             check_batch(kwargs, self.context_parallel.size)
-        return self.model(**kwargs).logits.argmax(dim=-1)
+        return plain_logits(self.model(**kwargs).logits).argmax(dim=-1)
 
     def _hf_loss(self, batch: Any) -> Tensor:
         """HF's own loss of a batch as the pipeline takes it (docs/pipeline.md, "Batches"): token ids ``[B, S]`` (a
@@ -184,7 +185,8 @@ class HFMoECausalLM(LightningModule):
             return context_parallel_loss(self.model, self.context_parallel, kwargs, chunk_size=chunk)
         if chunk is not None:
             return hf_causal_lm_loss(self.model, kwargs, chunk_size=chunk)
-        return self.model(**kwargs).loss
+        check_loss_parallel(self.model.lm_head.weight, "the LM head's weight", type(self).__name__)
+        return plain_loss(self.model(**kwargs).loss)  # at tp > 1 a DTensor: the loss-parallel cross-entropy's
 
     def _fused_chunk_size(self) -> int | None:
         """The fused loss's block size, None without it (a subclass that saves other hyperparameters: None)."""

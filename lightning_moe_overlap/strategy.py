@@ -45,6 +45,7 @@ from lightning_moe_overlap.fp8.recipes import FP8Recipe
 from lightning_moe_overlap.parallel.grads import clip_grad_norm, global_grad_norm
 from lightning_moe_overlap.processes.launcher import ExpertParallelScriptLauncher, ExpertParallelSpawnLauncher
 from lightning_moe_overlap.loop import LoopPath, MicroBatchLoop, StepHooks, StepPath
+from lightning_moe_overlap.loss.vocab_parallel import loss_parallel_scope, plain_step_output
 from lightning_moe_overlap.moe.adapters import expert_parallel_modules
 from lightning_moe_overlap.hf.load import HFLoadReport
 from lightning_moe_overlap.overlap.engine import OverlapEngine
@@ -585,7 +586,7 @@ class MoEOverlapStrategy(ParallelStrategy):
         def forward(micro_batch: Any, batch_idx: int, *rest: Any) -> Any:
             # on the thread that runs it (an engine lane, with overlap): this thread's attention through the ring
             with self._cp_thread_context(), self.precision_plugin.train_step_context():
-                return module.training_step(micro_batch, batch_idx, *rest)
+                return plain_step_output(module.training_step(micro_batch, batch_idx, *rest))
 
         def backward(loss: Tensor) -> None:
             self.backward(loss, trainer.optimizers[0])
@@ -609,6 +610,13 @@ class MoEOverlapStrategy(ParallelStrategy):
         """At cp > 1, torch's process-wide ring handlers, entered on the main thread around a step's forwards and
         backwards (``ContextParallelAttention.enabled``); nothing at cp = 1."""
         return nullcontext() if self._cp is None else self._cp.attention.enabled()
+
+    def _loss_parallel(self) -> AbstractContextManager[Any]:
+        """At tp > 1, torch's ``loss_parallel``: its cross-entropy handlers for vocabulary-sharded logits are
+        process-wide (``DTensor``'s op dispatcher, not thread-local), so entered on the main thread around a step's
+        forwards and backwards they cover the engine's lanes; not re-entrant, left when a step fails
+        (``loss_parallel_scope``). Nothing at tp = 1."""
+        return nullcontext() if self.dims.tp == 1 else loss_parallel_scope()
 
     def _cp_thread_context(self) -> AbstractContextManager[Any]:
         """At cp > 1, the ring for the SDPA calls of the calling thread (``thread_context``); nothing at cp = 1."""
@@ -642,19 +650,22 @@ class MoEOverlapStrategy(ParallelStrategy):
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
         if self._loop_trainer is None:  # not in fit: Lightning's own step
-            return super().training_step(*args, **kwargs)
-        with self._cp_enabled():
+            with self._loss_parallel():
+                return super().training_step(*args, **kwargs)
+        with self._cp_enabled(), self._loss_parallel():
             return self._step_path().train(*args, **kwargs)
 
     @override
     def validation_step(self, *args: Any, **kwargs: Any) -> Any:
         user_step = self._cp_step(super().validation_step)
-        return self._step_path().evaluate(user_step, self.precision_plugin.val_step_context, *args, **kwargs)
+        with self._loss_parallel():
+            return self._step_path().evaluate(user_step, self.precision_plugin.val_step_context, *args, **kwargs)
 
     @override
     def test_step(self, *args: Any, **kwargs: Any) -> Any:
         user_step = self._cp_step(super().test_step)
-        return self._step_path().evaluate(user_step, self.precision_plugin.test_step_context, *args, **kwargs)
+        with self._loss_parallel():
+            return self._step_path().evaluate(user_step, self.precision_plugin.test_step_context, *args, **kwargs)
 
     @override
     def predict_step(self, *args: Any, **kwargs: Any) -> Any:

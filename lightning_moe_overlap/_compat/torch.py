@@ -418,6 +418,14 @@ def cp_dispatcher_enabled() -> bool:
     return torch.ops.aten._scaled_dot_product_flash_attention.default in DTensor._op_dispatcher._custom_op_handlers
 
 
+def loss_parallel_enabled() -> bool:
+    """Whether torch's ``loss_parallel`` handlers are in ``DTensor._op_dispatcher._custom_op_handlers`` now (its
+    ``nll_loss_forward`` is): the context is entered, by this thread or another (the table is process-wide)."""
+    from torch.distributed.tensor import DTensor  # noqa: PLC0415
+
+    return torch.ops.aten.nll_loss_forward.default in DTensor._op_dispatcher._custom_op_handlers
+
+
 def cp_sdpa_wrappers(seq_dim: int = 2) -> tuple[Callable[..., Any], Callable[..., Any]]:
     """``_ContextParallel(seq_dim, SDPA).sdpa_input_fn`` / ``sdpa_output_fn``: what torch runs around SDPA under
     context parallelism, ``(module, args, kwargs, mesh) -> (args, kwargs)`` wrapping each tensor as a ``DTensor``

@@ -69,14 +69,15 @@ def fused_linear_cross_entropy(
 
 
 def refuse_tensor_parallel_head(weight: Tensor, where: str) -> None:
-    """``NotImplementedError`` for a head made tensor-parallel by a plan (a ``DTensor`` over tp): its rows are spread
-    over the tp ranks while the sequence-parallel hidden states are too, and the fused loss takes plain tensors."""
+    """``NotImplementedError`` for a head made tensor-parallel by a plan (a ``DTensor`` over tp) passed here as it
+    is: this function takes plain tensors (the rank's rows with ``group=``); ``head_cross_entropy`` splits it."""
     if isinstance(weight, DTensor):
         raise NotImplementedError(
             f"`{where}`: the LM head's weight is a DTensor {list(weight.shape)} with placements "
-            f"{tuple(weight.placements)} (tensor parallelism, `tp > 1`). Rule: the fused cross-entropy takes the "
-            "head's plain weight, or this rank's rows with `group=` and the whole sequence's hidden states; the "
-            "tensor-parallel plans gather the logits instead. Fix: `fused_cross_entropy=False` at tp > 1, or tp=1."
+            f"{tuple(weight.placements)} (tensor parallelism, `tp > 1`). Rule: `fused_linear_cross_entropy` takes "
+            "plain tensors: the head's whole weight, or this rank's rows with `group=` and the whole sequence's "
+            "hidden states. Fix: call `lightning_moe_overlap.loss.vocab_parallel.head_cross_entropy`, which does "
+            "that for a vocabulary-parallel head."
         )
 
 

@@ -1,13 +1,14 @@
 """Hugging Face transformers v5 causal LMs with the fused linear cross-entropy, their code unedited.
 
 Patching the model's ``loss_function`` is not enough: HF's ``*ForCausalLM.forward`` computes
-``lm_head(hidden_states)`` before it calls ``loss_function``, so the ``[B, S, V]`` logits would exist anyway. Instead
-:func:`hf_causal_lm_loss` runs the model's own forward with ``logits_to_keep`` an empty index tensor (HF slices the
-hidden states with it before the head: ``[B, 0, V]`` logits, no memory) and without ``labels``, takes the base model's
-``last_hidden_state`` (the final norm's output) from a forward hook held for that one call, and computes HF's loss
-from it with :func:`fused_linear_cross_entropy` and ``lm_head``'s weight: HF's shift (position ``i`` predicts label
-``i + 1``, the last position ignored), ``ignore_index=-100``, the mean over the labelled tokens, plus
-``router_aux_loss_coef * aux_loss`` where the model computed its load-balancing loss (``output_router_logits``).
+``lm_head(hidden_states)`` before it calls ``loss_function``, so the ``[B, S, V]`` logits would exist anyway.
+Instead :func:`hf_causal_lm_loss` runs the model's own forward with ``logits_to_keep`` an empty index tensor (HF
+slices the hidden states with it before the head: ``[B, 0, V]`` logits, no memory; at ``tp > 1`` one position per
+rank) and without ``labels``, takes the base model's ``last_hidden_state`` (the final norm's output) from a forward
+hook held for that one call, and computes HF's loss from it with :func:`head_cross_entropy` and ``lm_head``'s weight
+(its rows over tp at ``tp > 1``): HF's shift (position ``i`` predicts label ``i + 1``, the last position ignored),
+``ignore_index=-100``, the mean over the labelled tokens, plus ``router_aux_loss_coef * aux_loss`` where the model
+computed its load-balancing loss (``output_router_logits``).
 
 Shape legend: B batch, S sequence, D hidden.
 """
@@ -20,8 +21,10 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+from torch.distributed.tensor import DTensor
 
-from lightning_moe_overlap.loss.fused import DEFAULT_CHUNK_SIZE, fused_linear_cross_entropy, refuse_tensor_parallel_head
+from lightning_moe_overlap.loss.fused import DEFAULT_CHUNK_SIZE
+from lightning_moe_overlap.loss.vocab_parallel import check_vocab_parallel_head, head_cross_entropy
 
 IGNORE_INDEX = -100  # HF's label for "no loss here"
 
@@ -36,8 +39,9 @@ def lm_head_loss(
     hidden_BSD: Tensor, lm_head: nn.Module, labels_BS: Tensor, *, chunk_size: int = DEFAULT_CHUNK_SIZE
 ) -> Tensor:
     """HF's causal-LM loss of ``lm_head(hidden_BSD)`` against the unshifted ``labels_BS``, without the logits (the
-    last pipeline stage's loss, and :func:`hf_causal_lm_loss`'s)."""
-    return fused_linear_cross_entropy(
+    last pipeline stage's loss, and :func:`hf_causal_lm_loss`'s). A vocabulary-parallel head (``tp > 1``): the
+    rank's rows, the sequence-parallel ``hidden_BSD`` gathered over tp (:func:`head_cross_entropy`)."""
+    return head_cross_entropy(
         hidden_BSD, lm_head.weight, shift_labels(labels_BS), bias=getattr(lm_head, "bias", None),
         ignore_index=IGNORE_INDEX, chunk_size=chunk_size,
     )
@@ -64,8 +68,8 @@ def hf_causal_lm_loss(
 
 
 def final_hidden_states(hf_model: nn.Module, model_kwargs: dict[str, Tensor]) -> tuple[Tensor, Any]:
-    """``hf_model``'s forward on ``model_kwargs`` (no ``labels``) without its head's logits (``logits_to_keep``
-    empty): the base model's ``last_hidden_state`` ``[B, S, D]`` (the final norm's output, from a forward hook held
+    """``hf_model``'s forward on ``model_kwargs`` (no ``labels``) without its head's logits (``logits_to_keep``:
+    :func:`_positions_to_keep`): the base model's ``last_hidden_state`` ``[B, S, D]`` (the final norm's output, from a forward hook held
     for this one call) and the forward's output (its ``aux_loss`` / ``router_logits``)."""
     captured: list[Tensor] = []
     caller = threading.get_ident()  # a recompute on another thread (the overlap's backward) is not this forward
@@ -77,19 +81,27 @@ def final_hidden_states(hf_model: nn.Module, model_kwargs: dict[str, Tensor]) ->
     handle = hf_model.model.register_forward_hook(keep_hidden)
     try:
         device = next(t.device for t in model_kwargs.values() if isinstance(t, Tensor))
-        no_positions = torch.empty(0, dtype=torch.long, device=device)
-        output = hf_model(**model_kwargs, logits_to_keep=no_positions)
+        output = hf_model(**model_kwargs, logits_to_keep=_positions_to_keep(hf_model.lm_head, device))
     finally:
         handle.remove()
     return captured[0], output
 
 
+def _positions_to_keep(lm_head: nn.Module, device: torch.device) -> Tensor:
+    """The ``logits_to_keep`` of the forward whose logits are not used: no position; with a vocabulary-parallel head
+    (``tp > 1``) the first position of each rank's sequence shard (``[B, tp, V / tp]`` logits on a rank), since
+    torch's ``DTensor`` cannot view the zero-size output of the sharded head's matmul ("integer modulo by zero" in
+    ``aten._unsafe_view``'s sharding propagation, torch 2.13)."""
+    count = 1 if isinstance(lm_head.weight, DTensor) else 0
+    return torch.zeros(count, dtype=torch.long, device=device)
+
+
 def check_plain_head(hf_model: nn.Module) -> None:
-    """``NotImplementedError`` for an HF model whose logits are more than ``lm_head(hidden)``, or whose head is
-    tensor-parallel."""
+    """``NotImplementedError`` for an HF model whose logits are more than ``lm_head(hidden)``, or whose head is a
+    ``DTensor`` split otherwise than by rows over one mesh dimension (``check_vocab_parallel_head``)."""
     head = getattr(hf_model, "lm_head", None)
-    if head is not None:
-        refuse_tensor_parallel_head(head.weight, "fused cross-entropy")
+    if head is not None and isinstance(head.weight, DTensor):
+        check_vocab_parallel_head(head.weight, getattr(head, "bias", None), "fused cross-entropy")
     config = getattr(hf_model, "config", None)
     for name in ("final_logit_softcapping", "logit_scale"):
         value = getattr(config, name, None)

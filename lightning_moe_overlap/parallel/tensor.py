@@ -8,7 +8,9 @@ The layout, Megatron's with sequence parallelism and expert tensor parallelism 1
   dimension, the norms, the residual adds and the **MoE blocks** run on the rank's ``S / tp`` tokens, and the next
   attention all-gathers its input. Each tp rank therefore routes and dispatches its own tokens: the experts are not
   tensor-sharded, and the ep groups fold over tp ranks (``parallel/dims.py``);
-- the LM head is column-wise (vocabulary-parallel) and gathers the logits, so the user's loss sees full logits.
+- the LM head is column-wise (vocabulary-parallel) and keeps its logits vocabulary-sharded: a ``Shard(-1)``
+  ``DTensor`` of the whole ``[B, S, V]`` shape holding ``V / tp`` columns, whose cross-entropy runs over the shards
+  under torch's ``loss_parallel`` (entered by the strategy around each step, ``loss/vocab_parallel.py``).
 
 Gradients. A parameter the plan shards is a ``DTensor`` over tp and gets its gradient from torch's engine. Every other
 dense parameter (norms, routers, shared experts, per-head ``q_norm``) is a replica on the tp ranks that sees only
@@ -155,7 +157,8 @@ def hf_tensor_parallel_plan(hf_model: nn.Module, tp: int, *, prefix: str = "") -
     - the first decoder layer's input cut onto the sequence dimension; every ``self_attn`` (and dense ``mlp``)
       gathers its input, its column-wise entries of the model's plan stay column-wise, its row-wise ones
       reduce-scatter onto the sequence;
-    - ``lm_head`` column-wise with the logits gathered (HF's ``colwise_gather_output``);
+    - ``lm_head`` column-wise with the logits left vocabulary-sharded (a ``Shard(-1)`` ``DTensor``: HF's loss runs
+      over the shards under ``loss_parallel``; no rank holds the ``[B, S, V]`` logits);
     - the model's entries inside MoE blocks (experts, router, shared experts) are left out: experts are
       expert-parallel, the rest sequence-parallel replicas.
 
@@ -199,8 +202,14 @@ def hf_tensor_parallel_plan(hf_model: nn.Module, tp: int, *, prefix: str = "") -
     planned = [name for name in inside if name.count(".") >= 3]  # layers.L.block.proj
     for parent in sorted({name.rsplit(".", 1)[0] for name in planned}):  # each planned block gathers its input
         out[root + parent] = _gather_input(type(base.get_submodule(parent)).__name__)
-    out[f"{prefix}lm_head"] = ColwiseParallel(input_layouts=Shard(1), output_layouts=Replicate())
+    out[f"{prefix}lm_head"] = vocab_parallel_head()
     return out
+
+
+def vocab_parallel_head() -> ColwiseParallel:
+    """The LM head's style: gather the sequence-parallel input, keep the logits sharded by vocabulary (a
+    ``Shard(-1)`` ``DTensor``, for the loss-parallel cross-entropy)."""
+    return ColwiseParallel(input_layouts=Shard(1), output_layouts=Shard(-1), use_local_output=False)
 
 
 def _gather_input(class_name: str) -> PrepareModuleInput:

@@ -593,3 +593,16 @@ def test_wrapper_subclass_names() -> None:
     assert torch_compat.tree_map(lambda x: x * 2, {"a": (1, [2])}) == {"a": (2, [4])}, _broken(
         "torch.utils._pytree.tree_map", "tree_map", "changed"
     )
+
+
+def test_loss_parallel_enabled() -> None:
+    from torch.distributed.tensor.parallel import loss_parallel
+
+    assert not torch_compat.loss_parallel_enabled()
+    with loss_parallel():
+        assert torch_compat.loss_parallel_enabled(), _broken(
+            "torch.distributed.tensor.parallel.loss_parallel", "loss_parallel_enabled",
+            "no longer puts nll_loss_forward into DTensor._op_dispatcher._custom_op_handlers",
+        )  # fmt: skip
+    assert not torch_compat.loss_parallel_enabled()
+
