@@ -6,8 +6,8 @@ Oracles: the strategy at tp=1 in one process (ep=1) on the same batches, in FP8 
 overlapped schedule bitwise equal to the sequential one. With tensorwise scaling torchao computes each amax over the
 whole ``DTensor`` (weights and the row-parallel input alike), and the FP8 dispatch scales each token row alone, so
 every planned linear's operand quantises as at tp=1: what may differ is the order of the float32 sums (the row-parallel
-output is summed over the tp ranks). Measured over 3 steps: Qwen3-MoE's losses bitwise those of tp=1 FP8, MoEGPT's
-with its shared experts kept in high precision within 1.2e-7 relative (asserted 1e-6 for both); MoEGPT with FP8
+output is summed over the tp ranks, and the cross-entropy over the vocabulary shards). Measured over 3 steps: Qwen3-MoE's
+and MoEGPT's (shared experts kept in high precision) losses within 1.6e-6 relative of tp=1 FP8 (asserted 1e-5); MoEGPT with FP8
 shared experts within 7.6e-4 (asserted 3e-3): they run sequence-parallel, and their tensorwise activation and
 gradient scales are the amax of each rank's tokens. ``rowwise`` (Qwen3-MoE): within 1.6e-3 (asserted 5e-3), a row of
 the row-parallel input being scaled per shard. FP8 against float32: within 0.2% (asserted 2%).
@@ -127,7 +127,7 @@ def test_the_planned_linears_are_fp8_over_their_shards_and_the_fused_qkv_is_not(
 
 
 @pytest.mark.parametrize(
-    ("kind", "rtol"), [("gpt", 3e-3), ("gpt_hp_shared", 1e-6), ("qwen", 1e-6), ("qwen_rowwise", 5e-3)]
+    ("kind", "rtol"), [("gpt", 3e-3), ("gpt_hp_shared", 1e-5), ("qwen", 1e-5), ("qwen_rowwise", 5e-3)]
 )
 def test_fp8_at_tp2_follows_fp8_at_tp1(tp2, tp1, kind, rtol):
     """Only the planned linears in FP8 (Qwen3-MoE; MoEGPT with its shared experts kept in high precision): the
