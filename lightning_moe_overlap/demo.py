@@ -117,7 +117,8 @@ class MoEGPT(LightningModule):
         fused_cross_entropy: Compute the head's projection and the loss together, in blocks, so the ``[B, S, V]``
             logits never exist (:func:`~lightning_moe_overlap.loss.fused_linear_cross_entropy`; Megatron's
             ``--cross-entropy-loss-fusion --cross-entropy-fusion-impl linear``), at ``pp = 1`` (at ``tp > 1`` over
-            the vocabulary-parallel head's rows) and on the last pipeline stage. ``forward`` and ``predict_step`` still return logits.
+            the vocabulary-parallel head's rows) and on the last pipeline stage. ``forward`` and ``predict_step``
+            still return logits.
         cross_entropy_chunk_size: Vocabulary rows (and tokens) per block of the fused loss.
 
     Attributes:

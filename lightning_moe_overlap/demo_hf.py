@@ -115,7 +115,8 @@ class HFMoECausalLM(LightningModule):
         fused_cross_entropy: HF's loss without the ``[B, S, V]`` logits: the model's own forward without its head
             (``logits_to_keep`` empty), then ``lm_head`` and the loss in blocks
             (:func:`~lightning_moe_overlap.loss.hf.hf_causal_lm_loss`), at ``pp = 1`` (also at ``tp > 1``) and on the
-            last pipeline stage; the router's auxiliary loss is added as HF adds it. ``predict_step`` still computes logits.
+            last pipeline stage; the router's auxiliary loss is added as HF adds it. ``predict_step`` still computes
+            logits.
         cross_entropy_chunk_size: Vocabulary rows (and tokens) per block of the fused loss.
 
     Attributes:

@@ -699,7 +699,8 @@ class MoEOverlapStrategy(ParallelStrategy):
             self._ep_model.sync_expert_gradients(self.parallel_groups)
 
     def global_grad_norm(self) -> Tensor:
-        """The L2 norm of all gradients of the model across every rank (float64 on the root device, same on every rank)."""
+        """The L2 norm of all gradients of the model across every rank (float64 on the root device, the same on
+        every rank)."""
         assert self._sharded is not None
         params = [p for p in self._sharded.parameters if p.requires_grad]
         return global_grad_norm(params, block=self._replica_size, device=self.root_device)

@@ -650,7 +650,8 @@ def check_flex(cfg: OverlapConfig, *, devices_per_node: int | None = None, preci
 
 # -- rules on the model ----------------------------------------------------------------------------------------
 def valid_ep_values(experts_per_block: Mapping[str, int], ep_span: int | None) -> list[int]:
-    """The ep values that satisfy every rule at once: divide every block's experts and, if known, dp*cp*tp (the ranks ep folds into)."""
+    """The ep values that satisfy every rule at once: divide every block's experts and, if known, dp*cp*tp (the
+    ranks ep folds into)."""
     common = math.gcd(*experts_per_block.values(), *([ep_span] if ep_span else []))
     return divisors(common)
 

@@ -1,4 +1,4 @@
-"""Hugging Face transformers' private names, each behind one function (tested in tests/unit/test_compat_transformers.py)."""
+"""Hugging Face transformers' private names, each behind one function (tests/unit/test_compat_transformers.py)."""
 
 from __future__ import annotations
 

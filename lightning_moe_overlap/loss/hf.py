@@ -69,8 +69,8 @@ def hf_causal_lm_loss(
 
 def final_hidden_states(hf_model: nn.Module, model_kwargs: dict[str, Tensor]) -> tuple[Tensor, Any]:
     """``hf_model``'s forward on ``model_kwargs`` (no ``labels``) without its head's logits (``logits_to_keep``:
-    :func:`_positions_to_keep`): the base model's ``last_hidden_state`` ``[B, S, D]`` (the final norm's output, from a forward hook held
-    for this one call) and the forward's output (its ``aux_loss`` / ``router_logits``)."""
+    :func:`_positions_to_keep`): the base model's ``last_hidden_state`` ``[B, S, D]`` (the final norm's output, from
+    a forward hook held for this one call) and the forward's output (its ``aux_loss`` / ``router_logits``)."""
     captured: list[Tensor] = []
     caller = threading.get_ident()  # a recompute on another thread (the overlap's backward) is not this forward
 

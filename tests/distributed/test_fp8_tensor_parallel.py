@@ -6,10 +6,10 @@ Oracles: the strategy at tp=1 in one process (ep=1) on the same batches, in FP8 
 overlapped schedule bitwise equal to the sequential one. With tensorwise scaling torchao computes each amax over the
 whole ``DTensor`` (weights and the row-parallel input alike), and the FP8 dispatch scales each token row alone, so
 every planned linear's operand quantises as at tp=1: what may differ is the order of the float32 sums (the row-parallel
-output is summed over the tp ranks, and the cross-entropy over the vocabulary shards). Measured over 3 steps: Qwen3-MoE's
-and MoEGPT's (shared experts kept in high precision) losses within 1.6e-6 relative of tp=1 FP8 (asserted 1e-5); MoEGPT with FP8
-shared experts within 7.6e-4 (asserted 3e-3): they run sequence-parallel, and their tensorwise activation and
-gradient scales are the amax of each rank's tokens. ``rowwise`` (Qwen3-MoE): within 1.6e-3 (asserted 5e-3), a row of
+output is summed over the tp ranks, and the cross-entropy over the vocabulary shards). Measured over 3 steps:
+Qwen3-MoE's and MoEGPT's (shared experts kept in high precision) losses within 1.6e-6 relative of tp=1 FP8 (asserted
+1e-5); MoEGPT with FP8 shared experts within 7.6e-4 (asserted 3e-3): they run sequence-parallel, and their
+tensorwise activation and gradient scales are the amax of each rank's tokens. ``rowwise`` (Qwen3-MoE): within 1.6e-3 (asserted 5e-3), a row of
 the row-parallel input being scaled per shard. FP8 against float32: within 0.2% (asserted 2%).
 """
 

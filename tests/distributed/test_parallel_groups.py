@@ -67,7 +67,8 @@ def _check_mesh(dims: ParallelDims, rank: int, groups) -> int:
         assert members == dist.get_process_group_ranks(getattr(groups, kind)), (kind, rank, dims, members)
         assert view.mesh.tolist() == members, (kind, rank, view)
         block = coords.dp * dims.cp + coords.cp
-        expected = {"dp_cp": block, "dp_cp_tp": block * dims.tp + coords.tp}.get(kind) if kind.startswith("dp_") else None
+        by_kind = {"dp_cp": block, "dp_cp_tp": block * dims.tp + coords.tp}
+        expected = by_kind.get(kind) if kind.startswith("dp_") else None
         expected = getattr(coords, kind) if expected is None else expected
         assert view.get_local_rank() == expected, (kind, rank, dims)
     for kind in ("dp_cp", "dp_cp_tp", "ep", "edp"):  # the views the sharding and the token counts use
