@@ -20,9 +20,9 @@ from lightning_moe_overlap.demo import log_loss, with_logged_loss
 from lightning_moe_overlap.hf.context import check_batch, context_parallel_loss
 from lightning_moe_overlap.hf.load import HFWeights
 from lightning_moe_overlap.loss.fused import DEFAULT_CHUNK_SIZE
-from lightning_moe_overlap.loss.hf import hf_causal_lm_loss
+from lightning_moe_overlap.loss.hf import hf_causal_lm_loss, hf_loss
 from lightning_moe_overlap.parallel.context_module import ContextParallel
-from lightning_moe_overlap.loss.vocab_parallel import check_loss_parallel, plain_logits, plain_loss
+from lightning_moe_overlap.loss.vocab_parallel import check_loss_parallel, plain_logits
 from lightning_moe_overlap.pipeline.batches import lm_batch
 from lightning_moe_overlap.pipeline.layout import PipelineLayout
 from lightning_moe_overlap.pipeline.split import PipelineChunks
@@ -187,7 +187,7 @@ class HFMoECausalLM(LightningModule):
         if chunk is not None:
             return hf_causal_lm_loss(self.model, kwargs, chunk_size=chunk)
         check_loss_parallel(self.model.lm_head.weight, "the LM head's weight", type(self).__name__)
-        return plain_loss(self.model(**kwargs).loss)  # at tp > 1 a DTensor: the loss-parallel cross-entropy's
+        return hf_loss(self.model, kwargs)  # at tp > 1 the loss-parallel cross-entropy's, made plain
 
     def _fused_chunk_size(self) -> int | None:
         """The fused loss's block size, None without it (a subclass that saves other hyperparameters: None)."""

@@ -24,7 +24,7 @@ from torch import Tensor, nn
 from torch.distributed.tensor import DTensor
 
 from lightning_moe_overlap.loss.fused import DEFAULT_CHUNK_SIZE
-from lightning_moe_overlap.loss.vocab_parallel import check_vocab_parallel_head, head_cross_entropy
+from lightning_moe_overlap.loss.vocab_parallel import check_vocab_parallel_head, head_cross_entropy, plain_loss
 
 IGNORE_INDEX = -100  # HF's label for "no loss here"
 
@@ -64,6 +64,27 @@ def hf_causal_lm_loss(
     aux_loss = getattr(output, "aux_loss", None)
     if aux_loss is not None:  # HF adds it when it computed it and labels were given
         loss = loss + hf_model.router_aux_loss_coef * aux_loss.to(loss.device)
+    return loss
+
+
+def hf_loss(hf_model: nn.Module, model_kwargs: dict[str, Tensor]) -> Tensor:
+    """HF's own loss of ``model_kwargs`` (with ``labels``) as a plain tensor: ``hf_model(**model_kwargs).loss``.
+
+    With a vocabulary-parallel head (``tp > 1``: the logits a ``DTensor``, the cross-entropy torch's
+    ``loss_parallel``) the forward runs without labels, the loss is the model's own ``loss_function`` on the sharded
+    logits, made plain, and the router's auxiliary loss (``output_router_logits``) is added after it as HF adds it:
+    inside HF's forward the plain auxiliary loss would be added to the ``DTensor`` cross-entropy, whose backward
+    ``DTensor`` refuses ("got mixed torch.Tensor and DTensor")."""
+    head = getattr(hf_model, "lm_head", None)
+    if head is None or not isinstance(head.weight, DTensor):
+        return hf_model(**model_kwargs).loss
+    kwargs = dict(model_kwargs)
+    labels = kwargs.pop("labels")
+    output = hf_model(**kwargs)
+    loss = plain_loss(hf_model.loss_function(output.logits, labels, vocab_size=hf_model.config.vocab_size))
+    aux_loss = getattr(output, "aux_loss", None)
+    if aux_loss is not None:
+        loss = loss + hf_model.router_aux_loss_coef * plain_loss(aux_loss).to(loss.device)
     return loss
 
 

@@ -76,6 +76,15 @@ class Qwen(_SGD, HFMoECausalLM):
         self.seen: list[int] = []
 
 
+class QwenAux(Qwen):
+    """HF's own router auxiliary loss on (``output_router_logits``): added after the loss-parallel cross-entropy."""
+
+    def __init__(self, fused: bool = False) -> None:
+        HFMoECausalLM.__init__(self, model_type="qwen3_moe", seed=3, fused_cross_entropy=fused,
+                               config_overrides={"output_router_logits": True, "router_aux_loss_coef": 0.1})
+        self.seen = []
+
+
 class QwenFromLogits(Qwen):
     """A user's step: the loss from ``outputs.logits`` (``[B, S, V]`` global shape, ``V / tp`` columns here)."""
 
@@ -111,7 +120,7 @@ def _worker(rank: int, world: int) -> dict:
     torch.set_num_threads(1)
     return {
         "gpt": _fit(GPT), "gpt_fused": _fit(GPT, fused=True), "qwen": _fit(Qwen), "qwen_fused": _fit(Qwen, fused=True),
-        "qwen_user": _fit(QwenFromLogits),
+        "qwen_user": _fit(QwenFromLogits), "qwen_aux": _fit(QwenAux), "qwen_aux_fused": _fit(QwenAux, fused=True),
     }
 
 
@@ -150,5 +159,10 @@ def test_tp2_loss_follows_the_unsplit_model_unfused_fused_and_from_user_logits()
                                        msg=f"{run}: {got['losses']} vs {ref_losses}")  # fmt: skip
             for name, value in ref_state.items():
                 torch.testing.assert_close(got["state"][name], value, rtol=0, atol=1e-5, msg=f"{run}: {name}")
+    for r in results:  # HF's auxiliary loss at tp > 1 (a sum of the shards' losses): unfused as fused, both trained
+        assert r["qwen_aux"]["plain"] and len(r["qwen_aux"]["losses"]) == STEPS
+        torch.testing.assert_close(torch.tensor(r["qwen_aux"]["losses"]), torch.tensor(r["qwen_aux_fused"]["losses"]),
+                                   rtol=1e-5, atol=0)  # fmt: skip
+        assert r["qwen_aux"]["losses"] != r["qwen"]["losses"]  # the auxiliary loss was added
     for r in results:  # the user's logits: a DTensor of the whole shape, sharded by vocabulary
         assert r["qwen_user"]["logits"] and all(t == ("DTensor", (2, 8, 128)) for t in r["qwen_user"]["logits"])
