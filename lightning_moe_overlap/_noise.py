@@ -15,6 +15,11 @@ Filter = tuple[str, type[Warning], str]
 THIRD_PARTY_NOISE: tuple[Filter, ...] = (
     # torch >= 2.10 deprecates `LeafSpec`; Lightning's own pytree code still uses it on every batch.
     (r"`isinstance\(treespec, LeafSpec\)` is deprecated", FutureWarning, r"lightning\.pytorch\.utilities\._pytree"),
+    # torch announces that slicing a flattened dimension together with a root one (`mesh[("dp_cp", "unit")]`) will
+    # be deprecated, yet offers no other way to a 2-D mesh whose first dimension is a flattened one: the replicated
+    # parameters' `(dp_cp, unit)` mesh (`ParallelMesh.replicate_mesh`) must be sliced from the root so that it holds
+    # tp `DTensor`s too. Raised once per rank at setup; the slice is torch 2.13's supported path.
+    (r"Slicing a flattened dim from root mesh will be deprecated", UserWarning, r"torch\.distributed\.device_mesh"),
 )
 
 # FSDP2 the strategy applies on its own at `shard="none"`, only to make the dense parameters DTensor replicas

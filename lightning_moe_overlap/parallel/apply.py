@@ -186,6 +186,12 @@ def apply_fp8_step(
     )
     report = apply_fp8(model, fp8, device=device, float8_all_gather=float8_all_gather)
     rank_zero_info(f"`MoEOverlapStrategy(fp8={fp8!r})`: {report}")
+    if config is not None and config.shard == "full" and not float8_all_gather:
+        why = f"tp={config.tp}" if config.tp > 1 else f"fp8={fp8!r}"
+        rank_zero_info(
+            f"`MoEOverlapStrategy(fp8={fp8!r}, shard='full')`: weights all-gathered in the training dtype, not in "
+            f"float8 ({why}; the float8 all-gather runs with fp8='{FLOAT8_ALL_GATHER_RECIPE}' at tp=1, docs/fp8.md)."
+        )
     return report
 
 
