@@ -11,7 +11,7 @@ from __future__ import annotations
 import importlib.util
 import math
 import os
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 

@@ -17,7 +17,6 @@ from collections.abc import Sequence
 from typing import Any, Literal
 
 from lightning.pytorch import LightningModule, Trainer
-from torch import nn
 from typing_extensions import override
 
 from lightning_moe_overlap.callbacks import _patch

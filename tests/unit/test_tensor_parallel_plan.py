@@ -7,7 +7,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 from torch import nn
-from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor import Shard
 from torch.distributed.tensor.parallel import ColwiseParallel, PrepareModuleInput, RowwiseParallel
 
 from lightning_moe_overlap.demo import MoEGPT
@@ -33,7 +33,8 @@ def test_the_hf_plan_shards_attention_and_leaves_the_moe_blocks_out():
     first = plan["model.model.layers.0"]
     assert isinstance(first, PrepareModuleInput) and first.desired_input_layouts == (Shard(1),)
     head = plan["model.lm_head"]
-    assert isinstance(head, ColwiseParallel) and head.output_layouts == (Replicate(),)
+    # vocabulary-parallel logits (loss_parallel), not gathered
+    assert isinstance(head, ColwiseParallel) and head.output_layouts == (Shard(-1),) and not head.use_local_output
     assert isinstance(plan["model.model.embed_tokens"], RowwiseParallel)
 
 
