@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 from lightning.pytorch import Trainer
 from lightning.pytorch.callbacks import ModelCheckpoint
-from torch.utils.data import DataLoader, Dataset
+from torch.utils.data import DataLoader
 
 from lightning_moe_overlap import MoEOverlapStrategy
 from lightning_moe_overlap.checkpoint import consolidate_checkpoint, load_consolidated_state_dict
@@ -29,6 +29,7 @@ from lightning_moe_overlap.demo import MoEGPT
 from lightning_moe_overlap.demo_hf import HFMoECausalLM, build_hf_model
 from lightning_moe_overlap.moe.ep import ExpertParallelExperts
 from lightning_moe_overlap.parallel.dtensors import local
+from tests.helpers.data import RandomTokens
 from tests.helpers.distributed import run_distributed
 
 WORLD, BATCH, MICRO, STEPS_PER_EPOCH, VOCAB = 4, 4, 2, 2, 32
@@ -37,15 +38,9 @@ EPOCH0 = f"epoch=0-step={STEPS_PER_EPOCH}.ckpt"
 EPOCH1 = f"epoch=1-step={2 * STEPS_PER_EPOCH}.ckpt"
 
 
-class Tokens(Dataset):
+class Tokens(RandomTokens):
     def __init__(self, n: int = WORLD * BATCH * STEPS_PER_EPOCH, seq: int = 9) -> None:
-        self.data = torch.randint(0, VOCAB, (n, seq), generator=torch.Generator().manual_seed(3))
-
-    def __len__(self) -> int:
-        return len(self.data)
-
-    def __getitem__(self, i: int) -> torch.Tensor:
-        return self.data[i]
+        super().__init__(n, seq, VOCAB, seed=3)
 
 
 def _probe() -> torch.Tensor:

@@ -12,25 +12,20 @@ import pytest
 import torch
 from lightning.pytorch import Trainer
 from torch.distributed.tensor import DTensor
-from torch.utils.data import DataLoader, Dataset
+from torch.utils.data import DataLoader
 
 from lightning_moe_overlap import MoEOverlapStrategy
 from lightning_moe_overlap.demo_hf import HFMoECausalLM
+from tests.helpers.data import RandomTokens
 from tests.helpers.distributed import run_distributed, run_distributed_expect_errors
 
 CP, STEPS, BATCH, MICRO, SEQ, LR = 2, 3, 4, 2, 16, 1e-2  # 16 tokens: 2 x cp = 4 chunks of 4
 AUX = dict(output_router_logits=True, router_aux_loss_coef=0.1)  # a coefficient large enough to move the weights
 
 
-class Tokens(Dataset):
+class Tokens(RandomTokens):
     def __init__(self, n: int = 32, seq: int = SEQ, vocab: int = 128) -> None:
-        self.data = torch.randint(0, vocab, (n, seq), generator=torch.Generator().manual_seed(7))
-
-    def __len__(self) -> int:
-        return len(self.data)
-
-    def __getitem__(self, i: int):
-        return self.data[i], torch.tensor(i)
+        super().__init__(n, seq, vocab, seed=7, indexed=True)
 
 
 class Recorder(HFMoECausalLM):

@@ -17,7 +17,7 @@ from contextlib import contextmanager
 import pytest
 import torch
 from lightning.pytorch import Trainer
-from torch.utils.data import DataLoader, Dataset
+from torch.utils.data import DataLoader
 
 from lightning_moe_overlap import MoEOverlapStrategy
 from lightning_moe_overlap.demo import MoEGPT
@@ -25,6 +25,7 @@ from lightning_moe_overlap.demo_hf import HFMoECausalLM
 from lightning_moe_overlap.moe import grouped
 from lightning_moe_overlap.overlap.runtime import CommRuntime
 from lightning_moe_overlap.parallel.dtensors import local
+from tests.helpers.data import RandomTokens
 from tests.helpers.distributed import run_distributed
 
 WORLD, EP, MICRO, STEPS, BATCH, SEQ, LAYERS = 2, 2, 2, 2, 4, 9, 2
@@ -70,15 +71,9 @@ class WgradCounter:
             grouped._wgrad, CommRuntime.defer_wgrad = original_wgrad, original_defer
 
 
-class Tokens(Dataset):
+class Tokens(RandomTokens):
     def __init__(self, n: int = 32, vocab: int = 128) -> None:
-        self.data = torch.randint(0, vocab, (n, SEQ), generator=torch.Generator().manual_seed(3))
-
-    def __len__(self) -> int:
-        return len(self.data)
-
-    def __getitem__(self, i: int) -> torch.Tensor:
-        return self.data[i]
+        super().__init__(n, SEQ, vocab, seed=3)
 
 
 def _model(kind: str) -> torch.nn.Module:

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch
 from lightning.pytorch import Trainer
-from torch.utils.data import DataLoader, Dataset
+from torch.utils.data import DataLoader
 
 from lightning_moe_overlap import MoEOverlapStrategy
 from lightning_moe_overlap import strategy as strategy_module
@@ -21,20 +21,15 @@ from lightning_moe_overlap.demo import MoEGPT
 from lightning_moe_overlap.fp8 import dense
 from lightning_moe_overlap.parallel import apply as parallel_apply
 from lightning_moe_overlap.parallel.dtensors import local
+from tests.helpers.data import RandomTokens
 from tests.helpers.distributed import run_distributed
 
 WORLD, STEPS, BATCH, MICRO, SEQ = 2, 3, 4, 2, 9
 
 
-class Tokens(Dataset):
+class Tokens(RandomTokens):
     def __init__(self, n: int = WORLD * STEPS * BATCH) -> None:
-        self.data = torch.randint(0, 64, (n, SEQ), generator=torch.Generator().manual_seed(5))
-
-    def __len__(self) -> int:
-        return len(self.data)
-
-    def __getitem__(self, i: int) -> torch.Tensor:
-        return self.data[i]
+        super().__init__(n, SEQ, 64, seed=5)
 
 
 def _fit(float8_all_gather: bool) -> dict:

@@ -18,13 +18,14 @@ from __future__ import annotations
 import pytest
 import torch
 from lightning.pytorch import Trainer
-from torch.utils.data import DataLoader, Dataset
+from torch.utils.data import DataLoader
 
 from lightning_moe_overlap import MoEOverlapStrategy
 from lightning_moe_overlap.demo import MoEGPT
 from lightning_moe_overlap.demo_hf import HFMoECausalLM
 from lightning_moe_overlap.fp8.dense import HIGH_PRECISION_ATTR
 from lightning_moe_overlap.parallel.dtensors import local
+from tests.helpers.data import RandomTokens
 from tests.helpers.distributed import run_distributed
 
 WORLD, TP, STEPS, BATCH, MICRO, SEQ = 2, 2, 3, 4, 2, 9
@@ -32,15 +33,9 @@ GPT_CONFIG = dict(vocab_size=64, hidden_size=32, num_layers=2, num_heads=4, num_
                   shared_expert_ffn_hidden_size=16, aux_loss_coeff=1e-2, lr=1e-2)  # fmt: skip
 
 
-class Tokens(Dataset):
+class Tokens(RandomTokens):
     def __init__(self, seq: int, n: int = STEPS * BATCH, vocab: int = 64) -> None:
-        self.data = torch.randint(0, vocab, (n, seq), generator=torch.Generator().manual_seed(7))
-
-    def __len__(self) -> int:
-        return len(self.data)
-
-    def __getitem__(self, i: int) -> torch.Tensor:
-        return self.data[i]
+        super().__init__(n, seq, vocab, seed=7)
 
 
 def _model(kind: str, tp: int) -> tuple[torch.nn.Module, int]:

@@ -9,25 +9,20 @@ from __future__ import annotations
 import pytest
 import torch
 from lightning.pytorch import Trainer
-from torch.utils.data import DataLoader, Dataset
+from torch.utils.data import DataLoader
 
 from lightning_moe_overlap import MoEOverlapStrategy
 from lightning_moe_overlap.demo_hf import HFMoECausalLM
 from lightning_moe_overlap.parallel.dtensors import local
+from tests.helpers.data import RandomTokens
 from tests.helpers.distributed import run_distributed
 
 WORLD, STEPS, BATCH, MICRO, CLIP = 2, 3, 4, 2, 0.5
 
 
-class Tokens(Dataset):
+class Tokens(RandomTokens):
     def __init__(self, n: int = 32, seq: int = 8, vocab: int = 128) -> None:
-        self.data = torch.randint(0, vocab, (n, seq), generator=torch.Generator().manual_seed(7))
-
-    def __len__(self) -> int:
-        return len(self.data)
-
-    def __getitem__(self, i: int):
-        return self.data[i], torch.tensor(i)
+        super().__init__(n, seq, vocab, seed=7, indexed=True)
 
 
 class Recorder(HFMoECausalLM):

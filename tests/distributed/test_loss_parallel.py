@@ -14,12 +14,13 @@ import torch
 import torch.nn.functional as F
 from lightning.pytorch import Trainer
 from torch.distributed.tensor import DTensor
-from torch.utils.data import DataLoader, Dataset
+from torch.utils.data import DataLoader
 
 from lightning_moe_overlap import MoEOverlapStrategy
 from lightning_moe_overlap.demo import MoEGPT
 from lightning_moe_overlap.demo_hf import HFMoECausalLM
 from lightning_moe_overlap.moe.router import TopKRouter
+from tests.helpers.data import RandomTokens
 from tests.helpers.distributed import run_distributed
 
 STEPS, BATCH, MICRO, LR = 3, 4, 2, 0.1
@@ -28,15 +29,9 @@ GPT_CONFIG = dict(vocab_size=64, hidden_size=32, num_layers=2, num_heads=4, num_
 SEQ = {"gpt": 9, "qwen": 8}  # MoEGPT shifts outside its forward, HF inside: 8 positions either way
 
 
-class Tokens(Dataset):
+class Tokens(RandomTokens):
     def __init__(self, seq: int, vocab: int = 64) -> None:
-        self.data = torch.randint(0, vocab, (64, seq), generator=torch.Generator().manual_seed(7))
-
-    def __len__(self) -> int:
-        return len(self.data)
-
-    def __getitem__(self, i: int):
-        return self.data[i], torch.tensor(i)
+        super().__init__(64, seq, vocab, seed=7, indexed=True)
 
 
 class _SGD:

@@ -12,26 +12,21 @@ from __future__ import annotations
 import torch
 from lightning.pytorch import Trainer
 from lightning.pytorch.plugins.precision import MixedPrecision
-from torch.utils.data import DataLoader, Dataset
+from torch.utils.data import DataLoader
 
 from lightning_moe_overlap import MoEOverlapStrategy
 from lightning_moe_overlap.demo import MoEGPT
 from lightning_moe_overlap.demo_hf import HFMoECausalLM
 from lightning_moe_overlap.moe import grouped
+from tests.helpers.data import RandomTokens
 from tests.helpers.distributed import run_distributed
 
 WORLD, STEPS, BATCH, MICRO = 2, 2, 4, 2
 
 
-class Tokens(Dataset):
+class Tokens(RandomTokens):
     def __init__(self, n: int = 16, seq: int = 8, vocab: int = 64) -> None:
-        self.data = torch.randint(0, vocab, (n, seq), generator=torch.Generator().manual_seed(3))
-
-    def __len__(self) -> int:
-        return len(self.data)
-
-    def __getitem__(self, i: int):
-        return self.data[i]
+        super().__init__(n, seq, vocab, seed=3)
 
 
 def _model(name: str):

@@ -20,11 +20,12 @@ import torch
 from lightning.pytorch import Callback, Trainer
 from lightning.pytorch.callbacks import ModelCheckpoint
 from torch.distributed.tensor import DTensor
-from torch.utils.data import DataLoader, Dataset
+from torch.utils.data import DataLoader
 
 from lightning_moe_overlap import MoEOverlapStrategy
 from lightning_moe_overlap.demo import MoEGPT
 from lightning_moe_overlap.optim import OffloadedOptimizer, state_bytes
+from tests.helpers.data import RandomTokens
 from tests.helpers.distributed import run_distributed
 
 WORLD, EP, STEPS, BATCH, MICRO, CLIP, VOCAB = 2, 2, 3, 4, 2, 0.05, 64
@@ -33,15 +34,9 @@ FRACTIONS = (None, 0.5, 1.0)  # None: no offload
 SHARDS = ("none", "optimizer", "full")
 
 
-class Tokens(Dataset):
+class Tokens(RandomTokens):
     def __init__(self, n: int = 32, seq: int = 8) -> None:
-        self.data = torch.randint(0, VOCAB, (n, seq), generator=torch.Generator().manual_seed(5))
-
-    def __len__(self) -> int:
-        return len(self.data)
-
-    def __getitem__(self, i: int):
-        return self.data[i]
+        super().__init__(n, seq, VOCAB, seed=5)
 
 
 class Record(Callback):

@@ -23,12 +23,13 @@ from lightning.pytorch import Trainer
 from lightning.pytorch.callbacks import ModelCheckpoint
 from torch.distributed.fsdp import MixedPrecisionPolicy
 from torch.distributed.tensor import DTensor
-from torch.utils.data import DataLoader, Dataset
+from torch.utils.data import DataLoader
 
 from lightning_moe_overlap import MoEOverlapStrategy
 from lightning_moe_overlap.demo import MoEGPT
 from lightning_moe_overlap.demo_hf import HFMoECausalLM
 from lightning_moe_overlap.moe.ep import ExpertParallelExperts
+from tests.helpers.data import RandomTokens
 from tests.helpers.distributed import run_distributed
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
@@ -37,15 +38,9 @@ import sharding_memory  # noqa: E402
 WORLD, EP, STEPS, BATCH, MICRO, CLIP, VOCAB = 4, 2, 3, 4, 2, 0.5, 64
 
 
-class Tokens(Dataset):
+class Tokens(RandomTokens):
     def __init__(self, n: int = 48, seq: int = 8) -> None:
-        self.data = torch.randint(0, VOCAB, (n, seq), generator=torch.Generator().manual_seed(5))
-
-    def __len__(self) -> int:
-        return len(self.data)
-
-    def __getitem__(self, i: int):
-        return self.data[i], torch.tensor(i)
+        super().__init__(n, seq, VOCAB, seed=5, indexed=True)
 
 
 def _build(name: str):
