@@ -844,9 +844,6 @@ def check_fp8(fp8: object, cfg: OverlapConfig) -> list[Problem]:
                f"`fp8={fp8!r}` with `expert_backend='te'`: Transformer Engine's own FP8 recipes are not wired here "
                "yet, and the FP8 expert kernel runs on the torch backend. Use `expert_backend='torch'` with fp8, "
                "or fp8=None.", NotImplementedError),
-        *_when(cfg.pp > 1, "fp8-pipeline",
-               f"`fp8={fp8!r}` with pp={cfg.pp}: FP8 over pipeline chunks is not wired yet. Use pp=1 with fp8, "
-               "or fp8=None.", NotImplementedError),
         *_when(cfg.dispatcher != "alltoall", "fp8-dispatch-high-precision",
                f"`fp8={fp8!r}` with `dispatcher={cfg.dispatcher!r}`: the GEMMs run in FP8 but {dispatch}.", None),
         *_when(cfg.dispatcher == "alltoall" and cfg.alltoall_dedup, "fp8-dispatch-high-precision",

@@ -20,7 +20,8 @@ each rank then allocates only what it holds (``parallel/materialize.py``):
    checkpoint will fill them, ``hf_weights``).
 4b. :func:`apply_fp8_step` (``fp8`` set): the dense linears and the now expert-parallel experts in FP8
    (``fp8.apply_fp8``; docs/fp8.md), before the precision plugin and ``fully_shard`` see the modules; with
-   ``dispatcher="alltoall"`` the experts' rows are dispatched in FP8. After step 3 at ``tp > 1``: each planned
+   ``dispatcher="alltoall"`` the experts' rows are dispatched in FP8. At ``pp > 1`` every chunk is converted, this
+   rank's allocated ones and the others' on meta alike. After step 3 at ``tp > 1``: each planned
    linear's FP8 replacement gets its style again (``parallel/tensor.py::PlannedLinear``). With ``shard="full"``
    (``tensorwise``, ``tp = 1``) the dense weights are then all-gathered in float8.
 5. activation checkpointing: the ``Recompute`` callback wraps the chunks at ``on_fit_start``, after these steps.

@@ -20,6 +20,8 @@ def test_no_fp8_and_a_plain_fp8_config_have_no_problem() -> None:
     assert check_fp8("rowwise", OverlapConfig(ep=2)) == check_fp8("tensorwise", OverlapConfig()) == []
     # FP8 over a tensor-parallel plan (tests/distributed/test_fp8_tensor_parallel.py)
     assert check_fp8("tensorwise", OverlapConfig(tp=2, ep=2)) == check_fp8("rowwise", OverlapConfig(tp=2)) == []
+    # FP8 over pipeline chunks (tests/distributed/test_fp8_pipeline.py)
+    assert check_fp8("rowwise", OverlapConfig(pp=2, vpp=2, ep=2)) == check_fp8("tensorwise", OverlapConfig(pp=2)) == []
 
 
 @pytest.mark.parametrize(
@@ -30,7 +32,6 @@ def test_no_fp8_and_a_plain_fp8_config_have_no_problem() -> None:
         ("delayed", {}, ("fp8-needs-te", "NotImplementedError"), r"Transformer Engine.*Use `fp8='rowwise'`"),
         ("mxfp8", {}, ("fp8-needs-te", "NotImplementedError"), r"block of 32.*Use `fp8='rowwise'`"),
         ("rowwise", {"expert_backend": "te"}, ("fp8-te-experts", "NotImplementedError"), r"Use `expert_backend='torch'`"),
-        ("rowwise", {"pp": 2}, ("fp8-pipeline", "NotImplementedError"), r"pp=2.*Use pp=1 with fp8"),
         ("rowwise", {"dispatcher": "allgather"}, ("fp8-dispatch-high-precision", "warning"), r"only `dispatcher='alltoall'`"),
         ("rowwise", {"alltoall_dedup": True}, ("fp8-dispatch-high-precision", "warning"), r"Set `alltoall_dedup=False`"),
     ],
