@@ -18,6 +18,7 @@ from collections.abc import Sequence
 from typing import Protocol
 
 from lightning.pytorch import Callback, LightningModule, Trainer
+from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import nn
 from typing_extensions import override
 
@@ -43,9 +44,12 @@ class LayerCallback(Callback):
 
     @override
     def on_fit_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
-        """Attach to the module, or at ``pp > 1`` to the chunks this rank holds (``strategy.pipeline_chunks``)."""
+        """Attach to the module, or at ``pp > 1`` to the chunks this rank holds (``strategy.pipeline_chunks``), and
+        log on rank 0 what was attached there."""
         chunks = getattr(trainer.strategy, "pipeline_chunks", None)
         self.apply(list(chunks) if chunks else pl_module)
+        where = f"the {len(chunks)} pipeline chunks rank 0 holds" if chunks else "the model"
+        rank_zero_info(f"{self!r}: {len(self._handles)} regions attached to {where}.")
 
     @override
     def teardown(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
