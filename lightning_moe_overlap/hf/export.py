@@ -70,7 +70,9 @@ def export_hf(
             load_consolidated_state_dict`); keys outside ``prefix`` are left out.
         dst: the folder to write (created; must be empty unless ``overwrite``).
         config: the model's config: a transformers ``PretrainedConfig``, a ``config.json`` path or a folder holding
-            one. Written as ``dst/config.json``; its ``model_type`` picks the key family.
+            one. Written as ``dst/config.json`` without its ``quantization_config`` (the tensors are written in
+            their own dtype: a model loaded from an FP8 checkpoint leaves in high precision); its ``model_type``
+            picks the key family.
         family: the key layout to write (a family, its name or a ``model_type``); default from the config.
         prefix: where the HF model sits in the keys (``"model."`` for a LightningModule's ``self.model``).
         max_shard_bytes: the largest file (bytes, or ``"5GB"``-style); one tensor larger than it gets a file alone.
@@ -88,6 +90,7 @@ def export_hf(
     limit = parse_size(max_shard_bytes)
     out = _check_destination(Path(dst), overwrite)
     config_dict = _config_dict(config)
+    config_dict.pop("quantization_config", None)  # the tensors are written as they are: high precision, no scales
     if dtype is not None:
         config_dict["dtype"] = str(dtype).removeprefix("torch.")
     chosen = select_family(family, config_dict.get("model_type"), OWNER)

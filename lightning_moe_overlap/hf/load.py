@@ -10,6 +10,8 @@
 3. **Read** through ``torch.distributed.checkpoint.load`` with DCP's ``HuggingFaceStorageReader``: each read takes
    only its box of the file tensor and copies it into the held tensor, converting the dtype (bf16 files into fp32
    weights). Collective where a process group is initialised (every rank calls it, each with its own tensors).
+   Block-scaled FP8 files (DeepSeek-V3's ``weight_scale_inv``) are dequantised as they are read, each box with the
+   scale blocks that cover it (:mod:`.fp8_weights`).
 
 :class:`HFWeights` is what a LightningModule declares for the strategy to load after sharding.
 """
@@ -39,6 +41,7 @@ from torch.distributed.checkpoint.metadata import (
 from lightning_moe_overlap.hf.checks import plan_pieces
 from lightning_moe_overlap.hf.families import select_family
 from lightning_moe_overlap.hf.files import FileTensor, folder, read_config, read_keys
+from lightning_moe_overlap.hf.fp8_weights import BlockScaledPlanner, BlockScales, split_scales
 from lightning_moe_overlap.hf.keys import HFFamily, Piece
 from lightning_moe_overlap.hf.planner import PieceLoadPlanner, chunk_of
 
@@ -104,7 +107,9 @@ def load_hf_weights(
     Raises:
         ValueError: a name of ``shapes`` does not start with ``prefix``, ``held`` names a tensor ``shapes`` does
             not, the folder is no checkpoint, or the checkpoint does not fill the model exactly
-            (:class:`~lightning_moe_overlap.hf.checks.HFKeysError`: missing, unexpected and misshapen keys).
+            (:class:`~lightning_moe_overlap.hf.checks.HFKeysError`: missing, unexpected and misshapen keys), or its
+            FP8 weights and their ``_scale_inv`` scales do not fit (:func:`~.fp8_weights.split_scales`).
+        NotImplementedError: a block-scaled FP8 weight is not 2-D.
     """
     started = time.perf_counter()
     root = folder(path, OWNER)
@@ -116,9 +121,10 @@ def load_hf_weights(
             f"{unknown[:5]}. Rule: `shapes` lists every tensor of the HF model (under `prefix`) and `held` a subset. "
             "Fix: pass the prefix of the HF model's attribute, and load other tensors separately."
         )
-    chosen, files, pieces = match_files(root, shapes, family=family, prefix=prefix, ignore=ignore)
+    chosen, files, pieces, scales = match_files(root, shapes, family=family, prefix=prefix, ignore=ignore)
     chunks = {n: chunk_of(n, t, tuple(int(s) for s in shapes[n]), OWNER) for n, t in held.items()}
-    planner = PieceLoadPlanner({n: pieces[n[len(prefix) :]] for n in held})
+    mine = {n: pieces[n[len(prefix) :]] for n in held}
+    planner = PieceLoadPlanner(mine) if scales is None else BlockScaledPlanner(mine, scales)
     distributed = dist.is_available() and dist.is_initialized()
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")  # single process: intended
@@ -144,16 +150,18 @@ def match_files(
     family: str | HFFamily | None,
     prefix: str,
     ignore: Sequence[str],
-) -> tuple[HFFamily, dict[str, FileTensor], dict[str, list[Piece]]]:
-    """The match phase alone (headers only, no tensor data): the family, the files' keys and the pieces of every
-    tensor of ``shapes`` (HF names, ``prefix`` removed); :class:`~.checks.HFKeysError` when they do not fit."""
+) -> tuple[HFFamily, dict[str, FileTensor], dict[str, list[Piece]], BlockScales | None]:
+    """The match phase alone (headers only, no tensor data): the family, the files' keys (all of them), the pieces
+    of every tensor of ``shapes`` (HF names, ``prefix`` removed) and the FP8 block scales (:mod:`.fp8_weights`; None
+    for a high-precision checkpoint); :class:`~.checks.HFKeysError` when they do not fit."""
     config = read_config(root)
     chosen = select_family(family, config.get("model_type"), OWNER)
     files = read_keys(root, OWNER)
+    weights, scales = split_scales(config, files, OWNER)  # the `_scale_inv` keys are the weights', not the model's
     hf_shapes = {n[len(prefix) :]: s for n, s in shapes.items()}
     tied = bool(config.get("tie_word_embeddings", False))
-    pieces = plan_pieces(hf_shapes, files, chosen, tied=tied, ignore=ignore, where=str(root), owner=OWNER)
-    return chosen, files, pieces
+    pieces = plan_pieces(hf_shapes, weights, chosen, tied=tied, ignore=ignore, where=str(root), owner=OWNER)
+    return chosen, files, pieces, scales
 
 
 def _numel(lengths: Sequence[int]) -> int:
