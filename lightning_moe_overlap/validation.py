@@ -846,10 +846,6 @@ def check_fp8(fp8: object, cfg: OverlapConfig) -> list[Problem]:
                "or fp8=None.", NotImplementedError),
         *_when(cfg.dispatcher != "alltoall", "fp8-dispatch-high-precision",
                f"`fp8={fp8!r}` with `dispatcher={cfg.dispatcher!r}`: the GEMMs run in FP8 but {dispatch}.", None),
-        *_when(cfg.dispatcher == "alltoall" and cfg.alltoall_dedup, "fp8-dispatch-high-precision",
-               f"`fp8={fp8!r}` with `alltoall_dedup=True`: the GEMMs run in FP8 but the deduplicated dispatch "
-               "sends the rows in high precision (FP8 dispatch is on the plain all-to-all path). Set "
-               "`alltoall_dedup=False` to send them in FP8.", None),
     ]  # fmt: skip
 
 

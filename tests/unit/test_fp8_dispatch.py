@@ -1,11 +1,14 @@
 """FP8 dispatch in one process: the all-to-all dispatcher's rows in e4m3 with a scale per row, read as they are by the
 experts' FP8 kernel; the backward in high precision; the bytes on the wire; FP8 saved activations offloaded as FP8.
+The deduplicated path (``dedup=True``: each token once per destination rank) sends its unique rows in FP8 too.
 
 The exchange is real: a loopback communicator (``moe/dispatch/loopback.py``) copies every all-to-all as another
 rank would, and a recording observer sees each collective's bytes. Oracles: the same experts on high-precision
 rows (``fp8_dispatch=False``): with ``rowwise`` the first GEMM quantises each row exactly as the dispatch does, so
 the forward and the input gradient are bitwise equal; float32 experts (SQNR) for ``tensorwise``; the byte counts
-from the shapes (``D`` FP8 bytes and a 4-byte scale per row, ``2 D`` in bf16, ``4 D`` in float32).
+from the shapes (``D`` FP8 bytes and a 4-byte scale per row, ``2 D`` in bf16, ``4 D`` in float32); for the
+deduplicated path, also the plain path's FP8 dispatch (the same rows in the same order) and its high-precision
+dispatch, and the unique rows counted from the routing (one per token here: one process, one destination).
 """
 
 from __future__ import annotations
@@ -22,7 +25,7 @@ from lightning_moe_overlap.fp8.experts import Float8GroupedLinear
 from lightning_moe_overlap.fp8.recipes import RECIPES
 from lightning_moe_overlap.fp8.rows import Float8Rows, pack_rows, quantize_rows, unpack_rows
 from lightning_moe_overlap.moe import Experts, apply_expert_parallel
-from lightning_moe_overlap.moe.dispatch.float8 import float8_all_to_all
+from lightning_moe_overlap.moe.dispatch.float8 import float8_all_to_all, float8_all_to_all_many, gather_float8_rows
 from lightning_moe_overlap.moe.dispatch.loopback import Loopback
 from lightning_moe_overlap.moe.grouped import RowSplits
 from lightning_moe_overlap.overlap.observers import CommTraffic
@@ -49,25 +52,27 @@ class Holder(nn.Module):
         self.experts = Experts(E, hidden, F)
 
 
-def _run(recipe: str | None, fp8_dispatch: bool, *, hidden: int = 32, dtype=torch.float32, all_to_one=False):
-    """``(out, x.grad, gate_up grad, per-collective bytes, rows sent)`` of one forward and backward."""
+def _run(
+    recipe: str | None, fp8_dispatch: bool, *, hidden: int = 32, dtype=torch.float32, all_to_one=False, dedup=False
+):
+    """``(out, x.grad, gate_up grad, per-collective bytes, rows sent, weights.grad)`` of one forward and backward."""
     torch.manual_seed(0)
     model = Holder(hidden).to(dtype)
     x = torch.randn(T, hidden, dtype=dtype, requires_grad=True)
     indices = torch.zeros(T, K, dtype=torch.long) if all_to_one else torch.randint(0, E, (T, K))
     if all_to_one:
         indices[:, 1] = 1  # experts 2 and 3 get no rows
-    weights = torch.rand(T, K, dtype=dtype)
+    weights = torch.rand(T, K, dtype=dtype, requires_grad=True)
     traffic = Recording()
     runtime = CommRuntime(communicator=Loopback(0.0))
     runtime.attach(traffic)
-    (ep,) = apply_expert_parallel(model, None, runtime=runtime)
+    (ep,) = apply_expert_parallel(model, None, runtime=runtime, dedup=dedup)
     if recipe is not None:
         apply_fp8(model, recipe, dense=False)
     ep.fp8_dispatch = fp8_dispatch
     out = model.experts(x, indices, weights)
     out.float().pow(2).sum().backward()
-    return out.detach(), x.grad, ep.gate_up_proj.grad, traffic.each, T * K
+    return out.detach(), x.grad, ep.gate_up_proj.grad, traffic.each, T * K, weights.grad
 
 
 def _sqnr(ref: torch.Tensor, out: torch.Tensor) -> float:
@@ -76,15 +81,15 @@ def _sqnr(ref: torch.Tensor, out: torch.Tensor) -> float:
 
 @pytest.mark.parametrize("all_to_one", [False, True], ids=["random", "two-experts-empty"])
 def test_rowwise_fp8_dispatch_is_bitwise_the_high_precision_rows(all_to_one: bool) -> None:
-    out, dx, _, _, _ = _run("rowwise", True, all_to_one=all_to_one)
-    ref_out, ref_dx, _, _, _ = _run("rowwise", False, all_to_one=all_to_one)
+    out, dx, *_ = _run("rowwise", True, all_to_one=all_to_one)
+    ref_out, ref_dx, *_ = _run("rowwise", False, all_to_one=all_to_one)
     assert torch.equal(out, ref_out) and torch.equal(dx, ref_dx)
 
 
 @pytest.mark.parametrize("recipe", ["tensorwise", "rowwise"])
 def test_fp8_dispatch_stays_close_to_float32_experts(recipe: str) -> None:
-    out, dx, dw, _, _ = _run(recipe, True)
-    ref_out, ref_dx, ref_dw, _, _ = _run(None, False)
+    out, dx, dw, *_ = _run(recipe, True)
+    ref_out, ref_dx, ref_dw, *_ = _run(None, False)
     assert _sqnr(ref_out, out) >= 18 and _sqnr(ref_dx, dx) >= 18 and _sqnr(ref_dw, dw) >= 18
 
 
@@ -166,14 +171,64 @@ def test_offload_moves_the_fp8_rows_saved_by_the_fp8_gemm_as_fp8() -> None:
     assert torch.equal(got[0], expected[0]) and torch.equal(got[1], expected[1])
 
 
-def test_other_dispatchers_and_deduplicated_alltoall_keep_high_precision_rows() -> None:
+def test_other_dispatchers_keep_high_precision_rows() -> None:
     model = Holder(32)
     runtime = CommRuntime(communicator=Loopback(0.0))
     (ep,) = apply_expert_parallel(copy.deepcopy(model), None, runtime=runtime, dispatcher="allgather")
     apply_fp8(ep, "rowwise", dense=False)
     assert ep.dispatcher.fp8_dispatch is False and ep.dispatch_recipe() is None
-    (ep,) = apply_expert_parallel(copy.deepcopy(model), None, runtime=runtime, dedup=True)
+
+
+@pytest.mark.parametrize("all_to_one", [False, True], ids=["random", "two-experts-empty"])
+def test_deduplicated_rowwise_fp8_dispatch_is_bitwise_its_high_precision_dispatch_and_the_plain_fp8_one(
+    all_to_one: bool,
+) -> None:
+    """Output, input and routing-weight gradients: bitwise those of the deduplicated high-precision dispatch (FP8
+    GEMMs either way) and of the plain path's FP8 dispatch."""
+    out, dx, dw, _, _, dweights = _run("rowwise", True, all_to_one=all_to_one, dedup=True)
+    for fp8_dispatch, dedup in ((False, True), (True, False)):
+        ref_out, ref_dx, ref_dw, _, _, ref_dweights = _run("rowwise", fp8_dispatch, all_to_one=all_to_one, dedup=dedup)
+        assert torch.equal(out, ref_out) and torch.equal(dx, ref_dx), (fp8_dispatch, dedup)
+        assert torch.equal(dw, ref_dw) and torch.equal(dweights, ref_dweights), (fp8_dispatch, dedup)
+
+
+def test_deduplicated_dispatch_sends_its_unique_rows_in_fp8() -> None:
+    """Collectives per call: counts, then at one comm point the rows and their routing data (bf16 weights and int32
+    local experts apart), the combine (forward); the combine, then the rows' and the weights' gradients (backward)."""
+    hidden = 32
+    model = Holder(hidden)
+    runtime = CommRuntime(communicator=Loopback(0.0))
+    (ep,) = apply_expert_parallel(model, None, runtime=runtime, dedup=True)
     apply_fp8(ep, "rowwise", dense=False)
-    x, indices = torch.randn(T, 32), torch.randint(0, E, (T, K))
+    x, indices = torch.randn(T, hidden), torch.randint(0, E, (T, K))
     x_RD, _, _ = ep.dispatcher.dispatch(x, indices, torch.rand(T, K), fp8=ep.dispatch_recipe())
-    assert type(x_RD) is torch.Tensor  # the deduplicated path sends high-precision rows
+    assert type(x_RD) is Float8Rows and x_RD.shape == (T * K, hidden)
+    fp8 = _run("rowwise", True, hidden=hidden, dtype=torch.bfloat16, dedup=True)[3]
+    bf16 = _run("rowwise", False, hidden=hidden, dtype=torch.bfloat16, dedup=True)[3]
+    unique_rows = T  # one process: every token goes to its one destination once, whatever its K choices
+    row, weights, local = 2 * hidden * unique_rows, 2 * K * unique_rows, 4 * K * unique_rows
+    assert bf16[1:] == [row, weights, local, row, row, row, weights]
+    # only the rows change: the routing data, the combine and every backward exchange stay as they were
+    assert fp8 == [bf16[0], (hidden + 4) * unique_rows, *bf16[2:]]
+
+
+def test_float8_rows_sent_with_other_tensors_then_gathered_per_assignment() -> None:
+    """Oracles: the quantised rows indexed by ``assign // K`` and ``index_select``'s autograd for the rows' gradient;
+    the float tensor sent beside them comes back unchanged with its own gradient, the integer one without."""
+    recipe = RECIPES["rowwise"]
+    x = torch.randn(5, 16, requires_grad=True)
+    weights = torch.rand(5, 3, requires_grad=True)
+    ids = torch.arange(5, dtype=torch.int32)
+    rows, weights_M, ids_M = float8_all_to_all_many(x, (weights, ids), recipe, (5,), (5,), None, None)
+    assign = torch.tensor([1, 0, 4, 9, 8, 5])  # flat (row, choice) ids with K = 2: rows 0, 0, 2, 4, 4, 2
+    taken = gather_float8_rows(rows, assign, 2)
+    q, scale = quantize_rows(x.detach(), recipe)
+    index = torch.tensor([0, 0, 2, 4, 4, 2])
+    assert type(taken) is Float8Rows and torch.equal(taken.scale, scale[index])
+    assert torch.equal(taken.data_fp8.view(torch.uint8), q[index].view(torch.uint8))
+    assert torch.equal(ids_M, ids) and not ids_M.requires_grad
+    g, g_weights = torch.randn(6, 16), torch.randn(5, 3)
+    x_grad, weights_grad = torch.autograd.grad((taken, weights_M), (x, weights), (g, g_weights))
+    oracle = x.detach().clone().requires_grad_()
+    oracle.index_select(0, index).backward(g)
+    assert torch.equal(x_grad, oracle.grad) and torch.equal(weights_grad, g_weights)

@@ -18,6 +18,8 @@ def _rules(problems) -> list[tuple[str, str]]:
 def test_no_fp8_and_a_plain_fp8_config_have_no_problem() -> None:
     assert check_fp8(None, OverlapConfig(ep=2)) == []
     assert check_fp8("rowwise", OverlapConfig(ep=2)) == check_fp8("tensorwise", OverlapConfig()) == []
+    # the deduplicated all-to-all sends its rows in FP8 too (tests/unit/test_fp8_dispatch.py)
+    assert check_fp8("rowwise", OverlapConfig(ep=2, alltoall_dedup=True)) == []
     # FP8 over a tensor-parallel plan (tests/distributed/test_fp8_tensor_parallel.py)
     assert check_fp8("tensorwise", OverlapConfig(tp=2, ep=2)) == check_fp8("rowwise", OverlapConfig(tp=2)) == []
     # FP8 over pipeline chunks (tests/distributed/test_fp8_pipeline.py)
@@ -33,7 +35,6 @@ def test_no_fp8_and_a_plain_fp8_config_have_no_problem() -> None:
         ("mxfp8", {}, ("fp8-needs-te", "NotImplementedError"), r"block of 32.*Use `fp8='rowwise'`"),
         ("rowwise", {"expert_backend": "te"}, ("fp8-te-experts", "NotImplementedError"), r"Use `expert_backend='torch'`"),
         ("rowwise", {"dispatcher": "allgather"}, ("fp8-dispatch-high-precision", "warning"), r"only `dispatcher='alltoall'`"),
-        ("rowwise", {"alltoall_dedup": True}, ("fp8-dispatch-high-precision", "warning"), r"Set `alltoall_dedup=False`"),
     ],
 )
 def test_each_fp8_rule(fp8, cfg, expected, fix) -> None:

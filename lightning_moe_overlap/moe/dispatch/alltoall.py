@@ -41,10 +41,12 @@ from torch.distributed import ProcessGroup
 
 from lightning_moe_overlap.fp8.recipes import Float8Recipe
 from lightning_moe_overlap.moe.dispatch.base import DispatcherBase
-from lightning_moe_overlap.moe.dispatch.comm import all_to_all, all_to_all_many, communicator_of, exchange_counts
+from lightning_moe_overlap.moe.dispatch.comm import all_to_all, communicator_of, exchange_counts
 from lightning_moe_overlap.moe.dispatch.dedup import (
     destinations,
     exchange_layout,
+    exchange_rows,
+    expand_rows,
     kept_per_expert,
     local_choices,
     pack_choices,
@@ -129,7 +131,7 @@ class AllToAllDispatcher(DispatcherBase):
     name = "alltoall"
     knobs = ("dedup",)
     backward_handoffs = 1  # the token-count exchange
-    fp8_dispatch = True  # `dispatch(..., fp8=recipe)` sends the rows in FP8 (not on the deduplicated path)
+    fp8_dispatch = True  # `dispatch(..., fp8=recipe)` sends the rows in FP8 (deduplicated or not)
 
     def __init__(
         self, ep_group: ProcessGroup | None, num_experts: int, runtime: CommRuntime | None, dedup: bool = False
@@ -153,11 +155,11 @@ class AllToAllDispatcher(DispatcherBase):
 
         ``splits``: the rows of each local expert, sorted by local expert or, on CPU with more than one rank, in the
         receive layout's segments (see the module docstring). ``fp8``: send the rows in FP8, quantised for this
-        recipe's experts (``x_RD`` is then a :class:`~lightning_moe_overlap.fp8.rows.Float8Rows`, ``float8.py``); the
-        deduplicated path sends them in high precision.
+        recipe's experts (``x_RD`` is then a :class:`~lightning_moe_overlap.fp8.rows.Float8Rows`, ``float8.py``), on
+        the deduplicated path too (each unique row quantised once, ``dedup.py``).
         """
         if self.dedup and self._worth_deduplicating(indices_TK.shape[-1]):
-            return self._dispatch_dedup(x_TD, indices_TK, weights_TK)
+            return self._dispatch_dedup(x_TD, indices_TK, weights_TK, fp8)
         order_TK, counts_E = self._dispatch_preprocess(indices_TK)
         send_E, recv_SE, recv_GE = self._exchange_counts(counts_E)
         assign_A = order_TK[: sum(send_E)]
@@ -226,9 +228,10 @@ class AllToAllDispatcher(DispatcherBase):
         return top_k > 1 and communicator_of(self.runtime).exchanges(self.ep_group)
 
     def _dispatch_dedup(
-        self, x_TD: Tensor, indices_TK: Tensor, weights_TK: Tensor
+        self, x_TD: Tensor, indices_TK: Tensor, weights_TK: Tensor, fp8: Float8Recipe | None = None
     ) -> tuple[Tensor, RowSplits, DedupHandle]:
-        """The deduplicated dispatch: the same stages, one row per (token, destination rank)."""
+        """The deduplicated dispatch: the same stages, one row per (token, destination rank); ``fp8``: the rows
+        travel in FP8 (:func:`~lightning_moe_overlap.moe.dispatch.dedup.exchange_rows`)."""
         num_tokens, top_k, local = x_TD.shape[0], indices_TK.shape[-1], self.num_local_experts
         # Preprocess (no comm): rows per expert, and which (destination, token) pairs carry a row.
         counts_E = kept_per_expert(indices_TK, self.num_experts)
@@ -248,9 +251,7 @@ class AllToAllDispatcher(DispatcherBase):
         )
         # Comm point: the rows, their routing weights and local expert indices, in one exchange.
         x_UD = token_rows(x_TD, token_U, self.ep_size)
-        x_MD, *received = all_to_all_many(
-            (x_UD, *choices), output_splits, input_splits, self.ep_group, self.runtime
-        )
+        x_MD, *received = exchange_rows(x_UD, choices, fp8, output_splits, input_splits, self.ep_group, self.runtime)
         weights_MK, local_MK = unpack_choices(tuple(received), top_k)
         # Postprocess (no comm): one row per (received row, local expert), grouped by local expert, or on CPU by
         # source rank then local expert (the segments the plain path gives: the same rows in the same order).
@@ -278,7 +279,7 @@ class AllToAllDispatcher(DispatcherBase):
             input_splits=input_splits,
             output_splits=output_splits,
         )
-        return gather_rows(x_MD, assign_R, top_k), splits, handle
+        return expand_rows(x_MD, assign_R, top_k), splits, handle
 
     def _dispatch_preprocess(self, indices_TK: Tensor) -> tuple[Tensor, Tensor]:
         """No comm: order the assignments by global expert (so by destination rank, then local expert)."""

@@ -15,6 +15,12 @@ later choices share a rank; docs/dispatchers.md). Every sum here and in :mod:`~l
 adds its rows one after the other in index order, without atomics on CUDA, so each path gives the same bits on
 every run and on CPU and CUDA alike.
 
+FP8 dispatch (``docs/fp8.md``) works here as on the plain path: each unique row is quantised once (e4m3 and a
+float32 scale per row, ``D + 4`` bytes) and sent with its routing data at the same comm point
+(:func:`exchange_rows`); the destination repeats the bytes and scales per (row, local expert) (:func:`expand_rows`),
+so the experts get the :class:`~lightning_moe_overlap.fp8.rows.Float8Rows` the plain path gives them. The combine and
+every backward exchange stay in high precision.
+
 Shape legend:
     T: tokens on this rank   K: top-k   D: hidden size   G: ep ranks   e: local experts per rank
     U: unique (token, destination) rows sent, grouped by destination rank then token
@@ -23,10 +29,18 @@ Shape legend:
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 from torch import Tensor
+from torch.distributed import ProcessGroup
 
-from lightning_moe_overlap.moe.permute import count_per_expert, sum_rows, take_rows
+from lightning_moe_overlap.fp8.recipes import Float8Recipe
+from lightning_moe_overlap.fp8.rows import Float8Rows
+from lightning_moe_overlap.moe.dispatch.comm import all_to_all_many
+from lightning_moe_overlap.moe.dispatch.float8 import float8_all_to_all_many, gather_float8_rows
+from lightning_moe_overlap.moe.permute import count_per_expert, gather_rows, sum_rows, take_rows
+from lightning_moe_overlap.overlap.runtime import CommRuntime
 
 
 def kept_per_expert(indices_TK: Tensor, num_experts: int) -> Tensor:
@@ -96,6 +110,31 @@ def token_rows(x_TD: Tensor, token_U: Tensor, ep_size: int) -> Tensor:
     """No comm: the row of each (token, destination) pair, ``x_TD[token_U]`` (differentiable; a token is taken at
     most once per rank, and the backward adds its ``<= G`` gradients without atomics)."""
     return take_rows(x_TD, token_U, ep_size)
+
+
+def exchange_rows(
+    x_UD: Tensor,
+    choices: tuple[Tensor, ...],
+    fp8: Float8Recipe | None,
+    output_splits: Sequence[int],
+    input_splits: Sequence[int],
+    group: ProcessGroup | None,
+    runtime: CommRuntime | None,
+) -> tuple[Tensor, ...]:
+    """Comm point: the unique rows and their routing data (:func:`pack_choices`) in one exchange,
+    ``(x_MD, *choices_M)``. ``fp8``: the rows go in FP8 (``x_MD`` is a
+    :class:`~lightning_moe_overlap.fp8.rows.Float8Rows`, ``float8.py``); the gradients come back in high precision."""
+    if fp8 is None:
+        return all_to_all_many((x_UD, *choices), output_splits, input_splits, group, runtime)
+    return float8_all_to_all_many(x_UD, choices, fp8, tuple(output_splits), tuple(input_splits), group, runtime)
+
+
+def expand_rows(x_MD: Tensor, assign_R: Tensor, top_k: int) -> Tensor:
+    """No comm: the received row of each (row, local expert) pair, ``x_MD[assign_R // K]`` (differentiable); FP8
+    rows stay FP8 (their bytes and scales repeated)."""
+    if isinstance(x_MD, Float8Rows):
+        return gather_float8_rows(x_MD, assign_R, top_k)
+    return gather_rows(x_MD, assign_R, top_k)
 
 
 def sum_per_token(y_UD: Tensor, token_U: Tensor, num_tokens: int, ep_size: int) -> Tensor:
