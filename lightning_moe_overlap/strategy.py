@@ -176,12 +176,14 @@ class MoEOverlapStrategy(ParallelStrategy):
         optimizer_offload_fraction: The share in (0, 1] of the parameters' elements offloaded, largest parameters
             first; only with ``optimizer_cpu_offload``.
         fp8: Run the GEMMs in FP8 with this recipe (docs/fp8.md): ``"tensorwise"`` or ``"rowwise"`` current scaling
-            (torchao's recipes, the ``fp8`` extra); None (the default) keeps them in the training precision. The
-            dense linears (output heads and routers left out) go through torchao's ``Float8Linear``, the experts
-            through this package's FP8 kernel, and with ``dispatcher="alltoall"`` the tokens are dispatched in FP8
-            (e4m3 with one scale per row; the combine and the gradients stay in high precision). Weights, optimizer
-            state and checkpoints are unchanged. Layers with a dim that is not a multiple of 16 stay in high
-            precision (a warning names them). Not with ``tp > 1``, ``pp > 1`` or ``expert_backend="te"``.
+            (torchao's recipes, the ``fp8`` extra), or ``"mxfp8"`` (one power-of-two scale per block of 32 values,
+            emulated where no MX tensor cores are); None (the default) keeps them in the training precision. The
+            dense linears (output heads and routers left out) go through torchao, the experts through this
+            package's FP8 kernel, and with ``dispatcher="alltoall"`` (deduplicated or not) the tokens are dispatched
+            in FP8 (e4m3 with one scale per row, not with ``mxfp8``; the combine and the gradients stay in high
+            precision). Weights, optimizer state and checkpoints are unchanged. Layers with a dim that is not a
+            multiple of 16 (32 for ``mxfp8``) stay in high precision (a warning names them). Runs at ``tp > 1``
+            (not ``mxfp8``) and ``pp > 1``; not with ``expert_backend="te"``.
         overlap_grad_reduce: In the sharded modes, make each layer an FSDP unit of its own and reduce-scatter each
             unit (the experts' over edp too) as soon as its gradients are final in the step's last backward, so the
             reduction runs under the rest of that backward instead of after it (Megatron's ``--overlap-grad-reduce``;

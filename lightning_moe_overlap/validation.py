@@ -32,9 +32,10 @@ from lightning_moe_overlap.config import (
     OverlapConfig,
 )
 from lightning_moe_overlap.fp8.apply import MIN_CUDA_CAPABILITY
-from lightning_moe_overlap.fp8.dense import ALIGN as FP8_ALIGN
-from lightning_moe_overlap.fp8.dense import plan_linears
+from lightning_moe_overlap.fp8.dense import linear_align, plan_linears
 from lightning_moe_overlap.fp8.recipes import NEEDS_TE, RECIPES
+
+MXFP8 = "mxfp8"  # the block recipe: high-precision dispatch, no tensor-parallel plan
 from lightning_moe_overlap.moe.adapters import find_experts
 from lightning_moe_overlap.moe.capacity import capacity_problems
 from lightning_moe_overlap.moe.dispatch.base import splits_evenly
@@ -829,7 +830,7 @@ def check_fp8(fp8: object, cfg: OverlapConfig) -> list[Problem]:
             "fp8-needs-te",
             f"{OWNER}: `fp8={fp8!r}` ({NEEDS_TE[fp8]}) needs Transformer Engine's FP8 on a CUDA GPU, which this "
             f"package does not wire yet; the recipes that run, on CPU and CUDA, are {list(RECIPES)}. Use "
-            "`fp8='rowwise'` (the closest in accuracy) or `fp8='tensorwise'`.",
+            "`fp8='rowwise'` (the closest in accuracy), `fp8='mxfp8'` or `fp8='tensorwise'`.",
             NotImplementedError,
         )]  # fmt: skip
     if not isinstance(fp8, str) or fp8 not in RECIPES:
@@ -839,12 +840,21 @@ def check_fp8(fp8: object, cfg: OverlapConfig) -> list[Problem]:
             "precision). Pass `fp8='rowwise'` or `fp8='tensorwise'` (docs/fp8.md, \"Recipes\").",
         )]  # fmt: skip
     dispatch = "the rows are then dispatched in high precision; only `dispatcher='alltoall'` sends them in FP8"
+    mx = fp8 == MXFP8
     return [
         *_when(cfg.expert_backend == "te", "fp8-te-experts",
                f"`fp8={fp8!r}` with `expert_backend='te'`: Transformer Engine's own FP8 recipes are not wired here "
                "yet, and the FP8 expert kernel runs on the torch backend. Use `expert_backend='torch'` with fp8, "
                "or fp8=None.", NotImplementedError),
-        *_when(cfg.dispatcher != "alltoall", "fp8-dispatch-high-precision",
+        *_when(mx and cfg.tp > 1, "fp8-mxfp8-tp",
+               f"`fp8='mxfp8'` with tp={cfg.tp}: torchao's MX linear is not wired with the tensor-parallel plan's "
+               "styles yet. Use tp=1 with fp8='mxfp8', or fp8='rowwise' / 'tensorwise' at tp > 1.",
+               NotImplementedError),
+        *_when(mx, "fp8-dispatch-high-precision",
+               "`fp8='mxfp8'`: the GEMMs run in MXFP8 but the rows are dispatched in high precision, with every "
+               "dispatcher (the FP8 dispatch sends one scale per row; MXFP8 scales blocks of 32 and is not wired "
+               "into it). Use fp8='rowwise' with `dispatcher='alltoall'` to send them in FP8.", None),
+        *_when(not mx and cfg.dispatcher != "alltoall", "fp8-dispatch-high-precision",
                f"`fp8={fp8!r}` with `dispatcher={cfg.dispatcher!r}`: the GEMMs run in FP8 but {dispatch}.", None),
     ]  # fmt: skip
 
@@ -871,19 +881,20 @@ def check_fp8_machine(
 
 
 def check_fp8_model(fp8: object, model: Any) -> list[Problem]:
-    """One warning naming the layers that stay in high precision because a dim is not a multiple of 16 (FP8 GEMMs'
-    rule): dense linears the default filter would convert, and experts modules."""
+    """One warning naming the layers that stay in high precision because a dim is not a multiple of 16 (32 with
+    ``mxfp8``: the FP8 GEMMs' rule): dense linears the default filter would convert, and experts modules."""
     if fp8 not in RECIPES:
         return []
-    _, skipped = plan_linears(model)
+    align = linear_align(RECIPES[fp8])
+    _, skipped = plan_linears(model, align=align)
     kept = [f"{fqn} ({why.split(':')[0]})" for fqn, why in skipped.items() if "multiples of" in why]
     for name, found in find_experts(model).items():
         dims = sorted({d for w in found.module.parameters(recurse=False) if w.dim() == 3 for d in w.shape[1:]})
-        if any(d % FP8_ALIGN for d in dims):
+        if any(d % align for d in dims):
             kept.append(f"{name} (expert weight dims {dims})")
     return _when(bool(kept), "fp8-dims",
                  f"`fp8={fp8!r}`: {len(kept)} layer(s) stay in high precision, a dim not a multiple of "
-                 f"{FP8_ALIGN} (the FP8 GEMMs' rule): {', '.join(kept)}. Pad those dims to multiples of {FP8_ALIGN} "
+                 f"{align} (the FP8 GEMMs' rule): {', '.join(kept)}. Pad those dims to multiples of {align} "
                  "to run them in FP8; the rest of the model runs in FP8.", None)  # fmt: skip
 
 

@@ -2,7 +2,8 @@
 
 It converts, in place:
 
-- the dense linears, through torchao (:mod:`.dense`; output heads and routers left out by default);
+- the dense linears, through torchao (:mod:`.dense`, its float8 linear, or its MX linear for ``mxfp8``; output heads
+  and routers left out by default);
 - the routed experts, this package's :class:`~lightning_moe_overlap.moe.experts.Experts` and
   :class:`~lightning_moe_overlap.moe.ep.ExpertParallelExperts` (any experts module the strategy wrapped, HF ones
   included), by setting their ``kernel`` to the FP8 kernel (:mod:`.experts`). An ``Experts`` converted before the
@@ -19,9 +20,15 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from lightning_moe_overlap.fp8.dense import LinearFilter, convert_linears, default_linear_filter, plan_linears
+from lightning_moe_overlap.fp8.dense import (
+    LinearFilter,
+    convert_linears,
+    default_linear_filter,
+    linear_align,
+    plan_linears,
+)
 from lightning_moe_overlap.fp8.experts import Float8ExpertsKernel
-from lightning_moe_overlap.fp8.gemm import ALIGN, OUT_DTYPES
+from lightning_moe_overlap.fp8.gemm import OUT_DTYPES
 from lightning_moe_overlap.fp8.recipes import Float8Recipe, resolve_recipe
 from lightning_moe_overlap.moe.ep import ExpertParallelExperts
 from lightning_moe_overlap.moe.experts import Experts
@@ -66,7 +73,8 @@ def apply_fp8(
     device: torch.device | str | None = None,
     float8_all_gather: bool = False,
 ) -> Float8Report:
-    """Run ``model``'s dense linears and routed experts in FP8 with ``recipe`` (``"tensorwise"`` or ``"rowwise"``).
+    """Run ``model``'s dense linears and routed experts in FP8 with ``recipe`` (``"tensorwise"``, ``"rowwise"`` or
+    ``"mxfp8"``).
 
     Args:
         model: converted in place.
@@ -74,7 +82,8 @@ def apply_fp8(
         dense: convert the dense ``nn.Linear`` modules (needs torchao, the ``fp8`` extra).
         experts: convert the routed experts.
         module_filter: ``(fqn, linear) -> bool``, which dense linears may convert (default: all but output heads and
-            routers); a linear whose dims are not multiples of 16 stays in high precision whatever it says.
+            routers); a linear whose dims are not multiples of 16 (32 with ``mxfp8``) stays in high precision
+            whatever it says.
         device: where the model will train (default: its parameters' device).
         float8_all_gather: ``tensorwise`` only: the dense linears' weights are cast to float8 before
             ``fully_shard``'s all-gather (torchao's ``enable_fsdp_float8_all_gather``); call
@@ -86,23 +95,26 @@ def apply_fp8(
     Raises:
         ValueError: an unknown recipe; ``float8_all_gather`` with a recipe other than ``tensorwise``.
         NotImplementedError: a recipe that needs Transformer Engine; a CUDA GPU without FP8; experts on the
-            Transformer Engine backend.
+            Transformer Engine backend; ``mxfp8`` on tensor-parallel linears.
         TypeError: experts whose weights are not float32, bfloat16 or float16.
         ImportError: ``dense=True`` without torchao.
     """
     where = _training_device(model, device)
     recipe = resolve_recipe(recipe, where)
     _check_device(where)
-    planned, skipped = plan_linears(model, module_filter) if dense else ([], {})
+    align = linear_align(recipe)
+    planned, skipped = plan_linears(model, module_filter, align=align) if dense else ([], {})
     found = [(fqn, m) for fqn, m in model.named_modules() if isinstance(m, (Experts, ExpertParallelExperts))]
     kernel = Float8ExpertsKernel(recipe)
     converted_experts = []
     for fqn, module in found if experts else ():
-        reason = _experts_refusal(fqn, module)
+        reason = _experts_refusal(fqn, module, align)
         if reason:
             skipped[fqn] = reason
         else:
             converted_experts.append((fqn, module))
+    if experts:
+        skipped.update(_unwrapped_experts(model))
     linears: tuple[str, ...] = ()
     if planned:
         linears, skipped_dense = convert_linears(model, recipe, module_filter, float8_all_gather=float8_all_gather)
@@ -131,7 +143,7 @@ def _check_device(device: torch.device) -> None:
         )
 
 
-def _experts_refusal(fqn: str, module: nn.Module) -> str | None:
+def _experts_refusal(fqn: str, module: nn.Module, align: int) -> str | None:
     """Why an experts module cannot run in FP8 (a dims reason to report), or None; raises for what must not pass."""
     if getattr(module, "expert_backend", "torch") == "te":
         raise NotImplementedError(
@@ -146,9 +158,25 @@ def _experts_refusal(fqn: str, module: nn.Module) -> str | None:
             "masters. Convert the model to one of those dtypes first."
         )
     dims = sorted({d for w in weights for d in w.shape[1:]})
-    if any(d % ALIGN for d in dims):
-        return f"expert weight dims {dims}: FP8 GEMMs need multiples of {ALIGN}"
+    if any(d % align for d in dims):
+        return f"expert weight dims {dims}: FP8 GEMMs need multiples of {align}"
     return None
+
+
+def _unwrapped_experts(model: nn.Module) -> dict[str, str]:
+    """The experts modules of other kinds (Hugging Face's, a registered adapter's) that are not expert-parallel yet:
+    they take the FP8 kernel only once wrapped. Those on the meta device (another pipeline rank's chunk) are left
+    out of the report."""
+    from lightning_moe_overlap.moe.adapters import find_experts  # it imports the dispatchers, which import fp8
+
+    return {
+        name: (
+            "experts module of another kind (a Hugging Face one): it runs in FP8 once made expert-parallel; call "
+            "`apply_expert_parallel` first, as `MoEOverlapStrategy(fp8=...)` does"
+        )
+        for name, found in find_experts(model).items()
+        if not isinstance(found.module, Experts) and not any(p.is_meta for p in found.module.parameters())
+    }
 
 
 def has_fp8_kernel(module: nn.Module) -> bool:

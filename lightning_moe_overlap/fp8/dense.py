@@ -3,10 +3,13 @@
 torchao swaps each chosen ``nn.Linear`` for its ``Float8Linear`` (a subclass of ``nn.Linear`` whose weight stays the
 same high-precision parameter: names, state-dict keys and optimizer state do not change) and runs its three GEMMs
 through ``torch._scaled_mm`` with the recipe's current scaling. The recipes are torchao's own by name
-(``Float8LinearConfig.from_recipe_name``): ``tensorwise`` and ``rowwise`` (:mod:`.recipes`).
+(``Float8LinearConfig.from_recipe_name``): ``tensorwise`` and ``rowwise`` (:mod:`.recipes`). With ``mxfp8`` each
+chosen linear becomes torchao's MX linear instead (:class:`~lightning_moe_overlap.fp8.mx_linear.MXLinear`, blocks of
+32 with e8m0 scales, emulated kernels).
 
 Which linears: every ``nn.Linear`` that passes ``module_filter(fqn, module)`` and whose in and out features are
-multiples of 16 (the FP8 kernels' rule on CUDA; kept on CPU too, so a model converts the same way everywhere). The
+multiples of 16 (the FP8 kernels' rule on CUDA; kept on CPU too, so a model converts the same way everywhere), of 32
+with ``mxfp8`` (whole blocks along both contraction dims: the in features forward, the out features backward). The
 default filter (:func:`default_linear_filter`) leaves out the output head and the routers, whose numerics matter
 more than their share of the FLOPs (torchtitan leaves its output layer out by default too). Every linear left out
 is reported with the reason.
@@ -17,6 +20,8 @@ style again (:class:`~lightning_moe_overlap.parallel.tensor.PlannedLinear`): the
 shard, and the plan's collectives stay in the training dtype (torchao's FP8 parallel styles, which all-gather in
 FP8, are not used: docs/fp8.md). A linear whose weight its model uses outside the linear's forward says so with
 :data:`HIGH_PRECISION_ATTR` (the reason) and stays in high precision (``MoEGPT``'s fused ``qkv`` at ``tp > 1``).
+``mxfp8`` does not take a tensor-parallel plan (its linears would be refused here; the strategy's rule refuses
+``tp > 1`` first).
 
 torchao is optional (the ``fp8`` extra) and imported on the first conversion.
 """
@@ -40,6 +45,13 @@ ALIGN = 16
 # On a linear, set by its model: why it stays in high precision (the model computes with its weight outside forward).
 HIGH_PRECISION_ATTR = "fp8_high_precision"
 FLOAT8_ALL_GATHER_RECIPE = "tensorwise"  # the recipe torchao's FP8 all-gather of FSDP weights supports
+FP8_LINEAR_TYPES = frozenset({"Float8Linear", "MXLinear", "MXFP8Linear"})  # torchao's FP8 linears and ours
+
+
+def linear_align(recipe: Float8Recipe | None = None) -> int:
+    """The multiple a linear's in and out features must be for ``recipe``'s GEMMs: the block size of a block
+    recipe, else 16."""
+    return recipe.block_size if recipe is not None and recipe.granularity == "block" else ALIGN
 
 
 def default_linear_filter(fqn: str, module: nn.Linear) -> bool:
@@ -63,24 +75,25 @@ def import_float8(owner: str = "`apply_fp8`") -> ModuleType:
 
 
 def plan_linears(
-    model: nn.Module, module_filter: LinearFilter = default_linear_filter
+    model: nn.Module, module_filter: LinearFilter = default_linear_filter, *, align: int = ALIGN
 ) -> tuple[list[str], dict[str, str]]:
-    """``(convert, skipped)``: the FQNs of the linears to convert, and each linear left out with its reason."""
+    """``(convert, skipped)``: the FQNs of the linears to convert, and each linear left out with its reason (a dim
+    not a multiple of ``align``: :func:`linear_align`)."""
     convert: list[str] = []
     skipped: dict[str, str] = {}
     for fqn, module in model.named_modules():
         if not isinstance(module, nn.Linear):
             continue
-        if type(module).__name__ == "Float8Linear":
+        if type(module).__name__ in FP8_LINEAR_TYPES:
             skipped[fqn] = "already an FP8 linear"
         elif getattr(module, HIGH_PRECISION_ATTR, None):
             skipped[fqn] = getattr(module, HIGH_PRECISION_ATTR)
         elif not module_filter(fqn, module):
             skipped[fqn] = "left out by the filter (default: output heads and routers stay in high precision)"
-        elif module.in_features % ALIGN or module.out_features % ALIGN:
+        elif module.in_features % align or module.out_features % align:
             skipped[fqn] = (
                 f"in_features={module.in_features}, out_features={module.out_features}: FP8 GEMMs need both to be "
-                f"multiples of {ALIGN}"
+                f"multiples of {align}"
             )
         else:
             convert.append(fqn)
@@ -94,7 +107,8 @@ def convert_linears(
     *,
     float8_all_gather: bool = False,
 ) -> tuple[tuple[str, ...], dict[str, str]]:
-    """Swap the chosen linears of ``model`` for torchao's ``Float8Linear`` in place (:func:`plan_linears`).
+    """Swap the chosen linears of ``model`` for torchao's ``Float8Linear`` in place (:func:`plan_linears`), or for
+:class:`~lightning_moe_overlap.fp8.mx_linear.MXLinear` (torchao's MX linear) with ``mxfp8``.
 
     ``float8_all_gather`` (``tensorwise`` only): torchao's ``enable_fsdp_float8_all_gather``, each weight wrapped so
     that ``fully_shard`` casts its shard to float8 before the all-gather (:func:`precompute_float8_scales` after each
@@ -106,6 +120,7 @@ def convert_linears(
     Raises:
         ValueError: ``recipe`` is not one of torchao's named recipes, or ``float8_all_gather`` with a recipe other
             than ``tensorwise``.
+        NotImplementedError: ``mxfp8`` on a linear of a tensor-parallel plan.
         ImportError: torchao is not installed (and a linear is to be converted).
     """
     if float8_all_gather and recipe.name != FLOAT8_ALL_GATHER_RECIPE:
@@ -119,7 +134,9 @@ def convert_linears(
             f"`apply_fp8`: dense linears run torchao's named recipes {list(RECIPES)}, but the recipe is {recipe}. "
             "Pass one of those names, or dense=False to run only the experts with this recipe."
         )
-    convert, skipped = plan_linears(model, module_filter)
+    convert, skipped = plan_linears(model, module_filter, align=linear_align(recipe))
+    if convert and recipe.granularity == "block":
+        return _convert_mx(model, recipe, convert), skipped
     if convert:
         float8 = import_float8()
         chosen = frozenset(convert)
@@ -144,6 +161,27 @@ def _float8_linear(float8: ModuleType, linear: nn.Linear, config: object) -> nn.
     if planned is not None:
         planned.apply_to(converted)
     return converted
+
+
+def _convert_mx(model: nn.Module, recipe: Float8Recipe, convert: list[str]) -> tuple[str, ...]:
+    """Swap the linears ``convert`` (FQNs) of ``model`` for :class:`MXLinear` in place."""
+    from lightning_moe_overlap.parallel.tensor import PLANNED_ATTR  # noqa: PLC0415 - parallel imports the moe package
+
+    import_float8()  # the install hint when torchao is missing
+    from lightning_moe_overlap.fp8.mx_linear import MXLinear  # noqa: PLC0415 - torchao is imported lazily
+
+    planned = [fqn for fqn in convert if getattr(model.get_submodule(fqn), PLANNED_ATTR, None) is not None]
+    if planned:  # checked before any swap: the model is left as it was
+        raise NotImplementedError(
+            f"`apply_fp8`: the linears {planned} are tensor-parallel (a plan's shards), and recipe {recipe.name!r} "
+            "does not run over a tensor-parallel plan yet (torchao's MX linear is not wired with the plan's "
+            "styles). Use recipe='rowwise' or 'tensorwise' at tp > 1, or tp=1 with 'mxfp8'."
+        )
+    for fqn in convert:
+        parent_fqn, _, leaf = fqn.rpartition(".")
+        parent = model.get_submodule(parent_fqn)
+        setattr(parent, leaf, MXLinear.from_linear(getattr(parent, leaf), recipe))
+    return tuple(convert)
 
 
 def precompute_float8_scales(model: nn.Module) -> None:

@@ -22,7 +22,10 @@ Each expert's GEMM is its own scaled GEMM: a tensorwise recipe takes one scale p
 expert's weight; a rowwise recipe one per row along the contraction dim (the weight gradient's contraction runs over
 the expert's rows). An expert whose rows come in several segments is gathered first, so segments and sorted rows give
 the same numbers. This loop is the reference on every device: it runs on CPU, and on CUDA where ``torch._scaled_mm``
-takes FP8 (compute capability >= 8.9).
+takes FP8 (compute capability >= 8.9). A block recipe (``mxfp8``) scales each 32 values along the contraction dim
+(the weight gradient's blocks run over the expert's rows, padded to 32) and emulates its GEMMs (:mod:`.gemm`); its
+rows are dispatched in high precision (:attr:`Float8ExpertsKernel.dispatch_recipe` is None), and rows that arrive in
+FP8 all the same are dequantised first.
 
 Shape legend:
     R: rows sorted by expert (or in segments)   e: experts held here   I, O: a projection's in/out size   n: rows
@@ -149,6 +152,8 @@ class Float8GroupedLinear(torch.autograd.Function):
         w = weight if dtype is None else weight.to(dtype)
         ctx.splits, ctx.transposed, ctx.recipe, ctx.runtime, ctx.dtype = splits, transposed, recipe, runtime, dtype
         ctx.leaf_weight = _leaf_target(weight, grad_target)  # where a deferred wgrad accumulates (None: inline)
+        if isinstance(x_RI, Float8Rows) and recipe.granularity == "block":  # block GEMMs take no per-row scales
+            x_RI = x_RI.dequantized()
         ctx.rows_fp8 = isinstance(x_RI, Float8Rows)
         if ctx.rows_fp8:  # FP8 dispatch: the rows are read, and saved, in FP8 with their scales
             compute_dtype = x_RI.dtype if dtype is None else dtype
@@ -208,10 +213,11 @@ class Float8ExpertsKernel:
     recipe: Float8Recipe
 
     @property
-    def dispatch_recipe(self) -> Float8Recipe:
+    def dispatch_recipe(self) -> Float8Recipe | None:
         """The recipe rows are quantised for when a dispatcher sends them in FP8 (``fp8_dispatch``): this kernel
-        reads such rows (:class:`~lightning_moe_overlap.fp8.rows.Float8Rows`) without dequantising them."""
-        return self.recipe
+        reads such rows (:class:`~lightning_moe_overlap.fp8.rows.Float8Rows`) without dequantising them. None (a
+        high-precision dispatch) for a block recipe (``mxfp8``), whose GEMMs scale blocks, not rows."""
+        return None if self.recipe.granularity == "block" else self.recipe
 
     def __call__(
         self,

@@ -6,6 +6,12 @@ transposed is the column-major right operand the kernel wants. A contraction dim
 weight gradient's, which runs over an expert's token rows) is padded with zeros, which add nothing to the products
 and do not move a row's amax; CUDA's kernel requires the multiple, and CPU then computes the same thing.
 
+Block recipes (``mxfp8``): ``K`` is padded to a multiple of the block size instead (a partial last block keeps its
+amax), both operands are quantised per block, and the GEMM is emulated: it runs in float32 on the dequantised
+values, on every device (the MX tensor cores of Blackwell GPUs are not used), then writes ``out_dtype``. Every
+product is that of the FP8 values and their scales, as an MX GEMM computes it; only the accumulation order may
+differ from a hardware kernel's.
+
 Shape legend:
     M, N: output rows and columns   K: the contraction dim
 """
@@ -18,7 +24,7 @@ from torch import Tensor
 
 from lightning_moe_overlap._compat import torch as torch_compat
 from lightning_moe_overlap.fp8.recipes import Float8Recipe, Role
-from lightning_moe_overlap.fp8.scaling import quantize
+from lightning_moe_overlap.fp8.scaling import dequantize, quantize
 
 ALIGN = 16  # the FP8 kernels' multiple for the contraction and output dims (CUDA); K is padded to it here
 OUT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -41,11 +47,13 @@ def fp8_matmul(
             f"`fp8_matmul`: out_dtype={out_dtype} is not one the FP8 kernels write; the rule is one of "
             f"{[str(d) for d in OUT_DTYPES]}. Train in float32 or bfloat16 (FP8 replaces the GEMMs, not the masters)."
         )
-    pad = -a_MK.shape[-1] % ALIGN
+    pad = -a_MK.shape[-1] % (recipe.block_size if recipe.granularity == "block" else ALIGN)
     if pad:
         a_MK, b_NK = F.pad(a_MK, (0, pad)), F.pad(b_NK, (0, pad))
     qa, scale_a = quantize(a_MK, recipe, roles[0])
     qb, scale_b = quantize(b_NK, recipe, roles[1])
+    if recipe.granularity == "block":  # emulated MX GEMM: float32 on the dequantised blocks
+        return (dequantize(qa, scale_a) @ dequantize(qb, scale_b).t()).to(out_dtype)
     if recipe.granularity == "row":
         scale_b = scale_b.t()  # [1, N]: one scale per output column
     return torch_compat.scaled_mm(qa, qb.t(), scale_a=scale_a, scale_b=scale_b, out_dtype=out_dtype)
@@ -60,7 +68,14 @@ def fp8_matmul_rows(
 
     Raises:
         TypeError: ``out_dtype`` is not float32, bfloat16 or float16.
+        ValueError: a block recipe (``mxfp8``), whose GEMMs take no row-scaled operand (its rows are dispatched in
+            high precision).
     """
+    if recipe.granularity == "block":
+        raise ValueError(
+            f"`fp8_matmul_rows`: recipe {recipe.name!r} scales blocks of {recipe.block_size} values, not rows, so its "
+            "GEMMs take no rows already in FP8 with one scale per row. Dequantise the rows and call `fp8_matmul`."
+        )
     if out_dtype not in OUT_DTYPES:
         raise TypeError(
             f"`fp8_matmul_rows`: out_dtype={out_dtype} is not one the FP8 kernels write; the rule is one of "

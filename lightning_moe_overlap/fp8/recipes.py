@@ -1,6 +1,6 @@
 """FP8 training recipes as data: which FP8 format each GEMM operand takes, and how its scale is chosen.
 
-Two recipes run here, on every device, with *current* (dynamic) scaling: each operand is scaled from its own
+Three recipes run here, on every device, with *current* (dynamic) scaling: each operand is scaled from its own
 absolute maximum (amax) at the moment it is cast, so no amax history is kept between steps.
 
 - ``tensorwise``: one scale per tensor (per expert's slice for the experts). Forward operands (activations,
@@ -12,11 +12,16 @@ absolute maximum (amax) at the moment it is cast, so no amax history is kept bet
   of two (a scale then changes only the exponent: no rounding of its own). Every operand, gradients included, in
   ``float8_e4m3fn``. Why e4m3 for gradients here: a per-row scale already follows the range of each row, so the
   extra mantissa bit is worth more than the exponent bit (DeepSeek-V3's fine-grained recipe makes the same choice).
+- ``mxfp8`` (OCP microscaling): one power-of-two scale (an e8m0 exponent) per block of 32 consecutive values along
+  the contraction dimension, for every operand of every GEMM, all in ``float8_e4m3fn``. The scale follows the range
+  of 32 values rather than of a whole row. No GPU before Blackwell has MX tensor cores, so here each GEMM is
+  emulated: the operands are quantised per block and the GEMM runs on their dequantised values (what torchao's
+  emulated MX kernels do).
 
-These are torchao's ``Float8LinearConfig`` recipes of the same names, so dense linears (torchao) and the experts
-(:mod:`.experts`) quantise alike. Two more names are known and refused with the rule: ``delayed`` (scales from an
-amax history, Transformer Engine's default) and ``mxfp8`` (one shared exponent per block of 32, Blackwell GPUs):
-both need Transformer Engine on a CUDA GPU, and neither is wired here yet.
+``tensorwise`` and ``rowwise`` are torchao's ``Float8LinearConfig`` recipes of the same names, and ``mxfp8`` is
+torchao's MXFP8 training recipe (``RCEIL`` scales), so dense linears (torchao) and the experts (:mod:`.experts`)
+quantise alike. One more name is known and refused with the rule: ``delayed`` (scales from an amax history,
+Transformer Engine's default), which needs Transformer Engine on a CUDA GPU and is not wired here yet.
 """
 
 from __future__ import annotations
@@ -26,11 +31,13 @@ from typing import Literal
 
 import torch
 
-Granularity = Literal["tensor", "row"]
-FP8Recipe = Literal["tensorwise", "rowwise"]  # the names `MoEOverlapStrategy(fp8=...)` takes (LightningCLI reads them)
+Granularity = Literal["tensor", "row", "block"]
+# the names `MoEOverlapStrategy(fp8=...)` takes (LightningCLI reads them)
+FP8Recipe = Literal["tensorwise", "rowwise", "mxfp8"]
 Role = Literal["input", "weight", "grad"]
 
 EPS = 1e-12  # the smallest amax a scale is computed from: an all-zero tensor gets a finite scale and quantises to 0
+MX_BLOCK = 32  # OCP MX: the values that share one scale, consecutive along the contraction dim
 
 
 @dataclass(frozen=True)
@@ -38,11 +45,13 @@ class Float8Recipe:
     """How the operands of one FP8 GEMM are cast.
 
     Args:
-        name: the recipe's name (``tensorwise`` or ``rowwise``).
-        granularity: ``"tensor"`` (one scale per operand) or ``"row"`` (one per row along the contraction dim).
+        name: the recipe's name (``tensorwise``, ``rowwise`` or ``mxfp8``).
+        granularity: ``"tensor"`` (one scale per operand), ``"row"`` (one per row along the contraction dim) or
+            ``"block"`` (one per ``block_size`` consecutive values of a row along the contraction dim).
         forward_dtype: the FP8 format of activations and weights.
         grad_dtype: the FP8 format of the output gradients (backward GEMMs).
         power_of_2_scales: round each scale up to a power of two.
+        block_size: the values sharing one scale with ``"block"`` granularity (0 otherwise).
     """
 
     name: str
@@ -50,6 +59,7 @@ class Float8Recipe:
     forward_dtype: torch.dtype
     grad_dtype: torch.dtype
     power_of_2_scales: bool
+    block_size: int = 0
 
     def dtype(self, role: Role) -> torch.dtype:
         """The FP8 format of an operand in ``role`` (``"input"``, ``"weight"`` or ``"grad"``)."""
@@ -59,12 +69,12 @@ class Float8Recipe:
 RECIPES: dict[str, Float8Recipe] = {
     "tensorwise": Float8Recipe("tensorwise", "tensor", torch.float8_e4m3fn, torch.float8_e5m2, False),
     "rowwise": Float8Recipe("rowwise", "row", torch.float8_e4m3fn, torch.float8_e4m3fn, True),
+    "mxfp8": Float8Recipe("mxfp8", "block", torch.float8_e4m3fn, torch.float8_e4m3fn, True, block_size=MX_BLOCK),
 }
 
 # Known recipes this package does not run, and what they need.
 NEEDS_TE: dict[str, str] = {
     "delayed": "delayed scaling (scales from an amax history kept across steps)",
-    "mxfp8": "MXFP8 (one shared power-of-two scale per block of 32 values, Blackwell GPUs)",
 }
 
 
@@ -72,7 +82,7 @@ def resolve_recipe(recipe: str | Float8Recipe, device: torch.device | str = "cpu
     """The :class:`Float8Recipe` named ``recipe`` (or ``recipe`` itself) for training on ``device``.
 
     Raises:
-        NotImplementedError: ``delayed`` or ``mxfp8`` (they need Transformer Engine on a CUDA GPU).
+        NotImplementedError: ``delayed`` (it needs Transformer Engine on a CUDA GPU).
         ValueError: an unknown name.
     """
     if isinstance(recipe, Float8Recipe):
@@ -84,7 +94,7 @@ def resolve_recipe(recipe: str | Float8Recipe, device: torch.device | str = "cpu
         raise NotImplementedError(
             f"FP8 recipe={recipe!r} on device {where!r}: {NEEDS_TE[recipe]} needs Transformer Engine's FP8 on a CUDA "
             f"GPU, which this package does not wire yet; the recipes that run here, on CPU and CUDA, are "
-            f"{list(RECIPES)}. Use recipe='rowwise' (the closest in accuracy) or recipe='tensorwise'."
+            f"{list(RECIPES)}. Use recipe='rowwise' (the closest in accuracy), recipe='mxfp8' or recipe='tensorwise'."
         )
     raise ValueError(
         f"FP8 recipe={recipe!r} is not a known recipe; the recipes are {list(RECIPES)} (and {list(NEEDS_TE)}, which "

@@ -34,3 +34,12 @@ def test_check_reports_fp8_problems(capsys) -> None:
     code = check_main(["--config", str(CONFIGS / "cpu.yaml"), "--trainer.strategy.init_args.fp8=delayed"])
     out = capsys.readouterr().out
     assert code == 1 and "[config-parse]" in out and "delayed" in out  # the typed argument names the recipes
+
+
+def test_mxfp8_parses_and_check_reports_its_high_precision_dispatch(capsys) -> None:
+    config, error = parse_fit_config([str(CONFIGS / "cpu.yaml")], ["--trainer.strategy.init_args.fp8", "mxfp8"])
+    assert error is None and config["trainer"]["strategy"]["init_args"]["fp8"] == "mxfp8"
+    code = check_main(["--config", str(CONFIGS / "cpu.yaml"), "--trainer.strategy.init_args.fp8=mxfp8"])
+    out = capsys.readouterr().out
+    assert code == 0 and "[fp8-dispatch-high-precision] warning" in out, out
+    assert out.strip().endswith("0 error(s), 1 warning(s)"), out

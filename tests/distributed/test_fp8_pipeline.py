@@ -7,7 +7,7 @@
   global batches (SGD), per step and in every parameter within 1e-5: ``rowwise`` (one scale per row of a GEMM
   operand, wherever the GEMM runs) under interleaved 1F1B, DualPipeV, zero-bubble (split input and weight
   gradients), 1F1B on a model built on the meta device (chunks materialised before the conversion) and HF
-  Qwen3-MoE; ``tensorwise`` with the rows dispatched in high precision (its FP8 dispatch scales each row, a finer
+  Qwen3-MoE; ``mxfp8`` (rows dispatched in high precision); ``tensorwise`` with the rows dispatched in high precision (its FP8 dispatch scales each row, a finer
   quantisation than the unsplit model's, docs/fp8.md; the rowwise runs check the dispatch, exact there), and
   within 2% of the float32 run;
 - FP8 runs where the rank's chunks are: every FP8 linear of a held chunk ran its forward, the same number of times,
@@ -32,6 +32,7 @@ from lightning_moe_overlap.fp8.apply import has_fp8_kernel
 from lightning_moe_overlap.moe import apply_expert_parallel
 from lightning_moe_overlap.moe.dispatch.loopback import Loopback
 from lightning_moe_overlap.moe.ep import ExpertParallelExperts
+from lightning_moe_overlap.moe.router import TopKRouter
 from lightning_moe_overlap.overlap.runtime import CommRuntime
 from lightning_moe_overlap.parallel.dtensors import local
 from lightning_moe_overlap.pipeline.split import seeded_init
@@ -39,7 +40,7 @@ from tests.helpers.distributed import run_distributed
 
 PP, M, B, S, STEPS, LR, SEED = 2, 4, 4, 6, 3, 0.5, 0
 MODEL = dict(vocab_size=32, hidden_size=16, num_layers=4, num_heads=2, num_experts=4, top_k=2, ffn_hidden_size=16,
-             aux_loss_coeff=0.0)  # fmt: skip
+             aux_loss_coeff=0.01)  # fmt: skip
 RUNS = (  # (name, model, schedule, vpp, overlap, recipe)
     ("interleaved", "gpt", "interleaved_1f1b", 2, True, "tensorwise"),
     ("interleaved-off", "gpt", "interleaved_1f1b", 2, False, "tensorwise"),
@@ -47,6 +48,7 @@ RUNS = (  # (name, model, schedule, vpp, overlap, recipe)
     ("1f1b-meta", "gpt-meta", "1f1b", 1, False, "rowwise"),
     ("zero-bubble", "gpt", "zero_bubble", 2, False, "rowwise"),
     ("hf", "qwen3_moe", "interleaved_1f1b", 2, True, "rowwise"),
+    ("mxfp8", "gpt32", "interleaved_1f1b", 2, True, "mxfp8"),  # MXFP8 needs dims that are multiples of 32
 )
 WIDE_RUNS = tuple((*run[:5], "rowwise") for run in RUNS[:3])  # at pp=2 x ep=2
 PAIRS = (("interleaved", "interleaved-off"),)
@@ -76,7 +78,9 @@ class SGDQwen3(HFMoECausalLM):
 
 
 def build(kind: str) -> torch.nn.Module:
-    return {"gpt": lambda: SGDGPT(**MODEL), "gpt-meta": lambda: MetaGPT(**MODEL), "qwen3_moe": SGDQwen3}[kind]()
+    wide = {**MODEL, "hidden_size": 32, "ffn_hidden_size": 32}
+    return {"gpt": lambda: SGDGPT(**MODEL), "gpt-meta": lambda: MetaGPT(**MODEL), "qwen3_moe": SGDQwen3,
+            "gpt32": lambda: SGDGPT(**wide)}[kind]()  # fmt: skip
 
 
 class Record(Callback):
@@ -93,9 +97,9 @@ class Record(Callback):
         for module in pl_module.modules():
             if isinstance(module, ExpertParallelExperts):
                 module.fp8_dispatch = self.fp8_dispatch
-        for name, module in pl_module.named_modules():
-            if type(module).__name__ == "Float8Linear":
-                module.register_forward_hook(lambda *_, name=name: self.forwards.update([name]))
+        for name in trainer.strategy.fp8_report.linears:  # torchao's FP8 (or MX) linears the strategy made
+            module = pl_module.get_submodule(name)
+            module.register_forward_hook(lambda *_, name=name: self.forwards.update([name]))
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
         self.batches.append(batch.detach().cpu().clone())
@@ -123,8 +127,9 @@ def fit(kind: str, schedule: str, vpp: int, overlap: bool, recipe: str, ep: int,
         "losses": record.losses,
         "batches": record.batches,
         "forwards": dict(record.forwards),
-        "held_fp8_linears": sorted(n for n, m in model.named_modules() if type(m).__name__ == "Float8Linear"
-                                   and not m.weight.is_meta),  # fmt: skip
+        "held_fp8_linears": sorted(
+            n for n in strategy.fp8_report.linears if not model.get_submodule(n).weight.is_meta
+        ),
         "fp8_experts_held": sum(
             has_fp8_kernel(m) for m in model.modules() if not any(p.is_meta for p in m.parameters())
         ),
@@ -143,6 +148,7 @@ def reference(kind: str, recipe: str | None, batches_by_dp: list[list[torch.Tens
     made expert-parallel at ep=1 first (``apply_fp8`` converts them once wrapped), as ``test_fp8_train_hf`` does."""
     torch.use_deterministic_algorithms(True)
     seed_everything(SEED)
+    dp = len(batches_by_dp)
     model = build("gpt" if kind == "gpt-meta" else kind)
     if kind == "gpt-meta":  # the values each rank's chunks got: per module, seeded by the run's seed and its name
         seeded_init(model, SEED, gpt_init_module)
@@ -150,8 +156,10 @@ def reference(kind: str, recipe: str | None, batches_by_dp: list[list[torch.Tens
         apply_expert_parallel(model, None, runtime=CommRuntime(communicator=Loopback(0.0)))
     if recipe is not None:
         apply_fp8(model, recipe)
+    for module in model.modules():  # each micro-batch backpropagates loss / (dp M): the routers' balancing loss too
+        if isinstance(module, TopKRouter):
+            module.aux_loss_scale = 1.0 / (dp * M)
     opt = model.configure_optimizers()
-    dp = len(batches_by_dp)
     losses: list[list[float]] = [[] for _ in range(dp)]
     for step in range(STEPS):
         opt.zero_grad()

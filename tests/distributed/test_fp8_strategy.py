@@ -1,6 +1,7 @@
 """``MoEOverlapStrategy(fp8=...)`` on 2 gloo ranks (ep=2, 2 micro-batches): the overlapped FP8 step is bitwise the
-sequential one, ``delay_wgrad`` still queues every FP8 expert weight gradient, the tokens are dispatched in FP8,
-and a tiny HF Qwen3-MoE trains in FP8 close to its float32 run.
+sequential one (``rowwise`` and ``mxfp8``), ``delay_wgrad`` still queues every FP8 expert weight gradient, the
+tokens are dispatched in FP8 (in high precision with ``mxfp8``), and a tiny HF Qwen3-MoE trains in FP8 close to its
+float32 run.
 
 Oracles: the ``overlap=False`` run of the same configuration (bitwise); counters installed at test time around the
 FP8 wgrad GEMM (``fp8/experts.py``'s ``fp8_wgrad``: queued when it runs inside a closure the runtime queued) and
@@ -121,6 +122,8 @@ def _worker(rank: int, world: int) -> dict:
     return {
         "overlapped": _fit("moegpt", "rowwise"),
         "sequential": _fit("moegpt", "rowwise", overlap=False),
+        "mx_overlapped": _fit("moegpt", "mxfp8"),
+        "mx_sequential": _fit("moegpt", "mxfp8", overlap=False),
         "delayed": _fit("moegpt", "tensorwise", delay=True),
         "inline": _fit("moegpt", "tensorwise"),
         "hf_fp8": _fit("qwen3_moe", "rowwise", steps=HF_STEPS),
@@ -153,6 +156,20 @@ def test_overlapped_fp8_step_is_bitwise_the_sequential_one(results):
         for step, (got, want) in enumerate(zip(overlapped["grads"], sequential["grads"], strict=True)):
             assert _bitwise(got, want), f"rank {rank} step {step}"
         assert _bitwise(overlapped["losses"], sequential["losses"]), f"rank {rank}"
+
+
+def test_mxfp8_overlapped_step_is_bitwise_the_sequential_one_with_high_precision_dispatch(results):
+    """``fp8="mxfp8"``: torchao's MX linears (micro-batches of 2 x 9 = 18 token rows, padded to 32 for their weight
+    gradients) and the experts' block-scaled kernel; the rows are dispatched in high precision."""
+    for rank, result in enumerate(results):
+        overlapped, sequential = result["mx_overlapped"], result["mx_sequential"]
+        assert overlapped["report"] == (2 * LAYERS, LAYERS) and overlapped["fp8_experts"] == LAYERS, f"rank {rank}"
+        assert overlapped["fp8_dispatches"] == 0 and overlapped["inline"] == 2 * PER_RANK, f"rank {rank}"
+        assert len(overlapped["grads"]) == STEPS, f"rank {rank}"
+        for step, (got, want) in enumerate(zip(overlapped["grads"], sequential["grads"], strict=True)):
+            assert _bitwise(got, want), f"rank {rank} step {step}"
+        assert _bitwise(overlapped["losses"], sequential["losses"]), f"rank {rank}"
+        assert not _bitwise(overlapped["losses"], result["overlapped"]["losses"])  # not the rowwise run
 
 
 def test_delay_wgrad_queues_every_fp8_expert_wgrad_with_the_inline_gradients(results):

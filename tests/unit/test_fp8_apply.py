@@ -10,11 +10,12 @@ import torch
 from torch import nn
 
 from lightning_moe_overlap.demo import MoEGPT
+from lightning_moe_overlap.demo_hf import HFMoECausalLM
 from lightning_moe_overlap.fp8 import RECIPES, Float8ExpertsKernel, apply_fp8, has_fp8_kernel
 from lightning_moe_overlap.config import OverlapConfig
 from lightning_moe_overlap.fp8.dense import HIGH_PRECISION_ATTR
 from lightning_moe_overlap.parallel.apply import apply_fp8_step
-from lightning_moe_overlap.moe import ExpertParallelExperts, Experts, layout_of
+from lightning_moe_overlap.moe import ExpertParallelExperts, Experts, apply_expert_parallel, layout_of
 from lightning_moe_overlap.moe.dispatch import AllToAllDispatcher
 from tests.unit.test_fp8_gemm import FORWARD_DB, sqnr_db
 
@@ -32,7 +33,8 @@ def test_moegpt_converts_attention_and_experts_keeps_head_and_state_dict(recipe:
     assert set(report.linears) == {f"layers.{i}.attn.{n}" for i in range(2) for n in ("qkv", "proj")}
     assert report.experts == ("layers.0.mlp.experts", "layers.1.mlp.experts")
     assert list(report.skipped) == ["head"] and "output heads and routers" in report.skipped["head"]
-    assert type(model.layers[0].attn.qkv).__name__ == "Float8Linear" and type(model.head) is nn.Linear
+    fp8_linear = "MXLinear" if recipe == "mxfp8" else "Float8Linear"  # torchao's MX linear, or its float8 one
+    assert type(model.layers[0].attn.qkv).__name__ == fp8_linear and type(model.head) is nn.Linear
     assert all(has_fp8_kernel(layer.mlp.experts) for layer in model.layers)
     assert {k: (v.shape, v.dtype) for k, v in model.state_dict().items()} == before  # masters and keys unchanged
     assert "FP8 " + recipe in str(report) and "kept in high precision: head" in str(report)
@@ -140,3 +142,20 @@ def test_te_experts_are_refused_with_the_fix() -> None:
     with pytest.raises(NotImplementedError, match=r"'e' run on `expert_backend='te'`.*Use `expert_backend='torch'`"):
         apply_fp8(nn.ModuleDict({"e": wrapped}), dense=False)
     assert not isinstance(wrapped.kernel, Float8ExpertsKernel)
+
+
+def test_hugging_face_experts_not_yet_expert_parallel_are_reported_with_the_fix() -> None:
+    plain = HFMoECausalLM("qwen3_moe")
+    report = apply_fp8(plain, "rowwise")
+    hf_experts = [n for n, m in plain.named_modules() if n.endswith("mlp.experts")]
+    assert report.experts == () and len(hf_experts) == 2
+    for name in hf_experts:
+        assert "call `apply_expert_parallel` first" in report.skipped[name]
+        assert not has_fp8_kernel(plain.get_submodule(name))
+    wrapped = HFMoECausalLM("qwen3_moe")
+    apply_expert_parallel(wrapped, None)
+    report = apply_fp8(wrapped, "rowwise")
+    assert report.experts == tuple(hf_experts) and not set(hf_experts) & set(report.skipped)
+    with torch.device("meta"):  # another pipeline rank's chunk: not this rank's to report
+        on_meta = HFMoECausalLM("qwen3_moe")
+    assert not set(hf_experts) & set(apply_fp8(on_meta, "rowwise", dense=False).skipped)

@@ -30,9 +30,8 @@ def test_no_fp8_and_a_plain_fp8_config_have_no_problem() -> None:
     ("fp8", "cfg", "expected", "fix"),
     [
         ("bogus", {}, ("fp8-recipe", "ValueError"), r"Pass `fp8='rowwise'` or `fp8='tensorwise'`"),
-        (8, {}, ("fp8-recipe", "ValueError"), r"one of \['tensorwise', 'rowwise'\] or None"),
+        (8, {}, ("fp8-recipe", "ValueError"), r"one of \['tensorwise', 'rowwise', 'mxfp8'\] or None"),
         ("delayed", {}, ("fp8-needs-te", "NotImplementedError"), r"Transformer Engine.*Use `fp8='rowwise'`"),
-        ("mxfp8", {}, ("fp8-needs-te", "NotImplementedError"), r"block of 32.*Use `fp8='rowwise'`"),
         ("rowwise", {"expert_backend": "te"}, ("fp8-te-experts", "NotImplementedError"), r"Use `expert_backend='torch'`"),
         ("rowwise", {"dispatcher": "allgather"}, ("fp8-dispatch-high-precision", "warning"), r"only `dispatcher='alltoall'`"),
     ],
