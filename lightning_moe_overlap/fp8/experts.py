@@ -43,9 +43,8 @@ from lightning_moe_overlap.fp8.gemm import fp8_matmul, fp8_matmul_rows
 from lightning_moe_overlap.fp8.recipes import Float8Recipe
 from lightning_moe_overlap.fp8.rows import Float8Rows
 from lightning_moe_overlap.fp8.scaling import dequantize
-from lightning_moe_overlap.moe.grouped import RowSplits, _leaf_target, autocast_dtype
+from lightning_moe_overlap.moe.grouped import RowSplits, autocast_dtype, leaf_target, weight_gradient
 from lightning_moe_overlap.overlap.runtime import CommRuntime
-from lightning_moe_overlap.parallel.dtensors import like, local
 
 Ranges = list[tuple[int, int]]  # (start row, rows) of one expert's segments, in row order
 
@@ -151,7 +150,7 @@ class Float8GroupedLinear(torch.autograd.Function):
         dtype = autocast_dtype(x_RI)  # the compute dtype under autocast; None keeps the inputs' dtypes
         w = weight if dtype is None else weight.to(dtype)
         ctx.splits, ctx.transposed, ctx.recipe, ctx.runtime, ctx.dtype = splits, transposed, recipe, runtime, dtype
-        ctx.leaf_weight = _leaf_target(weight, grad_target)  # where a deferred wgrad accumulates (None: inline)
+        ctx.leaf_weight = leaf_target(weight, grad_target)  # where a deferred wgrad accumulates (None: inline)
         if isinstance(x_RI, Float8Rows) and recipe.granularity == "block":  # block GEMMs take no per-row scales
             x_RI = x_RI.dequantized()
         ctx.rows_fp8 = isinstance(x_RI, Float8Rows)
@@ -184,23 +183,8 @@ class Float8GroupedLinear(torch.autograd.Function):
         if not ctx.needs_input_grad[1]:
             return dx, None, None, None, None, None, None
 
-        target: Tensor | None = ctx.leaf_weight
-        weight_dtype = weight.dtype
-
-        @torch.no_grad()  # it may run at a comm point where the caller's grad mode is on
-        def accumulate() -> None:
-            with torch.autocast(device_type, enabled=False):
-                dw = fp8_wgrad(x_RI, g_RO, splits, transposed, recipe).to(weight_dtype)
-            if target.grad is None:
-                target.grad = like(target, dw)  # a DTensor parameter's gradient is a DTensor of the same layout
-            else:
-                local(target.grad).add_(dw)
-
-        runtime: CommRuntime | None = ctx.runtime
-        if target is not None and runtime is not None and runtime.defer_wgrad(accumulate):
-            return dx, None, None, None, None, None, None
-        with torch.autocast(device_type, enabled=False):
-            dw = fp8_wgrad(x_RI, g_RO, splits, transposed, recipe).to(weight_dtype)
+        dw = weight_gradient(ctx.leaf_weight, ctx.runtime, device_type, weight.dtype,
+                             lambda: fp8_wgrad(x_RI, g_RO, splits, transposed, recipe))  # fmt: skip
         return dx, dw, None, None, None, None, None
 
 

@@ -280,7 +280,7 @@ class GroupedLinear(torch.autograd.Function):
         ctx.splits, ctx.transposed, ctx.grouped, ctx.runtime, ctx.dtype = splits, transposed, grouped, runtime, dtype
         # The accumulation target of a deferred wgrad. Not taken from `saved_tensors`: under non-reentrant
         # checkpointing those are detached recomputed aliases, whose `.grad` is not the parameter's.
-        ctx.leaf_weight = _leaf_target(weight, grad_target)
+        ctx.leaf_weight = leaf_target(weight, grad_target)
         with torch.autocast(x_RI.device.type, enabled=False):
             return _forward(x_RI, w, splits, transposed, grouped)
 
@@ -298,29 +298,41 @@ class GroupedLinear(torch.autograd.Function):
         if not ctx.needs_input_grad[1]:
             return dx, None, None, None, None, None, None
 
-        target: Tensor | None = ctx.leaf_weight
-        weight_dtype = weight.dtype
-
-        @torch.no_grad()  # it may run at a comm point where the caller's grad mode is on
-        def accumulate() -> None:
-            with torch.autocast(device_type, enabled=False):
-                dw = _wgrad(x_RI, g_RO, splits, transposed, grouped).to(weight_dtype)
-            if target.grad is None:
-                target.grad = like(target, dw)  # a DTensor parameter's gradient is a DTensor of the same layout
-            else:
-                local(target.grad).add_(dw)
-
-        # Only a leaf parameter has a `.grad` the closure may write; without one (a view or a cast of a weight that
-        # names no `grad_target`) the wgrad takes the inline path.
-        runtime: CommRuntime | None = ctx.runtime
-        if target is not None and runtime is not None and runtime.defer_wgrad(accumulate):
-            return dx, None, None, None, None, None, None
-        with torch.autocast(device_type, enabled=False):
-            dw = _wgrad(x_RI, g_RO, splits, transposed, grouped).to(weight_dtype)
+        dw = weight_gradient(ctx.leaf_weight, ctx.runtime, device_type, weight.dtype,
+                             lambda: _wgrad(x_RI, g_RO, splits, transposed, grouped))  # fmt: skip
         return dx, dw, None, None, None, None, None
 
 
-def _leaf_target(weight: Tensor, grad_target: tuple[Tensor, ...]) -> Tensor | None:
+def weight_gradient(
+    target: Tensor | None,
+    runtime: CommRuntime | None,
+    device_type: str,
+    dtype: torch.dtype,
+    compute: Callable[[], Tensor],
+) -> Tensor | None:
+    """A grouped GEMM's weight gradient (``compute()``, cast to ``dtype``): handed to ``runtime.defer_wgrad``, which
+    runs it at a later comm point accumulating into ``target.grad`` (returns None: nothing for autograd), or
+    computed now and returned. Only a leaf parameter has a ``.grad`` the closure may write; without one (``target``
+    None: a view or a cast of a weight that names no ``grad_target``, :func:`leaf_target`) it is computed now."""
+
+    def now() -> Tensor:
+        with torch.autocast(device_type, enabled=False):
+            return compute().to(dtype)
+
+    @torch.no_grad()  # it may run at a comm point where the caller's grad mode is on
+    def accumulate() -> None:
+        dw = now()
+        if target.grad is None:
+            target.grad = like(target, dw)  # a DTensor parameter's gradient is a DTensor of the same layout
+        else:
+            local(target.grad).add_(dw)
+
+    if target is not None and runtime is not None and runtime.defer_wgrad(accumulate):
+        return None
+    return now()
+
+
+def leaf_target(weight: Tensor, grad_target: tuple[Tensor, ...]) -> Tensor | None:
     """The leaf whose ``.grad`` a deferred wgrad of ``weight`` accumulates into, or None (the inline path).
 
     ``grad_target`` is ``()`` (the weight itself) or ``(parameter,)`` where ``weight`` is ``local(parameter)``: a
