@@ -137,12 +137,14 @@ def scale_grid(shape: tuple[int, ...], block: tuple[int, int]) -> tuple[int, int
 
 def _implied(shape: tuple[int, ...], grid: tuple[int, ...], block: tuple[int, int]) -> str:
     """A block size the scale's shape fits, where there is one: per dimension ``block``'s own where it fits, else
-    the power of two among the sizes that fit, else the smallest of them."""
+    the largest power of two among the sizes that fit (for one block: the power of two at or above the dimension),
+    else the smallest of them."""
     if len(grid) != 2 or not all(0 < g <= n for g, n in zip(grid, shape)):
         return ""
     implied = []
     for n, g, b in zip(shape, grid, block):
-        lo, hi = math.ceil(n / g), (n - 1) // (g - 1) if g > 1 else max(n, b)  # every size in [lo, hi] fits
+        # every size in [lo, hi] fits; one block (g = 1) fits any size >= n: up to the power of two at or above n
+        lo, hi = math.ceil(n / g), (n - 1) // (g - 1) if g > 1 else max(n, b, 1 << (n - 1).bit_length())
         if lo > hi:  # no block size gives g blocks of n
             return ""
         powers = [2**k for k in range(hi.bit_length()) if lo <= 2**k <= hi]

@@ -59,6 +59,8 @@ class HFLoadReport:
         reads: boxes read (one per piece and held chunk that meet).
         bytes_read: bytes of file data those boxes hold (in the files' dtypes).
         seconds: wall time of the whole load on this rank (match, plan and read).
+        dequantized: FP8 weight keys this rank dequantised with their block scales (``_scale_inv``), sorted.
+        block: the scales' block size, or None for a high-precision checkpoint.
     """
 
     family: str
@@ -67,12 +69,18 @@ class HFLoadReport:
     reads: int
     bytes_read: int
     seconds: float = 0.0
+    dequantized: tuple[str, ...] = ()
+    block: tuple[int, int] | None = None
 
     def describe(self) -> str:
         """One line for the log: what this rank read."""
+        fp8 = (
+            f", {len(self.dequantized)} FP8 weight(s) dequantised with their {list(self.block)} block scales"
+            if self.block is not None else ""
+        )  # fmt: skip
         return (
             f"loaded {self.tensors} tensor(s) from {len(self.keys)} checkpoint key(s) (family {self.family!r}): "
-            f"{self.reads} read(s), {self.bytes_read / 2**20:.1f} MiB on this rank in {self.seconds:.1f} s"
+            f"{self.reads} read(s), {self.bytes_read / 2**20:.1f} MiB on this rank in {self.seconds:.1f} s{fp8}"
         )
 
 
@@ -133,13 +141,16 @@ def load_hf_weights(
             no_dist=not distributed,
         )  # fmt: skip
     read = planner.committed
+    keys = {r.storage_index.fqn for r in read}
     return HFLoadReport(
         family=chosen.name,
         tensors=len(held),
-        keys=tuple(sorted({r.storage_index.fqn for r in read})),
+        keys=tuple(sorted(keys)),
         reads=len(read),
         bytes_read=sum(_numel(r.lengths) * files[r.storage_index.fqn].dtype.itemsize for r in read),
         seconds=time.perf_counter() - started,
+        dequantized=() if scales is None else tuple(sorted(keys & set(scales.scales))),
+        block=None if scales is None else scales.block,
     )
 
 

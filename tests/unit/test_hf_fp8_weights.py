@@ -59,6 +59,8 @@ def test_the_fp8_files_load_dequantised_into_fp32_weights(tmp_path):
     report = _load(target, tmp_path / "fp8")
     assert state_equal(_oracle(files, tmp_path / "fp8"), target.state_dict()) == []
     assert report.keys == tuple(sorted(files)) and report.reads == len(files)  # every weight and scale, once
+    assert report.dequantized == tuple(sorted(original)) and report.block == BLOCK
+    assert report.describe().endswith(f"{len(original)} FP8 weight(s) dequantised with their [128, 128] block scales")
     for key, weight in original.items():
         assert within_e4m3(dequantise(files[key], files[key + "_scale_inv"], BLOCK), weight, files[key + "_scale_inv"],
                            BLOCK), key  # fmt: skip
@@ -117,6 +119,15 @@ def test_a_scale_of_another_block_size_is_named_with_the_size_it_fits(tmp_path):
     implied = r"\(it fits blocks of \[64, 64\]"
     with pytest.raises(ValueError, match=rf"(?s){key}_scale_inv: {shapes} {implied}.*Rule: each FP8.*Fix: set weight_"):
         HFWeights(tmp_path).check(_shapes())  # headers only, as `check` runs it
+
+
+def test_a_single_block_scale_is_named_with_a_power_of_two_block_it_fits(tmp_path):
+    _, files = fp8_checkpoint(tmp_path)
+    key = "model.layers.0.self_attn.q_a_proj.weight_scale_inv"  # weight [64, 160]: one block needs >= 160 columns
+    files[key] = torch.ones(1, 1)
+    save_file(files, str(tmp_path / "model.safetensors"))
+    with pytest.raises(ValueError, match=rf"{key}: shape \[1, 1\], .* needs \[1, 2\] \(it fits blocks of \[128, 256\]"):
+        _load(_target(), tmp_path)
 
 
 def test_a_scale_of_a_wrong_shape_is_named(tmp_path):
