@@ -899,14 +899,21 @@ def check_fp8_model(fp8: object, model: Any) -> list[Problem]:
 
 
 # -- raising ---------------------------------------------------------------------------------------------------
+def with_rule(problem: Problem) -> str:
+    """The problem's message, ending with its rule id (the key of docs/validation.md) unless it names it already."""
+    if f"`{problem.rule}`" in problem.message:
+        return problem.message
+    return f"{problem.message} (rule `{problem.rule}`, docs/validation.md)"
+
+
 def raise_problems(problems: list[Problem]) -> None:
-    """Emit warnings (once, on rank 0); raise the first error's type with every error listed.
+    """Emit warnings (once, on rank 0, each naming its rule); raise the first error's type with every error listed.
 
     The raised error carries ``same_on_every_rank=True``: the rules read only what every rank reads alike, so the
     launcher shows it once (rank 0) instead of once per rank."""
     for p in problems:
         if not p.is_error:
-            rank_zero_warn(p.message, category=UserWarning, stacklevel=5)
+            rank_zero_warn(with_rule(p), category=UserWarning, stacklevel=5)
     errors = [p for p in problems if p.is_error]
     if not errors:
         return

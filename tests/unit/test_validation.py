@@ -6,6 +6,7 @@ import pytest
 
 from lightning_moe_overlap.config import OverlapConfig
 from lightning_moe_overlap.validation import (
+    Problem,
     check_config,
     check_flex,
     check_machine,
@@ -14,6 +15,7 @@ from lightning_moe_overlap.validation import (
     check_world,
     raise_problems,
     rule_torch_version,
+    with_rule,
 )
 
 
@@ -116,6 +118,16 @@ def test_validation_good_configs_pass_silently(recwarn):
 def test_validation_config_warnings(kwargs, match):
     with pytest.warns(UserWarning, match=match):
         _raise(check_config(OverlapConfig(**kwargs)))
+
+
+def test_a_warning_names_its_rule_once():
+    with pytest.warns(UserWarning) as caught:
+        _raise(check_config(OverlapConfig(num_microbatches=1)))
+    (message,) = [str(w.message) for w in caught if "num_microbatches=1" in str(w.message)]
+    rule = next(p.rule for p in check_config(OverlapConfig(num_microbatches=1)) if not p.is_error)
+    assert message.endswith(f"(rule `{rule}`, docs/validation.md)") and message.count(f"`{rule}`") == 1
+    named = Problem("some-rule", "`x=1`: see rule `some-rule`; set x=2.")
+    assert with_rule(named) == named.message
 
 
 def test_validation_torch_version_rule():
