@@ -21,10 +21,10 @@ from lightning_moe_overlap import MoEOverlapStrategy
 from lightning_moe_overlap.fp8 import apply_fp8
 from lightning_moe_overlap.moe import Experts, apply_expert_parallel
 from lightning_moe_overlap.moe.dispatch import dedup
-from lightning_moe_overlap.overlap.observers import CommTraffic
 from lightning_moe_overlap.parallel.dtensors import local
 from tests.distributed.test_fp8_strategy import Tokens, _model
 from tests.helpers.distributed import run_distributed
+from tests.helpers.traffic import Recording
 from tests.unit.test_dispatch_flex import CountingRuntime
 
 WORLD, E, D, F = 2, 8, 32, 16
@@ -36,18 +36,6 @@ CASES = (  # (name, top_k, dtype)
     ("random", 2, torch.bfloat16),
     ("random", 3, torch.float32),
 )
-
-
-class Recording(CommTraffic):
-    """Every collective's bytes handed to it, in order."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.each: list[int] = []
-
-    def record(self, sent_bytes: int, remote_bytes: int) -> None:
-        super().record(sent_bytes, remote_bytes)
-        self.each.append(sent_bytes)
 
 
 def _routing(case: str, rank: int, top_k: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -25,8 +25,7 @@ import torch
 from lightning.pytorch import Callback, Trainer, seed_everything
 
 from lightning_moe_overlap import MoEOverlapStrategy
-from lightning_moe_overlap.demo import MoEGPT, SyntheticTokens, gpt_init_module
-from lightning_moe_overlap.demo_hf import HFMoECausalLM
+from lightning_moe_overlap.demo import SyntheticTokens, gpt_init_module
 from lightning_moe_overlap.fp8 import apply_fp8
 from lightning_moe_overlap.fp8.apply import has_fp8_kernel
 from lightning_moe_overlap.moe import apply_expert_parallel
@@ -37,8 +36,9 @@ from lightning_moe_overlap.overlap.runtime import CommRuntime
 from lightning_moe_overlap.parallel.dtensors import local
 from lightning_moe_overlap.pipeline.split import seeded_init
 from tests.helpers.distributed import run_distributed
+from tests.helpers.sgd import SGDGPT, SGDQwen3
 
-PP, M, B, S, STEPS, LR, SEED = 2, 4, 4, 6, 3, 0.5, 0
+PP, M, B, S, STEPS, SEED = 2, 4, 4, 6, 3, 0
 MODEL = dict(vocab_size=32, hidden_size=16, num_layers=4, num_heads=2, num_experts=4, top_k=2, ffn_hidden_size=16,
              aux_loss_coeff=0.01)  # fmt: skip
 RUNS = (  # (name, model, schedule, vpp, overlap, recipe)
@@ -61,26 +61,10 @@ PAIRS = (("interleaved", "interleaved-off"),)
 RTOL, FP32_RTOL = 1e-5, 2e-2
 
 
-class SGDGPT(MoEGPT):
-    def configure_optimizers(self) -> torch.optim.Optimizer:
-        return torch.optim.SGD(self.parameters(), lr=LR)
-
-
 class MetaGPT(SGDGPT):
     def __init__(self, **kwargs) -> None:  # noqa: ANN003
         with torch.device("meta"):
             super().__init__(**kwargs)
-
-
-class SGDQwen3(HFMoECausalLM):
-    def __init__(self) -> None:
-        super().__init__(model_type="qwen3_moe", config_overrides={"num_hidden_layers": 4})
-
-    def configure_optimizers(self) -> torch.optim.Optimizer:
-        return torch.optim.SGD(self.parameters(), lr=LR)
-
-    def _loss(self, tokens_BS: torch.Tensor) -> torch.Tensor:
-        return self.model(input_ids=tokens_BS, labels=tokens_BS).loss
 
 
 def build(kind: str) -> torch.nn.Module:

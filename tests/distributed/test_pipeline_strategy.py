@@ -28,12 +28,12 @@ from lightning.pytorch import Callback, Trainer, seed_everything
 
 from lightning_moe_overlap import MoEOverlapStrategy, SelectiveRecompute
 from lightning_moe_overlap.demo import MoEGPT, SyntheticTokens, gpt_init_module
-from lightning_moe_overlap.demo_hf import HFMoECausalLM
 from lightning_moe_overlap.pipeline.split import seeded_init
 from lightning_moe_overlap.parallel.dtensors import local
 from tests.helpers.distributed import run_distributed
+from tests.helpers.sgd import SGDGPT, SGDQwen3
 
-WORLD, PP, EP, DP, M, B, STEPS, LR, CLIP, SEED = 4, 2, 2, 2, 4, 4, 2, 0.5, 0.5, 0
+WORLD, PP, EP, DP, M, B, STEPS, CLIP, SEED = 4, 2, 2, 2, 4, 4, 2, 0.5, 0
 MODEL = dict(vocab_size=32, hidden_size=16, num_layers=4, num_heads=2, num_experts=4, top_k=2, ffn_hidden_size=8,
              aux_loss_coeff=0.0)  # fmt: skip
 DATA = dict(vocab_size=32, seq_len=6, batch_size=B, num_samples=64)
@@ -47,26 +47,6 @@ RUNS = (  # (name, model, schedule, vpp, overlap)
     ("hf-interleaved-off", "qwen3_moe", "interleaved_1f1b", 2, False),
 )
 PAIRS = (("interleaved", "interleaved-off"), ("dualpipev", "dualpipev-off"), ("hf-interleaved", "hf-interleaved-off"))
-
-
-class SGDGPT(MoEGPT):
-    """SGD instead of AdamW: parameters then follow gradients linearly, so "allclose" is a meaningful oracle."""
-
-    def configure_optimizers(self) -> torch.optim.Optimizer:
-        return torch.optim.SGD(self.parameters(), lr=LR)
-
-
-class SGDQwen3(HFMoECausalLM):
-    """HF transformers' Qwen3-MoE, tiny, 4 layers, trained with SGD."""
-
-    def __init__(self) -> None:
-        super().__init__(model_type="qwen3_moe", config_overrides={"num_hidden_layers": 4})
-
-    def configure_optimizers(self) -> torch.optim.Optimizer:
-        return torch.optim.SGD(self.parameters(), lr=LR)
-
-    def _loss(self, tokens_BS: torch.Tensor) -> torch.Tensor:
-        return self.model(input_ids=tokens_BS, labels=tokens_BS).loss
 
 
 class MetaGPT(SGDGPT):

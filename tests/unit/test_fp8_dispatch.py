@@ -28,22 +28,10 @@ from lightning_moe_overlap.moe import Experts, apply_expert_parallel
 from lightning_moe_overlap.moe.dispatch.float8 import float8_all_to_all, float8_all_to_all_many, gather_float8_rows
 from lightning_moe_overlap.moe.dispatch.loopback import Loopback
 from lightning_moe_overlap.moe.grouped import RowSplits
-from lightning_moe_overlap.overlap.observers import CommTraffic
 from lightning_moe_overlap.overlap.runtime import CommRuntime
+from tests.helpers.traffic import Recording
 
 E, F, T, K = 4, 32, 24, 2
-
-
-class Recording(CommTraffic):
-    """Every collective's bytes, in order."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.each: list[int] = []
-
-    def record(self, sent_bytes: int, remote_bytes: int) -> None:
-        super().record(sent_bytes, remote_bytes)
-        self.each.append(sent_bytes)
 
 
 class Holder(nn.Module):
