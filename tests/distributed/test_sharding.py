@@ -258,7 +258,11 @@ def test_sharded_checkpoint_resumes_bitwise_and_reshards_to_other_ep_and_modes(r
         done = int(RESUMED_FROM.split("step=")[1].split(".")[0])
         assert len(full) == RESUME_EPOCHS and len(set(full)) == RESUME_EPOCHS  # the steps change the model
         assert runs["full_ep2_resumed"] == full[done:]  # the same layout: the loss curve continues bitwise
-        torch.testing.assert_close(torch.tensor(runs["full_ep4"]), torch.tensor(full), rtol=0, atol=1e-6)
+        # Another ep or mode reduces the experts' and the dense gradients in other groups, so in another order; after
+        # AdamW steps (whose update divides by the root of the second moment) no single reordered-sum bound holds,
+        # so the curves are held to 1e-5 relative, the bound of every cross-layout comparison here (a loss of about
+        # 4 and an absolute 1e-6 would be 2 float32 ulps: a bound fitted to one machine's kernels).
+        torch.testing.assert_close(torch.tensor(runs["full_ep4"]), torch.tensor(full), rtol=1e-5, atol=0)
         for other in ("optimizer_ep4", "none_ep1"):  # other ep, other mode: DCP reshards experts and optimizer
-            torch.testing.assert_close(torch.tensor(runs[other]), torch.tensor(full[done:]), rtol=0, atol=1e-6,
+            torch.testing.assert_close(torch.tensor(runs[other]), torch.tensor(full[done:]), rtol=1e-5, atol=0,
                                        msg=lambda m, o=other: f"{o}: {runs[o]} vs {full[done:]}: {m}")
