@@ -8,6 +8,7 @@ from lightning.pytorch.strategies import StrategyRegistry
 
 from lightning_moe_overlap.callbacks import ActivationOffload, MoEMonitor, OverlapTimeline, SelectiveRecompute
 from lightning_moe_overlap.config import OverlapConfig
+from lightning_moe_overlap.loss.tokens import step_tokens
 from lightning_moe_overlap.parallel import ParallelDims, ParallelGroups
 from lightning_moe_overlap.strategy import MoEOverlapStrategy
 
@@ -25,4 +26,5 @@ __all__ = [
     "ParallelGroups",
     "SelectiveRecompute",
     "__version__",
+    "step_tokens",
 ]

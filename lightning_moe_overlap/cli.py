@@ -37,7 +37,8 @@ import lightning_moe_overlap  # noqa: F401  (registers the strategy names)
 from lightning_moe_overlap.cli_components import MissingExtraError, component_problems, raise_missing_extras
 from lightning_moe_overlap.config import OverlapConfig
 from lightning_moe_overlap.ep_choices import passing_ep_values
-from lightning_moe_overlap.parallel.materialize import build_on_meta
+from lightning_moe_overlap.hf.pretrained import meta_from_pretrained
+from lightning_moe_overlap.parallel.materialize import build_on_meta, declare_weights
 from lightning_moe_overlap.strategy import MoEOverlapStrategy
 from lightning_moe_overlap.validation import (
     OWNER,
@@ -312,8 +313,7 @@ def run_checks(config: dict[str, Any], world_size: int | None = None, *, machine
         if _pipeline_known(cfg, problems):
             report, found = pipeline_findings(cfg, model)
             problems += found
-    accumulate = int(trainer.get("accumulate_grad_batches") or 1)
-    problems += check_trainer(cfg, accumulate_grad_batches=accumulate, automatic_optimization=automatic)
+    problems += check_trainer(cfg, automatic_optimization=automatic)
     problems += component_problems(trainer)
     return CheckResult(problems, report)
 
@@ -327,7 +327,9 @@ def _meta_model_or_problem(model_spec: Any) -> tuple[tuple[Any, bool, dict[str, 
         with torch.device("meta"):
             model = _instantiate(model_spec)
             if build_on_meta(model):  # what the strategy builds under the meta device (a no-op for most modules)
-                model.configure_model()
+                with meta_from_pretrained(torch.device("cpu")) as calls:  # its `from_pretrained` calls, as it does
+                    model.configure_model()
+                declare_weights(model, calls.weights(model))
         automatic, experts = _model_structure(model)
     except Exception as err:  # noqa: BLE001 - a finding, never a traceback
         return None, Problem(
@@ -339,14 +341,12 @@ def _meta_model_or_problem(model_spec: Any) -> tuple[tuple[Any, bool, dict[str, 
 def weights_problems(model: Any) -> list[Problem]:
     """The published checkpoint the model declares (``hf_weights``) against the model built on meta: the files'
     headers only, the errors the load would raise at setup (``hf-weights``)."""
-    from lightning_moe_overlap.hf.load import as_hf_weights
+    from lightning_moe_overlap.hf.load import as_hf_weights_list
     from lightning_moe_overlap.parallel.held import global_shapes
 
-    declared = getattr(model, "hf_weights", None)
-    if declared is None:
-        return []
     try:
-        as_hf_weights(declared, f"`{type(model).__name__}`").check(global_shapes(model))
+        for weights in as_hf_weights_list(getattr(model, "hf_weights", None), f"`{type(model).__name__}`"):
+            weights.check(global_shapes(model))
     except (ValueError, TypeError, OSError) as err:
         return [Problem("hf-weights", f"`check`: the weights the model declares would not load: {err}")]
     return []

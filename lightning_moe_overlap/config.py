@@ -76,6 +76,7 @@ class OverlapConfig:
     sequence_parallel: bool = True
     overlap_grad_reduce: bool = False
     overlap_param_gather: bool = False
+    token_mean_over_dp: bool = False
     # what was asked for `overlap` before resolution: None when left unset (warnings about it speak only to a
     # user who set it)
     overlap_requested: bool | None = field(init=False, default=None)

@@ -21,6 +21,7 @@ from lightning_moe_overlap.hf.context import check_batch, context_parallel_loss
 from lightning_moe_overlap.hf.load import HFWeights
 from lightning_moe_overlap.loss.fused import DEFAULT_CHUNK_SIZE
 from lightning_moe_overlap.loss.hf import hf_causal_lm_loss, hf_loss
+from lightning_moe_overlap.loss.tokens import aux_loss_weight, step_tokens
 from lightning_moe_overlap.parallel.context_module import ContextParallel
 from lightning_moe_overlap.loss.vocab_parallel import check_loss_parallel, plain_logits
 from lightning_moe_overlap.pipeline.batches import lm_batch
@@ -182,12 +183,14 @@ class HFMoECausalLM(LightningModule):
         is this rank's share of the micro-batch's (``hf/context.py``: the cp ranks' mean is HF's loss)."""
         kwargs = lm_batch(batch, type(self.model).__name__).model_kwargs()
         chunk = self._fused_chunk_size()
+        # the sum over the labelled tokens / the step's count (loss/tokens.py): the per-token mean over the step
+        tokens = dict(num_items=step_tokens(self, kwargs), aux_weight=aux_loss_weight(self))
         if self.context_parallel is not None:
-            return context_parallel_loss(self.model, self.context_parallel, kwargs, chunk_size=chunk)
+            return context_parallel_loss(self.model, self.context_parallel, kwargs, chunk_size=chunk, **tokens)
         if chunk is not None:
-            return hf_causal_lm_loss(self.model, kwargs, chunk_size=chunk)
+            return hf_causal_lm_loss(self.model, kwargs, chunk_size=chunk, **tokens)
         check_loss_parallel(self.model.lm_head.weight, "the LM head's weight", type(self).__name__)
-        return hf_loss(self.model, kwargs)  # at tp > 1 the loss-parallel cross-entropy's, made plain
+        return hf_loss(self.model, kwargs, **tokens)  # at tp > 1 the loss-parallel cross-entropy's, made plain
 
     def _fused_chunk_size(self) -> int | None:
         """The fused loss's block size, None without it (a subclass that saves other hyperparameters: None)."""

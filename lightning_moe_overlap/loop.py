@@ -50,6 +50,8 @@ import torch
 from lightning_utilities.core.apply_func import apply_to_collection
 from torch import Tensor
 
+from lightning_moe_overlap.accumulation import WHOLE, Window
+from lightning_moe_overlap.loss.tokens import TokenScope
 from lightning_moe_overlap.processes.exits import same_on_every_rank
 from lightning_moe_overlap.step_logs import MicroBatchLogs
 
@@ -82,6 +84,9 @@ class StepHooks:
         before_last_backward: ``()``: just before the step's last backward, which every executor runs alone (after
             every other task has ended), in the thread that runs it; e.g. to issue gradient reductions during it.
             None: not needed.
+        token_loss: ``(batch, token_sum) -> loss``: a batch's loss as logged when its micro-batches' losses were
+            divided by the window's token count (``loss/tokens.py``): ``token_sum`` (the batch's summed token losses
+            on this rank) over the batch's tokens (over dp with ``token_mean_over_dp``). None: not needed.
     """
 
     zero_grad: Callable[[int], None]
@@ -91,59 +96,95 @@ class StepHooks:
     capture_logs: Callable[[], MicroBatchLogs]
     aux_loss_scale: Callable[[float], None] | None = None
     before_last_backward: Callable[[], None] | None = None
+    token_loss: Callable[[Any, Tensor], Tensor] | None = None
 
 
 class MicroBatchLoop:
     """Runs each optimizer step as ``num_microbatches`` micro-batches through ``executor``."""
 
-    def __init__(self, hooks: StepHooks, executor: Executor, num_microbatches: int) -> None:
+    def __init__(
+        self, hooks: StepHooks, executor: Executor, num_microbatches: int, tokens: TokenScope | None = None
+    ) -> None:
         assert num_microbatches >= 1, num_microbatches  # validated with the configuration
         self.hooks = hooks
         self.executor = executor
         self.num_microbatches = num_microbatches
+        self.tokens = TokenScope() if tokens is None else tokens
 
-    def step(self, batch: Any, batch_idx: int, *rest: Any) -> Any:
+    def step(self, batch: Any, batch_idx: int, *rest: Any, window: Window = WHOLE) -> Any:
         hooks = self.hooks
-        hooks.zero_grad(batch_idx)
+        if window.first:
+            hooks.zero_grad(batch_idx)
         micro = split_batch(batch, self.num_microbatches, short=True)
         count = len(micro)
         # A full batch: M equal parts, each loss / M. A short one (an epoch's last batch): parts weighted by rows.
+        # Accumulated batches: each also / A. A loss divided by the step's tokens (`step_tokens`): as it is.
         weights = _row_weights(micro)
-        rescale = hooks.aux_loss_scale if (weights is not None or count != self.num_microbatches) else None
+        share = [1.0 / count if weights is None else w for w in (weights or [0.0] * count)]
+        rescale = hooks.aux_loss_scale
+        if rescale is not None and weights is None and count == self.num_microbatches and window.batches == 1:
+            rescale = None  # the weight set at setup (1 / M) holds
         outputs: list[Any] = [None] * count
+        per_token = [False] * count
 
         def forward(i: int) -> Tensor:
             if rescale is not None:
-                rescale(1.0 / count if weights is None else weights[i])
+                rescale(share[i] / window.batches)
+            asked = self.tokens.calls
             outputs[i] = hooks.forward(micro[i], batch_idx, *rest)
+            per_token[i] = self.tokens.calls != asked
             return _loss_of(outputs[i])
 
         def backward(i: int, loss: Tensor) -> None:
-            if i == count - 1 and hooks.before_last_backward is not None:
+            if i == count - 1 and window.last and hooks.before_last_backward is not None:
                 hooks.before_last_backward()
-            hooks.backward(loss / count if weights is None else loss * weights[i])
+            if per_token[i] != per_token[0]:
+                raise _mixed_token_counts(per_token[: i + 1])
+            if per_token[i]:
+                hooks.backward(loss)  # already its share of the window's per-token mean
+            elif weights is None:
+                hooks.backward(loss / (count * window.batches))
+            else:
+                hooks.backward(loss * (weights[i] / window.batches))
 
         try:
-            with hooks.capture_logs() as logs:
+            with hooks.capture_logs() as logs, self.tokens.step(window.tokens, window.missing):
                 losses = self.executor.run(forward, backward, count)
         finally:
             if rescale is not None:
                 rescale(1.0 / self.num_microbatches)
-        hooks.sync_gradients()
+        if window.last:
+            hooks.sync_gradients()
+        if all(per_token) and window.tokens is not None and hooks.token_loss is not None:
+            step_sum = torch.stack([l.detach().float() for l in losses]).sum() * window.tokens.divisor
+            loss = hooks.token_loss(batch, step_sum)
+            logs.replay(loss_of=(outputs, loss))
+            return _step_output(outputs, losses, loss=loss)
         logs.replay()
         return _step_output(outputs, losses, weights)
+
+
+def _mixed_token_counts(asked: list[bool]) -> RuntimeError:
+    return RuntimeError(
+        f"`MoEOverlapStrategy`: the training step asked for `step_tokens` in some micro-batches of a step and not in "
+        f"others (micro-batches {[i for i, a in enumerate(asked) if a]} of {len(asked)} so far asked). Rule: a loss "
+        "divided by `step_tokens` is back-propagated as it is, any other divided by the micro-batch count, so every "
+        "micro-batch's loss must be of one kind. Fix: call `step_tokens(self, batch)` in every training step, or in "
+        "none."
+    )
 
 
 class StepPath(Protocol):
     """How the owner's step methods run (one object per setup, so those methods have no ``pp`` branch).
 
-    ``train(batch, batch_idx, *rest)``: one optimizer step's forwards and backwards, the loss Lightning sees.
+    ``train(batch, batch_idx, *rest, window=)``: one batch's forwards and backwards, the loss Lightning sees; ``window``
+    (``accumulation.py``) says whether it starts (zeroes) and ends (reduces) an accumulation window.
     ``evaluate(user_step, context, *args, **kwargs)``: a validation / test step; ``user_step`` is the
     LightningModule's own step (through Lightning), ``context`` the precision plugin's step context.
     ``predict(user_step, *args, **kwargs)``: a prediction step.
     """
 
-    def train(self, batch: Any, batch_idx: int, *rest: Any) -> Any: ...
+    def train(self, batch: Any, batch_idx: int, *rest: Any, window: Window = WHOLE) -> Any: ...
 
     def evaluate(self, user_step: Callable[..., Any], context: ContextFactory, *args: Any, **kwargs: Any) -> Any: ...
 
@@ -159,9 +200,9 @@ class LoopPath:
         self.gather = gather
         self.loop = loop
 
-    def train(self, batch: Any, batch_idx: int, *rest: Any) -> Any:
+    def train(self, batch: Any, batch_idx: int, *rest: Any, window: Window = WHOLE) -> Any:
         assert self.loop is not None, "LoopPath.train outside fit"
-        return self.loop.step(batch, batch_idx, *rest)
+        return self.loop.step(batch, batch_idx, *rest, window=window)
 
     def evaluate(self, user_step: Callable[..., Any], context: ContextFactory, *args: Any, **kwargs: Any) -> Any:
         self.gather()
@@ -247,11 +288,14 @@ def _loss_of(output: Any) -> Tensor:
     return loss
 
 
-def _step_output(outputs: list[Any], losses: list[Tensor], weights: list[float] | None = None) -> Any:
-    """What Lightning sees: the mean loss (weighted by rows for a short batch; detached: backward already ran) plus
-    the last micro-batch's extras."""
-    stacked = torch.stack([l.detach().float() for l in losses])
-    loss = stacked.mean() if weights is None else (stacked * torch.tensor(weights)).sum()
+def _step_output(
+    outputs: list[Any], losses: list[Tensor], weights: list[float] | None = None, *, loss: Tensor | None = None
+) -> Any:
+    """What Lightning sees: ``loss``, or the mean loss (weighted by rows for a short batch; detached: backward already
+    ran), plus the last micro-batch's extras."""
+    if loss is None:
+        stacked = torch.stack([l.detach().float() for l in losses])
+        loss = stacked.mean() if weights is None else (stacked * torch.tensor(weights)).sum()
     last = outputs[-1]
     if isinstance(last, Mapping):
         extras = {k: (v.detach() if isinstance(v, Tensor) else v) for k, v in last.items() if k != "loss"}

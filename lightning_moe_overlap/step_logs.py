@@ -16,7 +16,7 @@ overlapped schedule: they are serialised by the schedule's baton, and the order 
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from numbers import Number
 from typing import Any
@@ -44,20 +44,31 @@ class MicroBatchLogs:
             return
         self.calls.setdefault(name, []).append((value, args, kwargs))
 
-    def summary(self) -> list[tuple[str, Any, tuple, dict]]:
+    def summary(self, loss_of: tuple[list[Any], Tensor] | None = None) -> list[tuple[str, Any, tuple, dict]]:
         """``(name, mean of its values, last call's args, last call's kwargs)`` per captured name, in first-call order
-        (at ``pp > 1`` the last stage's summary is sent to the other ranks of its pipeline)."""
+        (at ``pp > 1`` the last stage's summary is sent to the other ranks of its pipeline).
+
+        ``loss_of``: ``(the micro-batches' losses or step outputs, the batch's loss)``: a name logged once per
+        micro-batch with that micro-batch's loss tensor (the same storage: ``loss``, ``loss.detach()``) is logged as
+        the batch's loss instead of the mean (``loss/tokens.py``: there each micro-batch's loss is its share of the
+        step's per-token mean, whose mean over the micro-batches is no loss)."""
         out = []
         for name, calls in self.calls.items():
-            value = mean_of([value for value, _, _ in calls])
+            values = [value for value, _, _ in calls]
+            value = loss_of[1] if loss_of is not None and _are_losses(values, loss_of[0]) else mean_of(values)
             _, args, kwargs = calls[-1]
             out.append((name, value, args, kwargs))
         return out
 
-    def replay(self, summary: list[tuple[str, Any, tuple, dict]] | None = None) -> None:
+    def replay(
+        self,
+        summary: list[tuple[str, Any, tuple, dict]] | None = None,
+        *,
+        loss_of: tuple[list[Any], Tensor] | None = None,
+    ) -> None:
         """Log each captured name once, through the module's own ``log``, with :func:`mean_of` its values (or the
-        entries of ``summary``, e.g. another rank's)."""
-        for name, value, args, kwargs in self.summary() if summary is None else summary:
+        entries of ``summary``, e.g. another rank's; ``loss_of``: see :meth:`summary`)."""
+        for name, value, args, kwargs in self.summary(loss_of) if summary is None else summary:
             self.module.log(name, value, *args, **kwargs)
 
 
@@ -80,6 +91,25 @@ def logs_paused() -> Iterator[None]:
         yield
     finally:
         _PAUSED.depth -= 1
+
+
+def logs_are_paused() -> bool:
+    """Whether this thread is inside :func:`logs_paused` (a forward that is not a micro-batch's)."""
+    return _PAUSED.depth > 0
+
+
+def _are_losses(values: list[Any], outputs: list[Any]) -> bool:
+    """Whether ``values[i]`` is micro-batch ``i``'s loss (a step output: a tensor, or a mapping with ``"loss"``),
+    for every ``i`` (compared by storage: no value is read)."""
+    if len(values) != len(outputs):
+        return False
+    for value, output in zip(values, outputs, strict=True):
+        loss = output.get("loss") if isinstance(output, Mapping) else output
+        if not (isinstance(value, Tensor) and isinstance(loss, Tensor) and value.shape == loss.shape):
+            return False
+        if value.untyped_storage().data_ptr() != loss.untyped_storage().data_ptr():
+            return False
+    return True
 
 
 def mean_of(values: list[Any]) -> Any:

@@ -18,7 +18,7 @@ from lightning.pytorch.accelerators import Accelerator
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies.parallel import ParallelStrategy
 from lightning.pytorch.strategies.strategy import TBroadcast
-from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.trainer.states import RunningStage, TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_only
 from torch import Tensor
 from torch.distributed.fsdp import MixedPrecisionPolicy
@@ -27,6 +27,7 @@ from typing_extensions import override
 
 from lightning_moe_overlap._compat import lightning as pl_compat
 from lightning_moe_overlap._noise import quiet_third_party_noise
+from lightning_moe_overlap.accumulation import Accumulation
 from lightning_moe_overlap.checkpoint import checkpointer
 from lightning_moe_overlap.config import (
     CheckpointFormat,
@@ -45,9 +46,11 @@ from lightning_moe_overlap.fp8.recipes import FP8Recipe
 from lightning_moe_overlap.parallel.grads import clip_grad_norm, global_grad_norm
 from lightning_moe_overlap.processes.launcher import ExpertParallelScriptLauncher, ExpertParallelSpawnLauncher
 from lightning_moe_overlap.loop import LoopPath, MicroBatchLoop, StepHooks, StepPath
+from lightning_moe_overlap.loss.tokens import TokenScope
 from lightning_moe_overlap.loss.vocab_parallel import loss_parallel_scope, plain_step_output
 from lightning_moe_overlap.moe.adapters import expert_parallel_modules
 from lightning_moe_overlap.hf.load import HFLoadReport
+from lightning_moe_overlap.hf.pretrained import PretrainedCalls, meta_from_pretrained
 from lightning_moe_overlap.overlap.engine import OverlapEngine
 from lightning_moe_overlap.overlap.failures import default_nccl_error_handling, safety_nets
 from lightning_moe_overlap.overlap.runtime import CommRuntime
@@ -67,7 +70,7 @@ from lightning_moe_overlap.parallel.apply import (
 from lightning_moe_overlap.parallel.context_module import ContextParallel
 from lightning_moe_overlap.parallel.tensor import TensorParallelGrads
 from lightning_moe_overlap.parallel.held import global_shapes, held_tensors
-from lightning_moe_overlap.parallel.materialize import build_on_meta, meta_init_of
+from lightning_moe_overlap.parallel.materialize import build_on_meta, declare_weights, meta_init_of
 from lightning_moe_overlap.parallel.mesh import ParallelMesh, build_mesh
 from lightning_moe_overlap.parallel.sharding import ShardedModel
 from lightning_moe_overlap.processes.shutdown import destroy_process_groups_at_exit
@@ -133,7 +136,10 @@ class MoEOverlapStrategy(ParallelStrategy):
         delay_wgrad: Queue expert weight-gradient GEMMs during backward and run them while the next all-to-all
             is in flight.
         num_microbatches: Micro-batches per optimizer step; each batch from the dataloader is split evenly along
-            its first dimension.
+            its first dimension. ``Trainer(accumulate_grad_batches=A)`` adds ``A`` such batches per optimizer step
+            (docs/overlap.md, "Gradient accumulation"). A loss divided by ``step_tokens`` (the built-in Hugging Face
+            modules') is the per-token mean over the step's micro-batches and accumulated batches; any other, the
+            mean over the micro-batches (docs/overlap.md, "Which mean a step's loss is").
         capacity_factor: Expert capacity as a multiple of the even share of tokens; None is dropless.
         token_drop_policy: Which assignments an over-capacity expert drops: ``"probs"`` (lowest probability) or
             ``"position"`` (latest tokens).
@@ -189,6 +195,11 @@ class MoEOverlapStrategy(ParallelStrategy):
             reduction runs under the rest of that backward instead of after it (Megatron's ``--overlap-grad-reduce``;
             docs/sharding.md). The same reductions of the same gradients, issued earlier. Without a sharded mode: a
             warning, no effect; not with ``tp > 1``.
+        token_mean_over_dp: For a loss divided by ``step_tokens`` (the built-in Hugging Face modules' default,
+            ``loss/tokens.py``; docs/overlap.md, "Which mean a step's loss is"): the per-token mean over the tokens
+            of every dp rank's batches (one all-reduce of the count per step; Hugging Face's
+            ``average_tokens_across_devices``), not of each rank's own. Ranks with more labelled tokens then weigh
+            more, as in one process training the global batch. False: each rank's own mean, averaged over dp.
         overlap_param_gather: Megatron's ``--overlap-param-gather``. Accepted for the flag table, with a warning: the
             parameters are gathered once per step, before the first micro-batch, so there is no later all-gather to
             prefetch under compute (docs/sharding.md).
@@ -228,6 +239,7 @@ class MoEOverlapStrategy(ParallelStrategy):
         fp8: FP8Recipe | None = None,
         overlap_grad_reduce: bool = False,
         overlap_param_gather: bool = False,
+        token_mean_over_dp: bool = False,
         accelerator: Accelerator | None = None,
         parallel_devices: list[torch.device] | None = None,
         cluster_environment: ClusterEnvironment | None = None,
@@ -266,6 +278,7 @@ class MoEOverlapStrategy(ParallelStrategy):
             sequence_parallel=sequence_parallel,
             overlap_grad_reduce=overlap_grad_reduce,
             overlap_param_gather=overlap_param_gather,
+            token_mean_over_dp=token_mean_over_dp,
         )
         raise_problems(check_config(self.config) + check_fp8(fp8, self.config))  # every rule broken, in one error
         self._timeout = _as_timedelta(timeout)
@@ -290,6 +303,8 @@ class MoEOverlapStrategy(ParallelStrategy):
         self.optimizer_offload_fraction = optimizer_offload_fraction if optimizer_cpu_offload else None
         self.fp8 = fp8
         self.fp8_report: Float8Report | None = None  # what `setup` put in FP8 (None: fp8 is None)
+        self.token_scope = TokenScope()  # the step's token count, for `step_tokens` (loss/tokens.py)
+        self._accumulation: Accumulation | None = None  # while fitting: the accumulation windows of the batches
 
     # -- sizes and groups ------------------------------------------------------------------------------------
     @property
@@ -437,28 +452,49 @@ class MoEOverlapStrategy(ParallelStrategy):
         (its experts' slice, its dense tensors, its pipeline chunks; ``parallel/materialize.py``), initialised with
         the LightningModule's ``init_module`` hook under the run's seed.
 
-        A LightningModule with ``build_on_meta = False`` builds with real tensors instead (e.g. HF's
-        ``from_pretrained``, which refuses the meta device); each rank then keeps its own values and frees what it
-        does not hold (docs/pipeline.md, "Pretrained weights"). A model built in ``__init__`` is unaffected.
+        Hugging Face's ``from_pretrained`` called there (``AutoModelForCausalLM.from_pretrained(folder)``, Lightning's
+        place for large models) is recognised (``hf/pretrained.py``): on a local folder the model is built from its
+        ``config.json`` on meta (float32 unless the call names a ``dtype``) and its weights are declared as the
+        module's ``hf_weights`` (``HFWeights(folder, prefix=<its attribute path>.)``, next to any the module declares
+        itself), so each rank reads only its part after sharding. A call the meta build cannot honour (a Hub id,
+        ``device_map``, ``quantization_config``, ...), or a model that is no attribute of the module, runs as written
+        with real tensors: each rank reads the whole checkpoint. Rank 0 logs once what was recognised and what ran as
+        written (docs/hf_checkpoints.md, "from_pretrained in configure_model").
+
+        A LightningModule with ``build_on_meta = False`` builds with real tensors instead, nothing intercepted; each
+        rank then keeps its own values and frees what it does not hold (docs/pipeline.md, "Pretrained weights"). A
+        model built in ``__init__`` is unaffected.
         """
         module = self.lightning_module
         if not build_on_meta(module):
             yield
             return
-        try:
-            with torch.device("meta"):
-                yield
-        except RuntimeError as err:
-            if "from_pretrained" not in str(err) or "meta device" not in str(err):
-                raise
-            raise RuntimeError(
-                f"`MoEOverlapStrategy(pp={self.config.pp})`: `{type(module).__name__}.configure_model` runs under the "
-                "meta device (at every pp, each rank allocates only what it holds), and Hugging Face's "
-                "`from_pretrained` refuses to load weights there. Rule: a model loaded in configure_model opts out "
-                "of the meta device. Fix: set `build_on_meta = False` on the LightningModule (every rank loads the "
-                "whole checkpoint into host memory, then keeps only what it holds), or build the model from its "
-                "config in configure_model and declare the weights to load (`hf_weights`), or load it in `__init__`."
-            ) from err
+        with meta_from_pretrained() as calls:  # a call not honoured runs on the device configure_model was given
+            try:
+                with torch.device("meta"):
+                    yield
+            except RuntimeError as err:
+                if "from_pretrained" not in str(err) or "meta device" not in str(err):
+                    raise
+                raise RuntimeError(
+                    f"`MoEOverlapStrategy(pp={self.config.pp})`: `{type(module).__name__}.configure_model` runs under "
+                    "the meta device (at every pp, each rank allocates only what it holds), and a `from_pretrained` "
+                    "the strategy does not recognise refused to load weights there (it recognises "
+                    "`PreTrainedModel.from_pretrained` and the auto classes'). Rule: a model loaded in configure_model "
+                    "by another loader opts out of the meta device. Fix: set `build_on_meta = False` on the "
+                    "LightningModule (every rank loads the whole checkpoint into host memory, then keeps only what it "
+                    "holds), or build the model from its config in configure_model and declare the weights to load "
+                    "(`hf_weights`), or load it in `__init__`."
+                ) from err
+        if module is not None:
+            self._declare_pretrained(module, calls)
+
+    def _declare_pretrained(self, module: Module, calls: PretrainedCalls) -> None:
+        """Declare the weights of the models ``configure_model`` loaded with ``from_pretrained`` (built on meta) as
+        ``module.hf_weights``, and log once what was recognised and what ran as written."""
+        added = declare_weights(module, calls.weights(module))
+        for line in calls.describe(f"`{type(self).__name__}`: `{type(module).__name__}.configure_model`", added):
+            rank_zero_info(line)
 
     @override
     def setup(self, trainer: Trainer) -> None:
@@ -466,13 +502,8 @@ class MoEOverlapStrategy(ParallelStrategy):
         self.accelerator.setup(trainer)
         fitting = trainer.state.fn == TrainerFn.FITTING
         if fitting:
-            raise_problems(
-                check_trainer(
-                    self.config,
-                    accumulate_grad_batches=trainer.accumulate_grad_batches,
-                    automatic_optimization=self.lightning_module.automatic_optimization,
-                )
-            )
+            automatic = self.lightning_module.automatic_optimization
+            raise_problems(check_trainer(self.config, automatic_optimization=automatic))
         self._adopt_prepared()
         if self._ep_model is None:
             self._parallelize()
@@ -492,6 +523,10 @@ class MoEOverlapStrategy(ParallelStrategy):
             hooks = self._step_hooks(trainer)
             pl_compat.set_skip_backward(trainer, True)
             self._loop_trainer = trainer
+            self._accumulation = Accumulation(
+                trainer.accumulate_grad_batches, self.lightning_module, self.config,
+                dp_group=self.parallel_groups.dp, device=self.root_device,
+            )  # fmt: skip
         self._path = self._build_step_path(hooks)
 
     def _build_step_path(self, hooks: StepHooks | None) -> StepPath:
@@ -505,12 +540,25 @@ class MoEOverlapStrategy(ParallelStrategy):
                 self.runtime, overlap=self.config.overlap, timeout_s=nets.wait_s, stall_timeout_s=nets.stall_s
             )
         if self._pipeline is None:
-            loop = None if engine is None else MicroBatchLoop(hooks, engine, self.config.num_microbatches)
+            loop = None if engine is None else MicroBatchLoop(hooks, engine, self.config.num_microbatches,
+                                                              self.token_scope)  # fmt: skip
             return LoopPath(self._sharded.gather, loop)
         if engine is not None:
-            self._pipeline.build_schedule(engine, self.root_device)
+            accumulate = self._accumulation.batches if self._accumulation is not None else 1
+            self._pipeline.build_schedule(engine, self.root_device, self.token_scope, accumulate=accumulate)
+            self._set_pipeline_aux_scale(accumulate)
         return PipelinePath(self._pipeline, self.lightning_module, self.root_device, hooks,
-                            self.precision_plugin.train_step_context)  # fmt: skip
+                            self.precision_plugin.train_step_context, self.token_scope)  # fmt: skip
+
+    def _set_pipeline_aux_scale(self, accumulate: int) -> None:
+        """At pp > 1 the routers' auxiliary-loss weight follows the schedule's: 1 where torch divides the gradients
+        by M, ``1 / (M * A)`` where the losses are weighted instead (``pipeline/step_loss.py``)."""
+        assert self._ep_model is not None and self._pipeline is not None
+        weighted = accumulate > 1 or self._pipeline.split.token_loss
+        pipelined_scale = aux_loss_scale(self.config.num_microbatches, self.dims, pipelined=True)
+        self._ep_model.set_aux_loss_scale(
+            pipelined_scale / (self.config.num_microbatches * accumulate) if weighted else pipelined_scale
+        )
 
     def _parallelize(self) -> None:
         """The model's transformation, in the order of ``parallel/apply.py`` (where each step is described)."""
@@ -601,6 +649,7 @@ class MoEOverlapStrategy(ParallelStrategy):
             capture_logs=lambda: MicroBatchLogs(module),
             aux_loss_scale=self._scale_aux_loss if self._ep_model is not None else None,
             before_last_backward=lambda: self._sharded.before_last_backward() if self._sharded else None,
+            token_loss=lambda batch, token_sum: self._accumulation.batch_loss(batch, token_sum),
         )
 
     def _scale_aux_loss(self, scale: float) -> None:
@@ -642,6 +691,16 @@ class MoEOverlapStrategy(ParallelStrategy):
         return output
 
     @override
+    def process_dataloader(self, dataloader: object) -> object:
+        """With ``accumulate_grad_batches > 1``, the training dataloader read ahead by an accumulation window
+        (``accumulation.LookaheadLoader``): a window's token count needs its later batches before its first step."""
+        trainer = pl_compat.attached_trainer(self.lightning_module) if self.lightning_module is not None else None
+        if trainer is None or trainer.state.stage != RunningStage.TRAINING or trainer.accumulate_grad_batches == 1:
+            return dataloader
+        assert self._accumulation is not None
+        return self._accumulation.read_ahead(dataloader)
+
+    @override
     def model_to_device(self) -> None:
         assert self.model is not None
         if self._pipeline is not None:  # the other pp ranks' chunks stay on meta
@@ -654,8 +713,11 @@ class MoEOverlapStrategy(ParallelStrategy):
         if self._loop_trainer is None:  # not in fit: Lightning's own step
             with self._loss_parallel():
                 return super().training_step(*args, **kwargs)
+        assert self._accumulation is not None
+        batch_idx = args[1] if len(args) > 1 else kwargs.get("batch_idx", 0)
+        window = self._accumulation.window(self._loop_trainer, args[0], batch_idx)
         with self._cp_enabled(), self._loss_parallel():
-            return self._step_path().train(*args, **kwargs)
+            return self._step_path().train(*args, window=window, **kwargs)
 
     @override
     def validation_step(self, *args: Any, **kwargs: Any) -> Any:
@@ -832,6 +894,7 @@ class MoEOverlapStrategy(ParallelStrategy):
         if self._loop_trainer is not None:
             pl_compat.set_skip_backward(self._loop_trainer, False)
             self._loop_trainer = None
+        self._accumulation = None
         self._path = None
         if self._sharded is not None and not self._failed:
             self._sharded.release()

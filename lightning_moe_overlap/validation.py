@@ -698,19 +698,8 @@ def check_model(
 
 
 # -- rules on the trainer --------------------------------------------------------------------------------------
-def check_trainer(cfg: OverlapConfig, *, accumulate_grad_batches: int, automatic_optimization: bool) -> list[Problem]:
+def check_trainer(cfg: OverlapConfig, *, automatic_optimization: bool) -> list[Problem]:
     out: list[Problem] = []
-    if accumulate_grad_batches != 1:
-        out.append(
-            Problem(
-                "accumulate-grad-batches",
-                f"{OWNER}: `Trainer(accumulate_grad_batches={accumulate_grad_batches})` is not supported: the "
-                "strategy accumulates over micro-batches inside one optimizer step. Use "
-                f"`MoEOverlapStrategy(num_microbatches={cfg.num_microbatches * accumulate_grad_batches})` with a "
-                f"{accumulate_grad_batches}x larger batch instead.",
-                NotImplementedError,
-            )
-        )
     if not automatic_optimization:
         out.append(
             Problem(

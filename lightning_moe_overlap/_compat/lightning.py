@@ -118,6 +118,12 @@ def zero_grad(trainer: Any, batch_idx: int, optimizer: torch.optim.Optimizer) ->
     loop._optimizer_zero_grad(batch_idx, optimizer)
 
 
+def should_accumulate(trainer: Any) -> bool:
+    """``fit_loop._should_accumulate()``: the current training batch is not the last of its accumulation window
+    (``accumulate_grad_batches``; the epoch's last batch always ends one), so no optimizer step follows it."""
+    return bool(trainer.fit_loop._should_accumulate())
+
+
 def attached_trainer(module: Any) -> Any | None:
     """``LightningModule._trainer``: the Trainer the module is attached to, or None (``module.trainer`` raises)."""
     return getattr(module, "_trainer", None)
@@ -167,6 +173,7 @@ __all__ = [
     "set_device_mesh",
     "set_num_threads_if_needed",
     "set_skip_backward",
+    "should_accumulate",
     "should_update_logs",
     "skips_backward",
     "start_script_children",

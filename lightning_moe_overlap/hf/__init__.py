@@ -1,5 +1,6 @@
 """Published Hugging Face checkpoints in and out: key adapters (:mod:`.families`), loading into a sharded model
-(:mod:`.load`, each rank reading only what it holds) and export to the Hub layout (:mod:`.export`).
+(:mod:`.load`, each rank reading only what it holds; :mod:`.pretrained`, ``from_pretrained`` in ``configure_model``
+built on meta and declared for that load) and export to the Hub layout (:mod:`.export`).
 docs/hf_checkpoints.md describes them."""
 
 from lightning_moe_overlap.hf.checks import HFKeysError

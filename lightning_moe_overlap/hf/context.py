@@ -108,16 +108,19 @@ def check_batch(model_kwargs: dict[str, Tensor], cp: int) -> None:
 
 
 def context_parallel_loss(
-    hf_model: nn.Module, cp: ContextParallel, model_kwargs: dict[str, Tensor], *, chunk_size: int | None = None
+    hf_model: nn.Module, cp: ContextParallel, model_kwargs: dict[str, Tensor], *, chunk_size: int | None = None,
+    num_items: Tensor | None = None, aux_weight: float = 1.0,
 ) -> Tensor:
     """This cp rank's share of HF's causal-LM loss of a micro-batch (``model_kwargs``: ``input_ids``, ``labels``,
     optionally ``attention_mask`` / ``position_ids``, all ``[B, T]``): the mean over the cp ranks is HF's
     ``hf_model(**model_kwargs).loss`` of the whole micro-batch. ``chunk_size``: the fused loss (no ``[B, S, V]``
-    logits) with that block size; None: the model's own head and ``loss_function``."""
+    logits) with that block size; None: the model's own head and ``loss_function``. ``num_items``: the token sum is
+    divided by it (the step's count, ``loss/tokens.py``) instead of the micro-batch's labelled tokens;
+    ``aux_weight``: the balancing loss's weight (as in ``loss.hf.hf_loss``)."""
     check_batch(model_kwargs, cp.size)
     use_ring_attention(hf_model)
     shifted_BT = shift_labels(model_kwargs["labels"])
-    labelled = (shifted_BT != IGNORE_INDEX).sum()
+    labelled = (shifted_BT != IGNORE_INDEX).sum() if num_items is None else num_items
     (input_ids_BS, shifted_BS), positions_1S = cp.shard(model_kwargs["input_ids"], shifted_BT)
     num_items = labelled.to(torch.float32) / cp.size  # sum over S tokens / (N / cp): the cp mean is the batch mean
     inputs = {"input_ids": input_ids_BS, "position_ids": positions_1S}
@@ -137,7 +140,7 @@ def context_parallel_loss(
         ) / num_items
     if getattr(output, "router_logits", None) is not None and getattr(hf_model.config, "output_router_logits", False):
         aux = balancing_loss_share(hf_model, output.router_logits, cp)
-        loss = loss + hf_model.router_aux_loss_coef * aux.to(loss.device)
+        loss = loss + hf_model.router_aux_loss_coef * aux_weight * aux.to(loss.device)
     return loss
 
 

@@ -72,6 +72,22 @@ class HFLoadReport:
     dequantized: tuple[str, ...] = ()
     block: tuple[int, int] | None = None
 
+    @classmethod
+    def combined(cls, reports: Sequence[HFLoadReport]) -> HFLoadReport:
+        """One report for several checkpoints read in turn (one per declared ``HFWeights``): counts and times summed,
+        families joined with ``+``, keys and dequantised keys merged."""
+        blocks = {r.block for r in reports if r.block is not None}
+        return cls(
+            family="+".join(r.family for r in reports),
+            tensors=sum(r.tensors for r in reports),
+            keys=tuple(sorted({k for r in reports for k in r.keys})),
+            reads=sum(r.reads for r in reports),
+            bytes_read=sum(r.bytes_read for r in reports),
+            seconds=sum(r.seconds for r in reports),
+            dequantized=tuple(sorted({k for r in reports for k in r.dequantized})),
+            block=next(iter(blocks)) if len(blocks) == 1 else None,
+        )
+
     def describe(self) -> str:
         """One line for the log: what this rank read."""
         fp8 = (
@@ -255,7 +271,31 @@ def as_hf_weights(value: object, owner: str) -> HFWeights:
         return HFWeights(value)
     raise TypeError(
         f"{owner}: `hf_weights` is a {type(value).__name__} ({value!r}). Rule: a LightningModule declares the weights "
-        "it starts from as an `HFWeights` or a checkpoint folder's path, or None. Fix: set "
-        "`self.hf_weights = HFWeights(path)` (lightning_moe_overlap.hf), a path, or None."
+        "it starts from as an `HFWeights` or a checkpoint folder's path (a list of them for several models), or None. "
+        "Fix: set `self.hf_weights = HFWeights(path)` (lightning_moe_overlap.hf), a path, a list, or None."
     )
+
+
+def as_hf_weights_list(value: object, owner: str) -> list[HFWeights]:
+    """What a module's ``hf_weights`` declares, as a list: ``[]`` for None, one :class:`HFWeights` (or path), or a list
+    / tuple of them (one per HF model of the module, each under its own prefix).
+
+    Raises:
+        TypeError: an entry is neither (:func:`as_hf_weights`).
+        ValueError: two prefixes overlap (one starts with the other): a tensor would be loaded twice.
+    """
+    if value is None:
+        return []
+    values = value if isinstance(value, (list, tuple)) else [value]
+    entries = [as_hf_weights(v, owner) for v in values]
+    for i, a in enumerate(entries):
+        for b in entries[i + 1 :]:
+            if a.prefix.startswith(b.prefix) or b.prefix.startswith(a.prefix):
+                raise ValueError(
+                    f"{owner}: `hf_weights` declares prefix={a.prefix!r} ({a.path}) and prefix={b.prefix!r} "
+                    f"({b.path}), and one starts with the other. Rule: each declared checkpoint fills the tensors "
+                    "under its own prefix, one HF model each. Fix: give each the attribute path of its own model "
+                    "(`\"model.\"`, `\"draft.\"`), or declare only one of them."
+                )
+    return entries
 

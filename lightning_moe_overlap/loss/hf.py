@@ -36,21 +36,26 @@ def shift_labels(labels_BS: Tensor, ignore_index: int = IGNORE_INDEX) -> Tensor:
 
 
 def lm_head_loss(
-    hidden_BSD: Tensor, lm_head: nn.Module, labels_BS: Tensor, *, chunk_size: int = DEFAULT_CHUNK_SIZE
+    hidden_BSD: Tensor, lm_head: nn.Module, labels_BS: Tensor, *, chunk_size: int = DEFAULT_CHUNK_SIZE,
+    num_items: Tensor | None = None,
 ) -> Tensor:
     """HF's causal-LM loss of ``lm_head(hidden_BSD)`` against the unshifted ``labels_BS``, without the logits (the
     last pipeline stage's loss, and :func:`hf_causal_lm_loss`'s). A vocabulary-parallel head (``tp > 1``): the
-    rank's rows, the sequence-parallel ``hidden_BSD`` gathered over tp (:func:`head_cross_entropy`)."""
-    return head_cross_entropy(
+    rank's rows, the sequence-parallel ``hidden_BSD`` gathered over tp (:func:`head_cross_entropy`).
+    ``num_items``: the sum over the labelled tokens divided by it (HF's ``num_items_in_batch``), not their mean."""
+    loss = head_cross_entropy(
         hidden_BSD, lm_head.weight, shift_labels(labels_BS), bias=getattr(lm_head, "bias", None),
-        ignore_index=IGNORE_INDEX, chunk_size=chunk_size,
+        ignore_index=IGNORE_INDEX, chunk_size=chunk_size, reduction="mean" if num_items is None else "sum",
     )
+    return loss if num_items is None else loss / num_items
 
 
 def hf_causal_lm_loss(
-    hf_model: nn.Module, model_kwargs: dict[str, Tensor], *, chunk_size: int = DEFAULT_CHUNK_SIZE
+    hf_model: nn.Module, model_kwargs: dict[str, Tensor], *, chunk_size: int = DEFAULT_CHUNK_SIZE,
+    num_items: Tensor | None = None, aux_weight: float = 1.0,
 ) -> Tensor:
-    """The loss HF's ``hf_model(**model_kwargs).loss`` computes (``labels`` among the kwargs), without its logits.
+    """The loss HF's ``hf_model(**model_kwargs).loss`` computes (``labels`` among the kwargs), without its logits;
+    ``num_items`` and ``aux_weight`` as in :func:`hf_loss`.
 
     ``hf_model`` is a v5 ``*ForCausalLM``: ``hf_model.model`` the base model, ``hf_model.lm_head`` the head, a
     forward that takes ``logits_to_keep``. Raises ``NotImplementedError`` for a model whose logits are transformed
@@ -60,31 +65,47 @@ def hf_causal_lm_loss(
     kwargs = dict(model_kwargs)
     labels_BS = kwargs.pop("labels")
     hidden_BSD, output = final_hidden_states(hf_model, kwargs)
-    loss = lm_head_loss(hidden_BSD, hf_model.lm_head, labels_BS, chunk_size=chunk_size)
+    loss = lm_head_loss(hidden_BSD, hf_model.lm_head, labels_BS, chunk_size=chunk_size, num_items=num_items)
     aux_loss = getattr(output, "aux_loss", None)
     if aux_loss is not None:  # HF adds it when it computed it and labels were given
-        loss = loss + hf_model.router_aux_loss_coef * aux_loss.to(loss.device)
+        loss = loss + _weighted(hf_model.router_aux_loss_coef, aux_weight) * aux_loss.to(loss.device)
     return loss
 
 
-def hf_loss(hf_model: nn.Module, model_kwargs: dict[str, Tensor]) -> Tensor:
+def _weighted(coef: float, weight: float) -> float:
+    return coef if weight == 1.0 else coef * weight
+
+
+def hf_loss(
+    hf_model: nn.Module, model_kwargs: dict[str, Tensor], *, num_items: Tensor | None = None, aux_weight: float = 1.0
+) -> Tensor:
     """HF's own loss of ``model_kwargs`` (with ``labels``) as a plain tensor: ``hf_model(**model_kwargs).loss``.
 
     With a vocabulary-parallel head (``tp > 1``: the logits a ``DTensor``, the cross-entropy torch's
     ``loss_parallel``) the forward runs without labels, the loss is the model's own ``loss_function`` on the sharded
     logits, made plain, and the router's auxiliary loss (``output_router_logits``) is added after it as HF adds it:
     inside HF's forward the plain auxiliary loss would be added to the ``DTensor`` cross-entropy, whose backward
-    ``DTensor`` refuses ("got mixed torch.Tensor and DTensor")."""
+    ``DTensor`` refuses ("got mixed torch.Tensor and DTensor").
+
+    ``num_items``: the token losses' sum is divided by it (HF's ``num_items_in_batch``: ``loss/tokens.py``'s
+    ``step_tokens``), not by the labelled tokens of ``model_kwargs``. ``aux_weight``: the router's auxiliary loss
+    (``output_router_logits``) is added as ``router_aux_loss_coef * aux_weight * aux_loss``."""
     head = getattr(hf_model, "lm_head", None)
-    if head is None or not isinstance(head.weight, DTensor):
-        return hf_model(**model_kwargs).loss
+    extra = {} if num_items is None else {"num_items_in_batch": num_items}
+    if (head is None or not isinstance(head.weight, DTensor)) and aux_weight == 1.0:
+        return hf_model(**model_kwargs, **extra).loss
     kwargs = dict(model_kwargs)
     labels = kwargs.pop("labels")
     output = hf_model(**kwargs)
-    loss = plain_loss(hf_model.loss_function(output.logits, labels, vocab_size=hf_model.config.vocab_size))
+    if isinstance(output.logits, DTensor) and num_items is not None:  # the sum made plain, then divided
+        vocab = hf_model.config.vocab_size
+        loss = plain_loss(hf_model.loss_function(output.logits, labels, vocab_size=vocab, num_items_in_batch=1))
+        loss = loss / num_items
+    else:
+        loss = plain_loss(hf_model.loss_function(output.logits, labels, vocab_size=hf_model.config.vocab_size, **extra))
     aux_loss = getattr(output, "aux_loss", None)
     if aux_loss is not None:
-        loss = loss + hf_model.router_aux_loss_coef * plain_loss(aux_loss).to(loss.device)
+        loss = loss + _weighted(hf_model.router_aux_loss_coef, aux_weight) * plain_loss(aux_loss).to(loss.device)
     return loss
 
 

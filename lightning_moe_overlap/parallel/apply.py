@@ -29,7 +29,8 @@ each rank then allocates only what it holds (``parallel/materialize.py``):
    (``MoEModelHandle.broadcast_replicas``, ``DTensor``-aware).
 7. :func:`apply_fsdp`: ``fully_shard`` the dense parameters (replicas at ``shard="none"``, shards otherwise) and,
    when sharded, the experts over ``mesh["edp"]``.
-8. :func:`apply_pretrained`: a LightningModule that declares ``hf_weights`` (a published Hugging Face checkpoint)
+8. :func:`apply_pretrained`: a LightningModule that declares ``hf_weights`` (a published Hugging Face checkpoint, or
+   one per HF model; declared by the strategy for a ``from_pretrained`` in ``configure_model``, ``hf/pretrained.py``)
    gets them read into the sharded model (``torch.distributed.checkpoint``'s HF reader, ``hf/load.py``), after the
    parameters have their final placement and before the optimizers are built: ``parallel/held.py`` gives what this
    rank holds and the whole model's shapes, by the unsplit model's names; each rank reads only its part, and the
@@ -50,7 +51,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from lightning_moe_overlap.config import OverlapConfig, ShardMode
 from lightning_moe_overlap.fp8.apply import Float8Report, apply_fp8
 from lightning_moe_overlap.fp8.dense import FLOAT8_ALL_GATHER_RECIPE
-from lightning_moe_overlap.hf.load import HFLoadReport, as_hf_weights, load_hf_weights
+from lightning_moe_overlap.hf.load import HFLoadReport, as_hf_weights_list, load_hf_weights
 from lightning_moe_overlap.overlap.runtime import CommRuntime
 from lightning_moe_overlap.parallel.materialize import (
     MetaInit,
@@ -218,17 +219,20 @@ def apply_fsdp(
 
 
 def apply_pretrained(module: LightningModule, pipeline: PipelinedModel | None) -> HFLoadReport | None:
-    """Read the checkpoint ``module.hf_weights`` declares (an ``HFWeights`` or a folder path) into the tensors this
-    rank holds, under the weights' prefix; ``None`` when it declares none. Collective: every rank calls it."""
-    declared = getattr(module, WEIGHTS_ATTR, None)
-    if declared is None:
+    """Read the checkpoints ``module.hf_weights`` declares (an ``HFWeights`` or a folder path, or a list of them, one
+    per HF model) into the tensors this rank holds, each under its weights' prefix; ``None`` when it declares none.
+    Several checkpoints give one combined report (``HFLoadReport.combined``). Collective: every rank calls it."""
+    declared = as_hf_weights_list(getattr(module, WEIGHTS_ATTR, None), f"`{type(module).__name__}`")
+    if not declared:
         return None
-    weights = as_hf_weights(declared, f"`{type(module).__name__}`")
-    prefix = weights.prefix
-    held = {n: t for n, t in held_tensors(module, pipeline).items() if n.startswith(prefix)}
-    shapes = {n: s for n, s in global_shapes(module).items() if n.startswith(prefix)}
-    with torch.no_grad():
-        return load_hf_weights(
-            held, shapes, weights.path, family=weights.family, prefix=prefix, ignore=weights.ignore
-        )
-
+    held_all, shapes_all = held_tensors(module, pipeline), global_shapes(module)
+    reports = []
+    for weights in declared:
+        prefix = weights.prefix
+        held = {n: t for n, t in held_all.items() if n.startswith(prefix)}
+        shapes = {n: s for n, s in shapes_all.items() if n.startswith(prefix)}
+        with torch.no_grad():
+            reports.append(load_hf_weights(
+                held, shapes, weights.path, family=weights.family, prefix=prefix, ignore=weights.ignore
+            ))  # fmt: skip
+    return reports[0] if len(reports) == 1 else HFLoadReport.combined(reports)

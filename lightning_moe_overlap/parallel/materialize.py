@@ -26,6 +26,7 @@ import torch
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch import Tensor, nn
 
+from lightning_moe_overlap.hf.load import HFWeights, as_hf_weights_list
 from lightning_moe_overlap.moe.adapters import find_experts
 from lightning_moe_overlap.moe.ep import ExpertParallelExperts
 from lightning_moe_overlap.parallel.dtensors import local
@@ -35,7 +36,7 @@ from lightning_moe_overlap.pipeline.split import SplitModel, init_one_seeded, re
 BUILD_ON_META = "build_on_meta"  # a LightningModule's opt-out: False builds `configure_model` with real tensors
 DEPRECATED_BUILD_ON_META = "pipeline_build_on_meta"  # the former name (pp > 1 only), read with a warning
 INIT_HOOK = "init_module"  # the LightningModule's method: init_module(module) initialises one module's own tensors
-WEIGHTS_ATTR = "hf_weights"  # not None: a checkpoint fills the weights after setup (the experts are left empty)
+WEIGHTS_ATTR = "hf_weights"  # not None: checkpoints fill the weights after setup (the experts are left empty)
 
 
 @dataclass(frozen=True)
@@ -80,7 +81,9 @@ def init_module_of(module: nn.Module, split: SplitModel | None = None) -> InitMo
 
     1. its ``init_module(module)`` method (the hook; the demo modules define it);
     2. at ``pp > 1``, the splitter's ``PipelineChunks.init_module``;
-    3. for a Hugging Face decoder LM (itself or its ``model`` attribute), its ``_init_weights``;
+    3. for a Hugging Face decoder LM (itself or its ``model`` attribute), its ``_init_weights``; with several HF
+       models in ``module`` (each ``from_pretrained`` of ``configure_model``, say), each module inside one of them
+       by that model's ``_init_weights`` (its rotary buffers, which no checkpoint holds, among them);
     4. :func:`~lightning_moe_overlap.pipeline.split.reset_module` (``reset_parameters()``).
     """
     hook = getattr(module, INIT_HOOK, None)
@@ -91,17 +94,50 @@ def init_module_of(module: nn.Module, split: SplitModel | None = None) -> InitMo
     from lightning_moe_overlap.pipeline.splitters import find_hf_decoder
 
     hf = find_hf_decoder(module)
-    if hf is not None:
-        return hf._init_weights
-    return reset_module
+    rest = reset_module if hf is None else hf._init_weights
+    owners = _hf_owners(module)
+    if len({id(m) for m in owners.values()}) <= 1 and (hf is not None or not owners):
+        return rest
+    return lambda m: owners[id(m)]._init_weights(m) if id(m) in owners else rest(m)
+
+
+def _hf_owners(module: nn.Module) -> dict[int, nn.Module]:
+    """``id(submodule)`` -> the outermost Hugging Face ``PreTrainedModel`` of ``module`` that holds it (empty without
+    transformers)."""
+    try:
+        from transformers import PreTrainedModel
+    except ImportError:  # pragma: no cover - depends on the environment
+        return {}
+    owners: dict[int, nn.Module] = {}
+    for m in module.modules():
+        if isinstance(m, PreTrainedModel) and id(m) not in owners:
+            owners.update((id(sub), m) for sub in m.modules() if id(sub) not in owners)
+    return owners
+
+
+def declare_weights(module: nn.Module, found: Sequence[HFWeights]) -> list[HFWeights]:
+    """Add ``found`` (the weights of HF models recognised in ``module``, each under its attribute path) to what
+    ``module.hf_weights`` declares, except those under a prefix the module's own declaration covers (its own are
+    kept); returns the ones added. ``hf_weights`` becomes one ``HFWeights``, or a list when there are several.
+
+    Raises:
+        ValueError: two declared prefixes overlap (:func:`~lightning_moe_overlap.hf.load.as_hf_weights_list`).
+    """
+    owner = f"`{type(module).__name__}`"
+    own = as_hf_weights_list(getattr(module, WEIGHTS_ATTR, None), owner)
+    added = [w for w in found if not any(w.prefix.startswith(o.prefix) or o.prefix.startswith(w.prefix) for o in own)]
+    if added:
+        every = as_hf_weights_list([*own, *added], owner)
+        setattr(module, WEIGHTS_ATTR, every[0] if len(every) == 1 else every)
+    return added
 
 
 def meta_init_of(
     module: nn.Module, device: torch.device, seed: int, split: SplitModel | None = None
 ) -> MetaInit:
     """The :class:`MetaInit` of a LightningModule: its init hook, and empty experts when it declares weights to load
-    (an ``hf_weights`` attribute that is not None)."""
-    empty = getattr(module, WEIGHTS_ATTR, None) is not None
+    (an ``hf_weights`` attribute that is not None nor empty)."""
+    empty = getattr(module, WEIGHTS_ATTR, None) not in (None, [], ())
     return MetaInit(torch.device(device), seed, init_module_of(module, split), experts_empty=empty)
 
 

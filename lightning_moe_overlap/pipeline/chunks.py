@@ -37,6 +37,9 @@ class PipelineChunks:
         chunk_kwargs: ``batch -> {name: tensor}``, keyword inputs every chunk's ``forward`` takes besides what the
             previous chunk sends (e.g. an attention mask), each with the batch dimension first (split into
             micro-batches like the inputs). ``None``: none.
+        token_loss: ``loss_fn`` divides its micro-batch's token sum by ``step_tokens`` (``loss/tokens.py``): its
+            losses are shares of the step's per-token mean, back-propagated as they are (every pp rank must know it
+            before the step, so it is declared here). False: each is a micro-batch mean, weighted ``1 / M``.
     """
 
     modules: Sequence[nn.Module]
@@ -44,6 +47,7 @@ class PipelineChunks:
     prepare_batch: PrepareBatch
     init_module: InitModule | None = None
     chunk_kwargs: ChunkKwargs | None = None
+    token_loss: bool = False
 
 
 @runtime_checkable

@@ -9,13 +9,16 @@ uses at ``pp = 1``.
 from __future__ import annotations
 
 from collections.abc import Callable
+from functools import partial
 from typing import Any
 
 import torch
 from lightning.pytorch import LightningModule
 from torch import Tensor
 
+from lightning_moe_overlap.accumulation import WHOLE, Window
 from lightning_moe_overlap.loop import ContextFactory, StepHooks
+from lightning_moe_overlap.loss.tokens import TokenScope
 from lightning_moe_overlap.pipeline.pipelined import PipelinedModel
 from lightning_moe_overlap.step_logs import MicroBatchLogs
 
@@ -30,19 +33,27 @@ class PipelinePath:
         device: torch.device,
         hooks: StepHooks | None,
         train_context: ContextFactory,
+        tokens: TokenScope | None = None,
     ) -> None:
         self.pipeline = pipeline
         self.module = module
         self.device = device
         self.hooks = hooks
         self.train_context = train_context
+        self.tokens = tokens  # the strategy's token count of the step (loss/tokens.py)
 
-    def train(self, batch: Any, batch_idx: int, *rest: Any) -> Tensor:
-        assert self.hooks is not None, "PipelinePath.train outside fit"
-        self.hooks.zero_grad(batch_idx)
-        logs = self.hooks.capture_logs()
-        result = self.pipeline.train_step(batch, logs, self.train_context)
-        self.hooks.sync_gradients()
+    def train(self, batch: Any, batch_idx: int, *rest: Any, window: Window = WHOLE) -> Tensor:
+        hooks = self.hooks
+        assert hooks is not None and self.tokens is not None, "PipelinePath.train outside fit"
+        if window.first:
+            hooks.zero_grad(batch_idx)
+        logs = hooks.capture_logs()
+        token_loss = None if hooks.token_loss is None else partial(hooks.token_loss, batch)
+        with self.tokens.step(window.tokens, window.missing):
+            result = self.pipeline.train_step(batch, logs, self.train_context, tokens=window.tokens,
+                                              token_loss=token_loss)  # fmt: skip
+        if window.last:
+            hooks.sync_gradients()
         logs.replay(result.logs)
         return result.loss
 

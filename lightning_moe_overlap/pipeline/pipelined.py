@@ -28,6 +28,7 @@ from torch import Tensor, nn
 
 from lightning_moe_overlap.config import OverlapConfig
 from lightning_moe_overlap.loop import split_batch
+from lightning_moe_overlap.loss.tokens import StepTokens, TokenScope
 from lightning_moe_overlap.overlap.engine import OverlapEngine
 from lightning_moe_overlap.parallel import ParallelGroups
 from lightning_moe_overlap.pipeline.executor import PipelineExecutor
@@ -36,6 +37,7 @@ from lightning_moe_overlap.pipeline.report import placement_for
 from lightning_moe_overlap.pipeline.schedules import build_schedule, build_stages
 from lightning_moe_overlap.pipeline.split import SplitModel, split_model
 from lightning_moe_overlap.pipeline.splitters import count_layers
+from lightning_moe_overlap.pipeline.step_loss import StepLoss
 from lightning_moe_overlap.step_logs import MicroBatchLogs
 
 ContextFactory = Callable[[], AbstractContextManager]
@@ -67,6 +69,7 @@ class PipelinedModel:
         self._wrapped = [_InContext(split.chunks[c]) for c in self.held]
         self.device = torch.device("cpu")  # where the chunks live, set by place()
         self._train: PipelineExecutor | None = None
+        self._train_loss: StepLoss | None = None  # the training schedule's loss function
         self._eval: Any = None  # a plain schedule over separate stage objects, built at the first eval step
 
     @classmethod
@@ -120,35 +123,53 @@ class PipelinedModel:
                 _move(owner, name, tensor, torch.device("meta"))
 
     # -- schedules ---------------------------------------------------------------------------------------------------
-    def build_schedule(self, engine: OverlapEngine | None, device: torch.device) -> None:
-        """torch stages over this rank's chunks and the training schedule (pairs run by ``engine`` when it overlaps)."""
+    def build_schedule(
+        self, engine: OverlapEngine | None, device: torch.device, tokens: TokenScope, *, accumulate: int = 1
+    ) -> None:
+        """torch stages over this rank's chunks and the training schedule (pairs run by ``engine`` when it overlaps),
+        for ``accumulate`` batches per optimizer step: torch divides the gradients by the micro-batch count after the
+        step only when that is all (micro-batch means, no accumulation); otherwise each loss is weighted
+        (``step_loss.py``)."""
         overlap = engine is not None and engine.overlap
-        schedule = self._schedule(device, overlap=overlap)
+        scale = not self.split.token_loss and accumulate == 1
+        mean_weight = 1.0 / (self.config.num_microbatches * accumulate)
+        weight = None if scale else (1.0 if self.split.token_loss else mean_weight)
+        self._train_loss = StepLoss(self.split.loss_fn, tokens, token_loss=self.split.token_loss, weight=weight)
+        schedule = self._schedule(device, overlap=overlap, loss_fn=self._train_loss, scale_grads=scale)
         self._train = PipelineExecutor(schedule, engine)
 
-    def _schedule(self, device: torch.device, *, overlap: bool) -> Any:
+    def _schedule(self, device: torch.device, *, overlap: bool, loss_fn: Any, scale_grads: bool = True) -> Any:
         stages = build_stages(self._wrapped, self.held, self.layout.num_chunks, self.groups.pp, device)
         return build_schedule(
-            self.schedule_name, stages, self.config.num_microbatches, self.split.loss_fn, overlap=overlap
+            self.schedule_name, stages, self.config.num_microbatches, loss_fn, overlap=overlap, scale_grads=scale_grads
         )
 
     # -- steps -------------------------------------------------------------------------------------------------------
-    def train_step(self, batch: Any, logs: MicroBatchLogs, context: ContextFactory) -> StepResult:
-        """One optimizer step's forwards and backwards: the mean loss over the micro-batches and what the last stage
-        logged, the same on every rank of the pipeline."""
-        if self._train is None:
+    def train_step(
+        self, batch: Any, logs: MicroBatchLogs, context: ContextFactory, *,
+        tokens: StepTokens | None = None, token_loss: Callable[[Tensor], Tensor] | None = None,
+    ) -> StepResult:  # fmt: skip
+        """One batch's forwards and backwards: its loss and what the last stage logged, the same on every rank of the
+        pipeline. The loss is the mean over the micro-batches, or with a token loss (``tokens``, the window's count)
+        ``token_loss(the batch's token sum on this rank)``."""
+        if self._train is None or self._train_loss is None:
             raise RuntimeError("PipelinedModel.train_step before build_schedule(); the strategy builds it in setup.")
         args, target, kwargs = self._inputs(batch)
-        losses: list[Tensor] = []
+        self._train_loss.losses = []
         with _forward_context(self._wrapped, context), logs:
-            self._train.step(*args, target=target, losses=losses, **kwargs)
-        return self._share(losses, logs)
+            self._train.step(*args, target=target, **kwargs)
+        losses = self._train_loss.losses
+        if not (self.split.token_loss and self.holds_last and tokens is not None and token_loss is not None):
+            return self._share(losses, logs)
+        token_sum = torch.stack([l.detach().float() for l in losses]).sum() * tokens.divisor
+        loss = token_loss(token_sum)  # collective over the last stage's dp group with token_mean_over_dp
+        return self._share(losses, logs, loss=loss)
 
     def eval_step(self, batch: Any, logs: MicroBatchLogs, context: ContextFactory, device: torch.device) -> StepResult:
         """The forwards of one batch (no backward), as :meth:`train_step` reports them. The first call builds a
         plain schedule over separate stage objects (torch's ``eval``; the training schedule's pairs need backwards)."""
         if self._eval is None:
-            self._eval = self._schedule(device, overlap=False)
+            self._eval = self._schedule(device, overlap=False, loss_fn=self.split.loss_fn)
         args, target, kwargs = self._inputs(batch)
         losses: list[Tensor] = []
         with _forward_context(self._wrapped, context), logs:
@@ -163,12 +184,15 @@ class PipelinedModel:
         split_batch((args, target, kwargs), self.config.num_microbatches)  # the micro-batch rule, with its message
         return (args if self.holds_first else ()), (target if self.holds_last else None), kwargs
 
-    def _share(self, losses: list[Tensor], logs: MicroBatchLogs) -> StepResult:
-        """The step's mean loss and the values logged on the last stage, sent to every rank of the pp group."""
+    def _share(self, losses: list[Tensor], logs: MicroBatchLogs, loss: Tensor | None = None) -> StepResult:
+        """The step's loss (``loss``, or the mean of ``losses``) and the values logged on the last stage (a value
+        logged as each micro-batch's loss: the step's loss), sent to every rank of the pp group."""
         payload = None
         if self.holds_last:
-            loss = torch.stack([l.detach().float() for l in losses]).mean()
-            payload = StepResult(loss, logs.summary())
+            if loss is None:
+                payload = StepResult(torch.stack([l.detach().float() for l in losses]).mean(), logs.summary())
+            else:
+                payload = StepResult(loss, logs.summary(loss_of=(losses, loss)))
         pp_group = self.groups.pp
         if dist.get_world_size(pp_group) > 1:
             holder = [None if payload is None else payload.to(torch.device("cpu"))]

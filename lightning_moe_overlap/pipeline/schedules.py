@@ -160,10 +160,12 @@ def build_stages(
 
 
 def build_schedule(
-    name: str, stages: Sequence[PipelineStage], num_microbatches: int, loss_fn: LossFn, *, overlap: bool
+    name: str, stages: Sequence[PipelineStage], num_microbatches: int, loss_fn: LossFn, *, overlap: bool,
+    scale_grads: bool = True,
 ) -> Any:
     """torch's schedule ``name`` over this rank's ``stages``; with ``overlap``, interleaved 1F1B's order rewritten
-    into ``OVERLAP_F_B`` pairs (:func:`overlap_pairs`). Run it through
+    into ``OVERLAP_F_B`` pairs (:func:`overlap_pairs`). ``scale_grads``: torch divides the gradients by
+    ``num_microbatches`` after each step (False: ``loss_fn`` weighs the losses itself). Run it through
     :class:`~lightning_moe_overlap.pipeline.executor.PipelineExecutor`, which executes the pairs.
 
     Raises:
@@ -172,7 +174,7 @@ def build_schedule(
     pp, vpp = stages[0].group_size, len(stages)
     validate_schedule(name, pp=pp, vpp=vpp, num_microbatches=num_microbatches, overlap=overlap)
     stage_arg: Any = stages[0] if name == "1f1b" else list(stages)
-    schedule = _CLASSES[name](stage_arg, num_microbatches, loss_fn=loss_fn)
+    schedule = _CLASSES[name](stage_arg, num_microbatches, loss_fn=loss_fn, scale_grads=scale_grads)
     torch_compat.wrap_pipeline_stage_init(schedule, _metadata_inference)
     if overlap and name == "interleaved_1f1b":
         torch_compat.relower_pipeline_order(schedule, overlap_pairs(schedule))

@@ -49,7 +49,7 @@ class SplitModel:
         model: the unsplit model (usually on the meta device); chunks share its submodules.
         layout: the chunks' layers and ranks.
         chunks: one module per chunk, in model order.
-        loss_fn, prepare_batch, init_module, chunk_kwargs: from :class:`PipelineChunks`.
+        loss_fn, prepare_batch, init_module, chunk_kwargs, token_loss: from :class:`PipelineChunks`.
         module_names: per chunk, chunk module path -> unsplit module path (the top-most shared modules).
     """
 
@@ -61,6 +61,7 @@ class SplitModel:
     init_module: InitModule | None
     module_names: tuple[dict[str, str], ...] = field(repr=False)
     chunk_kwargs: ChunkKwargs | None = None
+    token_loss: bool = False
 
     def chunk_indices_of_rank(self, rank: int) -> list[int]:
         return [c.index for c in self.layout.chunks_of_rank(rank)]
@@ -171,7 +172,7 @@ def split_model(model: nn.Module, layout: PipelineLayout, *, splitter: Splitter 
     names = tuple(_module_names(model, chunk) for chunk in chunks)
     split = SplitModel(
         model, layout, chunks, result.loss_fn, result.prepare_batch, result.init_module, module_names=names,
-        chunk_kwargs=result.chunk_kwargs,
+        chunk_kwargs=result.chunk_kwargs, token_loss=result.token_loss,
     )
     _check_cover(split)
     return split

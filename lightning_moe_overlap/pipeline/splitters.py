@@ -20,6 +20,7 @@ import torch
 from torch import Tensor, nn
 
 from lightning_moe_overlap.loss.hf import check_plain_head, lm_head_loss
+from lightning_moe_overlap.loss.tokens import step_tokens
 from lightning_moe_overlap.pipeline.batches import lm_batch
 from lightning_moe_overlap.pipeline.layout import Chunk, PipelineLayout
 from lightning_moe_overlap.pipeline.chunks import PipelineChunks, PipelineSplittable, Splitter
@@ -173,23 +174,29 @@ def _causal_masks(
     return lambda i: mask
 
 
-def _hf_loss_fn(hf: nn.Module) -> Callable[[Tensor, Tensor], Tensor]:
-    """The model's own ``loss_function`` of the last chunk's logits (it shifts the labels, -100: no loss)."""
+def _hf_loss_fn(owner: nn.Module, hf: nn.Module) -> Callable[[Tensor, Tensor], Tensor]:
+    """The model's own ``loss_function`` of the last chunk's logits (it shifts the labels, -100: no loss), its sum
+    over the labelled tokens divided by ``step_tokens`` of ``owner`` (the module the strategy trains:
+    ``loss/tokens.py``)."""
     loss_function, vocab_size = hf.loss_function, hf.config.vocab_size
 
     def loss_fn(logits_BSV: Tensor, labels_BS: Tensor) -> Tensor:
-        return loss_function(logits_BSV, labels_BS, vocab_size)
+        num_items = step_tokens(owner, {"labels": labels_BS})
+        return loss_function(logits_BSV, labels_BS, vocab_size, num_items_in_batch=num_items)
 
     return loss_fn
 
 
-def _hf_fused_loss_fn(hf: nn.Module, last: HFDecoderChunk, chunk_size: int) -> Callable[[Tensor, Tensor], Tensor]:
+def _hf_fused_loss_fn(
+    owner: nn.Module, hf: nn.Module, last: HFDecoderChunk, chunk_size: int
+) -> Callable[[Tensor, Tensor], Tensor]:
     """The same loss from the last chunk's final-norm output and its ``lm_head`` (read at each call: the weight the
     strategy has put in place by then), without the logits."""
     check_plain_head(hf)
 
     def loss_fn(h_BSD: Tensor, labels_BS: Tensor) -> Tensor:
-        return lm_head_loss(h_BSD, last.lm_head, labels_BS, chunk_size=chunk_size)
+        num_items = step_tokens(owner, {"labels": labels_BS})
+        return lm_head_loss(h_BSD, last.lm_head, labels_BS, chunk_size=chunk_size, num_items=num_items)
 
     return loss_fn
 
@@ -223,7 +230,7 @@ def split_hf_decoder(
 
     project = fused_chunk_size is None
     chunks = [chunk(c) for c in layout.chunks]
-    loss_fn = _hf_loss_fn(hf) if project else _hf_fused_loss_fn(hf, chunks[-1], fused_chunk_size)
+    loss_fn = _hf_loss_fn(model, hf) if project else _hf_fused_loss_fn(model, hf, chunks[-1], fused_chunk_size)
 
     owner = type(hf).__name__
 
@@ -234,4 +241,6 @@ def split_hf_decoder(
     def chunk_kwargs(batch: Any) -> dict[str, Tensor]:
         return lm_batch(batch, owner).attention_kwargs()
 
-    return PipelineChunks(chunks, loss_fn, prepare_batch, hf._init_weights, chunk_kwargs=chunk_kwargs)
+    return PipelineChunks(
+        chunks, loss_fn, prepare_batch, hf._init_weights, chunk_kwargs=chunk_kwargs, token_loss=True
+    )

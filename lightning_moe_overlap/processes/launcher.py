@@ -118,11 +118,7 @@ class ExpertParallelScriptLauncher(pl_compat.SubprocessScriptLauncher):
         config = self.strategy.config
         problems = check_launch(config, known_batch_size(datamodule), ckpt_path)
         if isinstance(model, LightningModule) and trainer is not None:
-            problems += check_trainer(
-                config,
-                accumulate_grad_batches=trainer.accumulate_grad_batches,
-                automatic_optimization=model.automatic_optimization,
-            )
+            problems += check_trainer(config, automatic_optimization=model.automatic_optimization)
         if isinstance(model, Module) and not problems:
             dims = self.strategy.dims
             experts = MoEModelHandle(model).experts_per_block()

@@ -53,3 +53,15 @@ def test_a_missing_expert_is_named_before_anything_runs(capsys, folder, tmp_path
 def test_a_folder_that_does_not_exist_is_a_finding(capsys, tmp_path):
     code, out = _check(capsys, tmp_path / "nowhere")
     assert code == 1 and "[model]" in out and "does not exist" in out, out
+
+
+def test_a_model_loaded_with_from_pretrained_in_configure_model_is_built_on_meta_and_checked(capsys, folder, tmp_path):
+    import yaml
+
+    config = yaml.safe_load((ROOT / "examples" / "configs" / "cpu_hf_qwen3.yaml").read_text())
+    config["model"] = {"class_path": "tests.helpers.hf_checkpoints.LoadsInConfigureModel",
+                       "init_args": {"folder": str(folder)}}  # fmt: skip
+    (tmp_path / "config.yaml").write_text(yaml.safe_dump(config))
+    code = check_main(["--config", str(tmp_path / "config.yaml"), "--no-machine-checks"])
+    out = capsys.readouterr().out
+    assert code == 0 and "no-moe-blocks" not in out and out.strip().endswith("0 error(s), 0 warning(s)"), out

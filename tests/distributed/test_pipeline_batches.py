@@ -4,7 +4,8 @@ One spawn, several fits on the same processes, every loader in order (``use_dist
 - SFT dict batches (``input_ids``, ``labels`` with -100 on prompt and padding tokens, a left-padding
   ``attention_mask``, ``position_ids``) at pp=2 under DualPipeV with the overlap, and the same at pp=1 (ep=2 over the
   2 ranks, both reading the same batches): per-step losses on every rank and the parameters after the steps equal
-  HF's own ``forward(**batch).loss`` trained in one process on the same weights and micro-batches;
+  HF's own ``forward(**batch).loss`` of each whole batch trained in one process on the same weights (the step's
+  loss is the per-token mean over its micro-batches, docs/overlap.md "Which mean a step's loss is");
 - ``from_pretrained`` inside ``configure_model`` at pp=2 (a module with ``build_on_meta = False``, 1F1B),
   fed a ``TensorDataset``'s list batches: the first loss is HF's next-token loss of the model loaded from the
   ``save_pretrained`` directory;
@@ -151,7 +152,8 @@ def results(saved_model: str) -> list[dict]:
 
 
 def reference_sft() -> tuple[list[float], dict[str, torch.Tensor]]:
-    """HF's own loss in one process: per step the mean over the micro-batches of ``forward(**micro).loss``, SGD."""
+    """HF's own loss in one process: per step ``forward(**batch).loss`` of the whole batch (its micro-batches hold
+    unequal labelled tokens: not the mean of their means), SGD."""
     torch.use_deterministic_algorithms(True)
     model = SGDQwen3().model
     opt = torch.optim.SGD(model.parameters(), lr=LR)
@@ -159,8 +161,7 @@ def reference_sft() -> tuple[list[float], dict[str, torch.Tensor]]:
     for step in range(STEPS):
         opt.zero_grad()
         batch = {k: v[step * B : (step + 1) * B] for k, v in samples.items()}
-        micro = [{k: v[m * (B // M) : (m + 1) * (B // M)] for k, v in batch.items()} for m in range(M)]
-        loss = torch.stack([model(**mb).loss for mb in micro]).mean()
+        loss = model(**batch).loss
         loss.backward()
         opt.step()
         losses.append(float(loss.detach()))

@@ -1,4 +1,5 @@
-"""Tiny HF models of every built-in key family, and the files ``save_pretrained`` writes for them (the oracle)."""
+"""Tiny HF models of every built-in key family, the files ``save_pretrained`` writes for them (the oracle), and a
+LightningModule that loads such a folder with ``from_pretrained`` in ``configure_model``."""
 
 from __future__ import annotations
 
@@ -6,6 +7,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from lightning.pytorch import LightningModule
 
 FAMILIES = ("qwen3_moe", "mixtral", "qwen2_moe", "olmoe", "deepseek_v3")
 
@@ -48,3 +50,24 @@ def state_equal(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> list[
     if a.keys() != b.keys():
         return sorted(a.keys() ^ b.keys())
     return [k for k in a if a[k].dtype != b[k].dtype or not torch.equal(a[k], b[k])]
+
+
+class LoadsInConfigureModel(LightningModule):
+    """Lightning's place for a large model: ``AutoModelForCausalLM.from_pretrained(folder, **options)`` in
+    ``configure_model``, nothing declared for the strategy; HF's own loss, SGD at ``lr``."""
+
+    def __init__(self, folder: str, lr: float = 0.5, **options: Any) -> None:
+        super().__init__()
+        self.folder, self.lr, self.options, self.model = folder, lr, options, None
+
+    def configure_model(self) -> None:
+        from transformers import AutoModelForCausalLM
+
+        if self.model is None:
+            self.model = AutoModelForCausalLM.from_pretrained(self.folder, **self.options)
+
+    def training_step(self, batch: torch.Tensor, batch_idx: int) -> torch.Tensor:
+        return self.model(input_ids=batch, labels=batch).loss
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=self.lr)

@@ -163,6 +163,25 @@ def test_skip_backward_and_zero_grad_on_lightnings_automatic_optimization() -> N
     assert zeroed, _fail("_AutomaticOptimization._optimizer_zero_grad", "kept the gradients")
 
 
+def test_should_accumulate_follows_lightnings_windows() -> None:
+    """``fit_loop._should_accumulate()``, read inside each training step of a run with ``accumulate_grad_batches=3``
+    over 5 batches: a window of 3, then the epoch's last batches close a window of 2."""
+    seen: list[bool] = []
+
+    class Model(BoringModel):
+        def training_step(self, batch, batch_idx):
+            seen.append(pl_compat.should_accumulate(self.trainer))
+            return super().training_step(batch, batch_idx)
+
+    trainer = Trainer(
+        accelerator="cpu", devices=1, max_epochs=1, limit_train_batches=5, limit_val_batches=0,
+        accumulate_grad_batches=3, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+        enable_model_summary=False,
+    )  # fmt: skip
+    trainer.fit(Model())
+    assert seen == [True, True, False, True, False], _fail("fit_loop._should_accumulate", f"gave {seen}")
+
+
 def test_attached_trainer_and_should_update_logs() -> None:
     trainer = _trainer()
     assert pl_compat.attached_trainer(trainer.lightning_module) is trainer, _fail("LightningModule._trainer", "changed")
@@ -228,6 +247,7 @@ TESTED = {
     "reset_seed",
     "set_num_threads_if_needed",
     "set_skip_backward",
+    "should_accumulate",
     "should_update_logs",
     "skips_backward",
     "start_script_children",

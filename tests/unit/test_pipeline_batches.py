@@ -1,6 +1,7 @@
 """The batches the built-in splitters take at pp > 1, in one process: chained HF chunks fed a dict batch (SFT labels,
 padding mask, position ids) give HF's own ``forward(**batch).loss`` bitwise; every refused batch names its type, its
-keys and the hook; ``from_pretrained`` under the strategy's meta context is explained, and loads with the opt-out."""
+keys and the hook; ``from_pretrained`` under the strategy's meta context is built on meta with its weights declared,
+and loads with the opt-out."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ from lightning.pytorch import LightningModule
 
 from lightning_moe_overlap import MoEOverlapStrategy
 from lightning_moe_overlap.demo import MoEGPT
+from lightning_moe_overlap.hf import HFWeights
 from lightning_moe_overlap.pipeline.layout import build_layout
 from lightning_moe_overlap.pipeline.split import PipelineChunks, split_model
 
@@ -142,14 +144,14 @@ def saved(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, dict[str, torc
 
 
 @pytest.mark.parametrize("pp", [1, 2])
-def test_error_from_pretrained_under_the_meta_context(saved, pp):
+def test_from_pretrained_under_the_meta_context_is_built_on_meta_with_its_weights_declared(saved, pp):
     strategy = MoEOverlapStrategy(pp=pp, num_microbatches=2)
     module = _Loads(saved[0], on_meta=True)
     strategy.connect(module)
-    with pytest.raises(RuntimeError, match=r"_Loads.configure_model` runs under the meta device \(at every pp.*"
-                                           r"Fix: set `build_on_meta = False`"):  # fmt: skip
-        with strategy.model_sharded_context():
-            module.configure_model()
+    with strategy.model_sharded_context():  # recognised (tests/unit/test_from_pretrained_meta.py): no error
+        module.configure_model()
+    assert all(p.is_meta for p in module.model.parameters())
+    assert module.hf_weights == HFWeights(saved[0], prefix="model.")
 
 
 @pytest.mark.parametrize("pp", [1, 2])
