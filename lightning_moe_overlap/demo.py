@@ -112,7 +112,8 @@ class MoEGPT(LightningModule):
         ffn_hidden_size: Hidden size of each expert.
         shared_expert_ffn_hidden_size: Hidden size of the shared expert; None for no shared expert.
         aux_loss_coeff: Weight of the load-balancing loss.
-        lr: AdamW learning rate.
+        lr: Learning rate of the optimizer, torch's ``AdamW`` with its defaults otherwise (betas 0.9 / 0.999, weight
+            decay 0.01); override ``configure_optimizers`` for another.
         seed: Seed of the parameter initialisation (same model on every rank).
         fused_cross_entropy: Compute the head's projection and the loss together, in blocks, so the ``[B, S, V]``
             logits never exist (:func:`~lightning_moe_overlap.loss.fused_linear_cross_entropy`; Megatron's

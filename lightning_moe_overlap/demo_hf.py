@@ -104,7 +104,8 @@ class HFMoECausalLM(LightningModule):
 
     Args:
         model_type: ``"qwen3_moe"``, ``"mixtral"``, ``"qwen2_moe"`` or ``"olmoe"``; ignored with ``pretrained``.
-        lr: AdamW learning rate.
+        lr: Learning rate of the optimizer, torch's ``AdamW`` with its defaults otherwise (betas 0.9 / 0.999, weight
+            decay 0.01); override ``configure_optimizers`` for another.
         seed: Seed of the random initialisation (the same model on every rank).
         config_overrides: Updates to the tiny config (e.g. ``{"num_hidden_layers": 4}``), or to the pretrained one.
         pretrained: A folder with ``config.json`` (and the ``*.safetensors`` to load), as ``save_pretrained`` or the

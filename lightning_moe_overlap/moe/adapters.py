@@ -335,6 +335,7 @@ def apply_expert_parallel(
             expert_backend=expert_backend,
             ep_mesh=ep_mesh,
         )
+        ep_module.train(item.module.training)  # the mode the replaced module had (from_pretrained: eval)
         setattr(item.parent, item.attr, ep_module)
         if isinstance(item.parent, MoELayer):
             item.parent.runtime = runtime

@@ -135,6 +135,13 @@ def test_hf_models_found_swapped_and_equal(name: str) -> None:
             torch.testing.assert_close(b.grad, a.grad, atol=1e-10, rtol=1e-10, msg=pname)
 
 
+@pytest.mark.parametrize("training", [False, True])
+def test_the_expert_parallel_module_keeps_the_mode_of_the_one_it_replaces(training: bool) -> None:
+    model = _hf("qwen3_moe").train(training)  # `from_pretrained` returns a model in eval mode
+    apply_expert_parallel(model, None, runtime=CommRuntime())
+    assert {m.training for m in model.modules()} == {training}
+
+
 def test_gpt_oss_layout_is_transposed_with_bias_and_its_own_gate() -> None:
     experts = _hf("gpt_oss").model.layers[0].mlp.experts
     layout = layout_of(experts)
