@@ -35,9 +35,11 @@ class Record(Callback):
 
     def __init__(self) -> None:
         self.losses: list[float] = []
+        self.logged: list[float] = []
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         self.losses.append(float(outputs["loss"]))
+        self.logged.append(float(trainer.callback_metrics["train_loss"]))
 
 
 class CountCollectives:
@@ -82,7 +84,10 @@ def fit(strategy: MoEOverlapStrategy | None, *, batch_size: int, accumulate: int
     with CountCollectives() as counted:
         trainer.fit(model, train_dataloaders=loader)
     params = {n: local(p).detach().clone() for n, p in model.named_parameters() if not p.is_meta}
-    return {"losses": record.losses, "params": params, "collectives": counted.calls, "steps": trainer.global_step}
+    return {
+        "losses": record.losses, "logged": record.logged, "params": params, "collectives": counted.calls,
+        "steps": trainer.global_step,
+    }
 
 
 LAYOUTS = {  # name: (processes, dp, strategy arguments)
@@ -121,11 +126,10 @@ def test_accumulate_grad_batches_equals_plain_lightning_and_one_larger_batch(lay
         acc = runs["accumulated"]
         assert acc["steps"] == STEPS and len(acc["losses"]) == STEPS * 2, rank
         # each dp rank's batch loss is its share's mean; the shares are of equal size: their mean is the global one
-        mean = torch.stack([torch.tensor(r["accumulated"]["losses"]) for r in ranks[:dp]]).mean(0)
-        if dp == processes:
-            torch.testing.assert_close(mean, torch.tensor(oracle["losses"]), rtol=1e-5, atol=0)
-        else:  # pp: every rank reports the last stage's loss
-            torch.testing.assert_close(torch.tensor(acc["losses"]), torch.tensor(oracle["losses"]), rtol=1e-5, atol=0)
+        for key in ("losses", "logged"):  # what Lightning got (divided by 2, as it divides), what the module logged
+            mean = torch.stack([torch.tensor(r["accumulated"][key]) for r in ranks[:dp]]).mean(0)
+            got = mean if dp == processes else torch.tensor(acc[key])  # pp: every rank has the last stage's
+            torch.testing.assert_close(got, torch.tensor(oracle[key]), rtol=1e-5, atol=0, msg=lambda m: f"{key} {m}")
         for name, got in acc["params"].items():
             want = oracle["params"][name]
             if got.shape != want.shape:  # experts: this rank's share of the global [E, ...]
