@@ -8,7 +8,6 @@ from __future__ import annotations
 import pytest
 import torch
 from lightning.pytorch import Callback, Trainer
-from torch import nn
 from torch.utils.data import DataLoader
 
 from lightning_moe_overlap import MoEOverlapStrategy

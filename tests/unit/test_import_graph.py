@@ -189,3 +189,21 @@ def test_a_submodule_naming_its_own_package_that_imports_it_back_is_a_cycle(tmp_
         [f"{PACKAGE}.a", f"{PACKAGE}.a.x", f"{PACKAGE}.a"],
         [f"{PACKAGE}.b", f"{PACKAGE}.c", f"{PACKAGE}.b"],
     ]
+
+
+def test_only_the_console_script_parses_command_lines() -> None:
+    """``argparse`` and the ``cli`` package are imported by the console script's modules only (``cli/``,
+    ``__main__.py``): a library module (a checkpoint converter, the HF export) offers functions, and each subcommand
+    is a module of ``cli/`` that parses its arguments and calls them."""
+    offenders = []
+    for module, path in _module_files(ROOT).items():
+        if module.startswith(f"{PACKAGE}.cli") or module == f"{PACKAGE}.__main__":
+            continue
+        for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+            names = []
+            if isinstance(node, ast.Import):
+                names = [alias.name for alias in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.level == 0:
+                names = [node.module or ""]
+            offenders += [f"{module}: {n}" for n in names if n == "argparse" or n.startswith(f"{PACKAGE}.cli")]
+    assert offenders == [], offenders

@@ -1,19 +1,10 @@
-"""The ``lightning-moe-overlap`` console script: LightningCLI with the strategy registered, plus ``check``.
-
-    lightning-moe-overlap fit --config examples/configs/cpu.yaml
-    lightning-moe-overlap fit --config examples/configs/cpu.yaml --print_config
-    lightning-moe-overlap check --config examples/configs/gpu_multinode.yaml --world-size 64 --no-machine-checks
-    lightning-moe-overlap fit --config examples/configs/cpu.yaml --trace_step 2 --trace_dir timeline
+"""``lightning-moe-overlap check``: a ``fit`` config validated for a world size without starting anything.
 
 ``check`` parses the config with the parser ``fit`` uses (every key ``fit`` accepts, every key it rejects),
 applies every validation rule for a world size without starting any process or building the model's weights (the
 model is instantiated on the meta device), and prints every problem with its fix. At ``pp > 1`` it also cuts the
 meta model as the strategy will and prints the pipeline layout and the parameters one process of each pp rank
 holds (``pipeline/report.py``).
-
-``--trace_step N`` (with ``fit``) adds an :class:`~lightning_moe_overlap.callbacks.OverlapTimeline` for global step
-``N``: a Chrome trace and a PNG of that step on every rank, written to ``--trace_dir`` (default
-``<default_root_dir>/timeline``).
 """
 
 from __future__ import annotations
@@ -21,25 +12,21 @@ from __future__ import annotations
 import argparse
 import importlib
 import logging
-import sys
 import warnings
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any
 
 import torch
-from lightning.pytorch import LightningModule, Trainer
-from lightning.pytorch.cli import LightningCLI, SaveConfigCallback
 from typing_extensions import override
 
 import lightning_moe_overlap  # noqa: F401  (registers the strategy names)
-from lightning_moe_overlap.cli_components import MissingExtraError, component_problems, raise_missing_extras
+from lightning_moe_overlap.cli.components import component_problems
 from lightning_moe_overlap.config import OverlapConfig
 from lightning_moe_overlap.ep_choices import passing_ep_values
 from lightning_moe_overlap.hf.pretrained import meta_from_pretrained
 from lightning_moe_overlap.parallel.materialize import build_on_meta, declare_weights
-from lightning_moe_overlap.strategy import MoEOverlapStrategy
 from lightning_moe_overlap.validation import (
     OWNER,
     Problem,
@@ -56,101 +43,9 @@ from lightning_moe_overlap.validation import (
     rule_sizes,
 )
 
-_REGISTERED = {"moe_overlap": {}, "moe_overlap_spawn": {"start_method": "spawn"}}
-DESCRIPTION = (
-    "Train Mixture-of-Experts models with expert-parallel all-to-all overlap. Sub-commands: fit, validate, test, "
-    "predict (LightningCLI); check, convert-checkpoint and consolidate-checkpoint (`lightning-moe-overlap --help`)."
-)
+from lightning_moe_overlap.cli.fit import _REGISTERED, _TraceArgs
 
 
-class SaveConfigToLogDir(SaveConfigCallback):
-    """Saves the run's ``config.yaml`` into the logger's directory; without a logger, the run has none: no file."""
-
-    @override
-    def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
-        if trainer.logger is None:
-            return
-        super().setup(trainer, pl_module, stage)
-
-
-class _TraceArgs(LightningCLI):
-    """``--trace_step`` / ``--trace_dir`` as keys of the ``fit`` parser: listed by ``fit --help``, accepted in a
-    config file. On the command line :func:`main` takes them out first (:func:`pop_trace_args`)."""
-
-    @override
-    def add_arguments_to_parser(self, parser: Any) -> None:
-        parser.add_argument(
-            "--trace_step", type=Optional[int], default=None,
-            help="Write a timeline (Chrome trace and PNG) of this global step (OverlapTimeline callback).",
-        )  # fmt: skip
-        parser.add_argument(
-            "--trace_dir", type=Optional[str], default=None,
-            help="Where --trace_step writes (default <default_root_dir>/timeline).",
-        )  # fmt: skip
-
-
-class _RunCLI(_TraceArgs):
-    """LightningCLI that refuses a logger or callback whose optional package is missing, in one line, before
-    jsonargparse tries to build it (its error is a traceback naming no extra), and adds the timeline callback a
-    config file's ``trace_step`` asks for."""
-
-    @override
-    def before_instantiate_classes(self) -> None:
-        config = (self.config[self.subcommand] if self.subcommand else self.config).as_dict()
-        raise_missing_extras(config.get("trainer") or {})
-        traced = trace_defaults(config.get("trace_step"), config.get("trace_dir"))
-        callbacks = self.trainer_defaults.get("callbacks") or []
-        callbacks = list(callbacks) if isinstance(callbacks, (list, tuple)) else [callbacks]
-        if traced is not None and not any(type(c).__name__ == "OverlapTimeline" for c in callbacks):
-            # (the command line's --trace_step, taken out by `main`, wins over a config file's)
-            self.trainer_defaults = {**self.trainer_defaults, "callbacks": [*callbacks, *traced["callbacks"]]}
-
-
-def run_cli(args: Sequence[str] | None = None, trainer_defaults: dict[str, Any] | None = None) -> LightningCLI:
-    """LightningCLI over any LightningModule / LightningDataModule, chosen by class path in the config.
-
-    ``args=None`` reads the command line (``sys.argv``), as the console script does; ``trainer_defaults`` adds
-    to the Trainer's defaults (the ``--trace_step`` callback).
-
-    Raises:
-        MissingExtraError: (an ``ImportError``) a logger or callback needs an optional package that is missing.
-    """
-    return _RunCLI(
-        subclass_mode_model=True,
-        subclass_mode_data=True,
-        save_config_callback=SaveConfigToLogDir,
-        save_config_kwargs={"overwrite": True},
-        parser_kwargs={"description": DESCRIPTION},
-        trainer_defaults=trainer_defaults,
-        args=args,
-    )
-
-
-def pop_trace_args(argv: list[str]) -> tuple[list[str], dict[str, Any] | None]:
-    """Take ``--trace_step N`` / ``--trace_dir D`` out of ``argv``; returns the rest and the trainer defaults that
-    add the :class:`OverlapTimeline` callback (``None`` without ``--trace_step``)."""
-    parser = argparse.ArgumentParser(add_help=False)
-    parser.add_argument("--trace_step", type=int, default=None)
-    parser.add_argument("--trace_dir", default=None)
-    known, rest = parser.parse_known_args(argv)
-    return rest, trace_defaults(known.trace_step, known.trace_dir)
-
-
-def trace_defaults(step: int | None, dirpath: str | None) -> dict[str, Any] | None:
-    """The trainer defaults that add the :class:`OverlapTimeline` of global step ``step`` (``None`` without one)."""
-    from lightning_moe_overlap.callbacks import OverlapTimeline
-
-    if step is None:
-        if dirpath is not None:
-            raise ValueError(
-                f"`--trace_dir {dirpath}` was given without `--trace_step`; the directory is where the "
-                "timeline of that step goes. Add `--trace_step N` (a global step), or drop `--trace_dir`."
-            )
-        return None
-    return {"callbacks": [OverlapTimeline(step=step, dirpath=dirpath)]}
-
-
-# -- check: the fit parser, without instantiating anything --------------------------------------------------------
 class _ParseOnlyCLI(_TraceArgs):
     """Parses and validates a ``fit`` command line like :func:`run_cli`, and stops there."""
 
@@ -419,80 +314,3 @@ def check_main(argv: Sequence[str]) -> int:
         print(p)
     print(f"{len(errors)} error(s), {len(problems) - len(errors)} warning(s)")
     return 1 if errors else 0
-
-
-SUBCOMMANDS = {
-    "fit": "train a model from a config (LightningCLI: --config, --trainer.*, --model.*, --data.*)",
-    "validate": "run one evaluation epoch over the validation set (LightningCLI)",
-    "test": "run one evaluation epoch over the test set (LightningCLI)",
-    "predict": "run inference over the predict set (LightningCLI)",
-    "check": "validate a fit config for a world size without starting anything (every rule, with its fix)",
-    "convert-checkpoint": "convert a sharded checkpoint of format version 1 into version 2, in one process",
-    "consolidate-checkpoint": "write a sharded checkpoint directory as one consolidated file, in one process",
-    "export-hf": "write a checkpoint as a Hugging Face folder (config.json + safetensors), in one process",
-}
-
-
-def print_help() -> None:
-    """The top-level help: every subcommand and the options this package adds to ``fit``, one line each."""
-    parser = argparse.ArgumentParser(
-        prog="lightning-moe-overlap",
-        usage="%(prog)s SUBCOMMAND [options]  (fit: [--trace_step N [--trace_dir DIR]])",
-        description="Train Mixture-of-Experts models with expert-parallel all-to-all overlap. "
-        "`lightning-moe-overlap SUBCOMMAND --help` shows each subcommand's options.",
-        add_help=False,
-    )
-    sub = parser.add_subparsers(title="subcommands", metavar="SUBCOMMAND")
-    for name, text in SUBCOMMANDS.items():
-        sub.add_parser(name, help=text)
-    fit = parser.add_argument_group("options of fit, besides LightningCLI's")
-    fit.add_argument("--trace_step", metavar="N", help="write a timeline (Chrome trace and PNG) of global step N")
-    fit.add_argument(
-        "--trace_dir", metavar="DIR", help="where --trace_step writes (default <default_root_dir>/timeline)"
-    )
-    parser.print_help()
-
-
-def main(argv: Sequence[str] | None = None) -> None:
-    command = list(sys.argv[1:] if argv is None else argv)
-    if command[:1] in (["-h"], ["--help"]):
-        print_help()
-        raise SystemExit(0)
-    if command and command[0] in ("check", "validate-config"):
-        raise SystemExit(check_main(command[1:]))
-    if command and command[0] == "convert-checkpoint":
-        from lightning_moe_overlap.checkpoint.legacy import main as convert_main
-
-        raise SystemExit(convert_main(command[1:]))
-    if command and command[0] == "consolidate-checkpoint":
-        from lightning_moe_overlap.checkpoint.consolidated import main as consolidate_main
-
-        raise SystemExit(consolidate_main(command[1:]))
-    if command and command[0] == "export-hf":
-        from lightning_moe_overlap.hf.export import main as export_main
-
-        raise SystemExit(export_main(command[1:]))
-    try:
-        _run(command, from_sys_argv=argv is None)
-    except MissingExtraError as err:
-        name = command[0] if command and not command[0].startswith("-") else "fit"
-        print(f"lightning-moe-overlap {name}: error: {err}", file=sys.stderr)
-        raise SystemExit(1) from None
-
-
-def _run(command: list[str], *, from_sys_argv: bool) -> None:
-    rest, trainer_defaults = pop_trace_args(command)
-    if from_sys_argv and trainer_defaults is None:
-        run_cli(None)  # LightningCLI reads sys.argv itself (no double-args warning)
-        return
-    # sys.argv keeps the trace flags: the launcher re-runs it for the other ranks, which need the same callback
-    with warnings.catch_warnings():
-        # `rest` is this command line less the trace flags: not a second command line
-        warnings.filterwarnings("ignore", message="LightningCLI's args parameter")
-        run_cli(rest, trainer_defaults)
-
-
-__all__ = [
-    "SUBCOMMANDS", "CheckResult", "MissingExtraError", "MoEOverlapStrategy", "SaveConfigToLogDir", "collect_problems",
-    "main", "parse_fit_config", "pipeline_findings", "print_help", "run_checks", "run_cli",
-]
