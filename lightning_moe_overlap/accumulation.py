@@ -126,6 +126,8 @@ class Accumulation:
         self.loader: LookaheadLoader | None = None
         self._tokens: StepTokens | None = None  # the current window's
         self._missing: Exception | None = None
+        self._counts: list[Tensor] = []  # the labelled tokens of the window's batches, counted at its first
+        self._position = 0  # the current batch's place in its window
 
     def read_ahead(self, dataloader: Any) -> LookaheadLoader:
         """``dataloader`` read ``batches - 1`` batches ahead (the strategy's ``process_dataloader``)."""
@@ -137,7 +139,8 @@ class Accumulation:
         batch (with ``token_mean_over_dp`` one all-reduce over dp, on every rank of the group alike)."""
         if self.loader is not None:
             self.loader.begin_step()
-        first = batch_idx % self.batches == 0
+        self._position = batch_idx % self.batches
+        first = self._position == 0
         last = self.batches == 1 or not pl_compat.should_accumulate(trainer)
         if first:
             self._count(trainer, batch, batch_idx)
@@ -145,6 +148,7 @@ class Accumulation:
 
     def _count(self, trainer: Any, batch: Any, batch_idx: int) -> None:
         later: list[Any] = []
+        self._counts = []
         if self.batches > 1:
             size = min(self.batches, trainer.num_training_batches - batch_idx)
             if self.loader is None:
@@ -156,7 +160,8 @@ class Accumulation:
         except TypeError as err:
             self._tokens, self._missing = None, err
             return
-        total = torch.stack([c.to(self.device, torch.float32).reshape(()) for c in counts]).sum()
+        self._counts = [c.to(self.device, torch.float32).reshape(()) for c in counts]
+        total = torch.stack(self._counts).sum()
         ranks = 1
         if self.over_dp and dist.get_world_size(self.dp_group) > 1:
             dist.all_reduce(total, group=self.dp_group)
@@ -168,7 +173,10 @@ class Accumulation:
         """A batch's loss as logged and returned, from ``token_sum`` (its micro-batches' token losses summed on this
         rank): over its own labelled tokens, or with ``token_mean_over_dp`` the sum and the count of every dp rank
         (one all-reduce); 0 for a batch without labels."""
-        count = count_tokens_of(self.module, batch).to(token_sum.device, torch.float32).reshape(())
+        if self._position < len(self._counts):  # counted with the window
+            count = self._counts[self._position].to(token_sum.device)
+        else:
+            count = count_tokens_of(self.module, batch).to(token_sum.device, torch.float32).reshape(())
         if self.over_dp and dist.get_world_size(self.dp_group) > 1:
             both = torch.stack([token_sum.float(), count])
             dist.all_reduce(both, group=self.dp_group)

@@ -24,9 +24,9 @@ from torch import Tensor, nn
 from torch.distributed.tensor import DTensor
 
 from lightning_moe_overlap.loss.fused import DEFAULT_CHUNK_SIZE
+from lightning_moe_overlap.loss.tokens import IGNORE_INDEX  # HF's label for "no loss here"
 from lightning_moe_overlap.loss.vocab_parallel import check_vocab_parallel_head, head_cross_entropy, plain_loss
 
-IGNORE_INDEX = -100  # HF's label for "no loss here"
 
 
 def shift_labels(labels_BS: Tensor, ignore_index: int = IGNORE_INDEX) -> Tensor:

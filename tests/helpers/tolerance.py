@@ -168,3 +168,31 @@ def cross_entropy_bounds(
         "w": rel_wb * (terms.T @ hf.abs()),
         "b": rel_wb * terms.sum(dim=0),
     }
+
+
+def decoder_chain(
+    *, layers: int, hidden: int, heads: int, head_dim: int, ffn: int, experts: int, top_k: int, vocab: int, seq: int,
+    tokens: int,
+) -> int:
+    """The summed length of the chain of sums from a decoder LM's inputs to its mean loss over ``tokens`` labelled
+    tokens: what two evaluations (one process, and expert-parallel / micro-batched / pipelined) may order differently,
+    as :func:`reordered_sum_tol`'s ``n`` (sums in series add). Per layer: two norms (``hidden`` each), q / k / v
+    (``hidden``) and their norms (``head_dim``), the scores (``head_dim``), softmax and values (``seq`` each), the
+    output projection (``heads * head_dim``), the router (``hidden``) and its softmax (``experts``), an expert's two
+    GEMMs (``hidden``, ``ffn``), the top-k combine and the two residuals; then the final norm and the head
+    (``hidden`` each), the log-sum-exp (``vocab``) and the mean (``tokens``, +2: the division and a sum over
+    micro-batches). The backward runs the same chain in reverse and sums the weight gradients over the tokens:
+    ``2 * chain + tokens`` bounds a gradient, relative to the sum of its terms' sizes."""
+    per_layer = 2 * hidden + hidden + 2 * head_dim + head_dim + 2 * seq + heads * head_dim
+    per_layer += hidden + experts + hidden + ffn + top_k + 2
+    return layers * per_layer + 2 * hidden + vocab + tokens + 2
+
+
+def trained_param_tol(chain: int, tokens: int, *, init: Tensor, want: Tensor) -> float:
+    """How far a parameter trained by plain SGD in two such evaluations may end apart: its gradients are within
+    ``reordered_sum_tol(2 * chain + tokens)`` relatively, so the change ``want - init`` (``lr`` times the gradients
+    summed over the steps) is within that of its own size (its size standing for the sum of its terms' sizes: SGD's
+    few steps of one sign-consistent descent do not cancel), plus one rounding of the parameter per step and run
+    (:func:`sgd_drift`'s last term, ``eps * |p|``, a few steps bounded by 4)."""
+    change = (want.double() - init.double()).abs().max().item()
+    return reordered_sum_tol(2 * chain + tokens, change) + 4 * EPS32 * want.abs().max().item()
