@@ -7,6 +7,7 @@ Each name has a test in ``tests/unit/test_compat_torch.py`` that names the torch
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -53,8 +54,46 @@ def scaled_mm(mat_a: Tensor, mat_b: Tensor, *, scale_a: Tensor, scale_b: Tensor,
     ``mat_a`` is row-major, ``mat_b`` column-major; the scales are float32, either 0-d (tensorwise) or ``[M, 1]`` and
     ``[1, N]`` (rowwise). Runs on CPU (checked with torch 2.13, ``float8_e4m3fn`` and ``float8_e5m2``) and on CUDA
     (compute capability >= 8.9, contraction and output dims multiples of 16).
+
+    Some torch versions' CPU kernel takes only per-tensor scales (torch 2.11's: "only supports per-tensor scaling for
+    CPU backend"; torch 2.13's takes rowwise ones): where :func:`_cpu_scaled_mm_takes_scale_vectors` finds this
+    torch's does not, CPU operands with scale vectors go to :func:`_scaled_mm_reference`, the same product computed
+    in float32.
     """
+    rowwise = scale_a.numel() != 1 or scale_b.numel() != 1
+    if rowwise and mat_a.device.type == "cpu" and not _cpu_scaled_mm_takes_scale_vectors(
+        mat_a.dtype, mat_b.dtype, out_dtype
+    ):
+        return _scaled_mm_reference(mat_a, mat_b, scale_a=scale_a, scale_b=scale_b, out_dtype=out_dtype)
     return torch._scaled_mm(mat_a, mat_b, scale_a=scale_a, scale_b=scale_b, out_dtype=out_dtype)
+
+
+def _scaled_mm_reference(
+    mat_a: Tensor, mat_b: Tensor, *, scale_a: Tensor, scale_b: Tensor, out_dtype: torch.dtype
+) -> Tensor:
+    """What ``torch._scaled_mm`` computes, without it: the float32 product of the FP8 values (each FP8 value, and
+    each product of two, is exact in float32; the sums are float32 accumulation, as the kernels'), times
+    ``scale_a`` (``[M, 1]`` or 0-d) and ``scale_b`` (``[1, N]`` or 0-d) in float32, cast to ``out_dtype`` once."""
+    return ((mat_a.float() @ mat_b.float()) * scale_a.float() * scale_b.float()).to(out_dtype)
+
+
+@functools.cache
+def _cpu_scaled_mm_takes_scale_vectors(a_dtype: torch.dtype, b_dtype: torch.dtype, out_dtype: torch.dtype) -> bool:
+    """Whether this torch's CPU ``torch._scaled_mm`` takes rowwise scales (``[M, 1]``, ``[1, N]``) for these
+    dtypes and computes with them: probed once per process and dtypes on ``[16, 16]`` operands of small integers and
+    power-of-two scales, whose scaled product is exact in every dtype here; a kernel that refuses them (raises) or
+    returns anything else does not."""
+    m, k = torch.arange(16.0).reshape(16, 1), torch.arange(16.0).reshape(1, 16)
+    a_MK = ((m + 2 * k).remainder(5) - 2).to(a_dtype)  # in [-2, 2]; no row or column repeats another
+    b_KN = ((3 * k + m).remainder(3) - 1).to(b_dtype).t()  # in [-1, 1]; column-major, as the kernel wants
+    scale_a = torch.exp2(torch.arange(16, dtype=torch.float32).remainder(3)).reshape(16, 1)
+    scale_b = torch.exp2(-torch.arange(16, dtype=torch.float32).remainder(2)).reshape(1, 16)
+    try:
+        out = torch._scaled_mm(a_MK, b_KN, scale_a=scale_a, scale_b=scale_b, out_dtype=out_dtype)
+    except (RuntimeError, NotImplementedError):  # the refusal is an internal assert: RuntimeError
+        return False
+    want = _scaled_mm_reference(a_MK, b_KN, scale_a=scale_a, scale_b=scale_b, out_dtype=out_dtype)
+    return out.dtype == out_dtype and torch.equal(out, want)
 
 
 def current_graph_task_id() -> int:
@@ -170,7 +209,7 @@ def fsdp_set_hooks_idle(module: nn.Module, idle: bool) -> None:
     (``idle=True``: ``TrainingState.PRE_BACKWARD`` of ``torch.distributed.fsdp._fully_shard._fsdp_common``, the state
     FSDP2 keeps while activation checkpointing recomputes a forward), or back to ``IDLE`` (``idle=False``). For the
     micro-batches of a step run as two overlapped contexts on two threads, whose hooks would otherwise share and
-    flip that state (``parallel/sharding.py``)."""
+    flip that state (``parallelize/sharding.py``)."""
     from torch.distributed.fsdp import fully_shard  # noqa: PLC0415 - FSDP2 only where a model is sharded
     from torch.distributed.fsdp._fully_shard._fsdp_common import TrainingState  # noqa: PLC0415
 

@@ -8,6 +8,10 @@ token (running max, sum of exponentials, target logit; float64 for float64 input
 inputs and the per-token log-sum-exp; nothing of size ``[T, V]`` is kept in between. At most a few
 ``[chunk, chunk]`` float32 blocks are alive at once.
 
+Precision: the GEMMs run in the inputs' dtype (bf16 inputs: bf16 GEMMs, accumulated in float32 inside the kernel,
+as the unfused ``F.linear(h, w).float()`` computes its logits), the softmax math of each block in float32; float32
+and float64 inputs compute every step in their own dtype (``blocks.py``).
+
 Shape legend: T tokens, D hidden, V vocabulary rows held by this process.
 """
 
@@ -58,12 +62,19 @@ def fused_linear_cross_entropy(
 
     The gradient of ``hidden`` is the full one on every rank of ``group`` (summed over the rows of all ranks, as a
     column-parallel head's input gradient is); ``weight`` and ``bias`` get this rank's rows. Gradients come back in
-    each input's dtype; every block is computed in float32 (float64 for float64 inputs), with autocast off.
+    each input's dtype. With autocast off, the head's GEMMs run in the dtype of ``hidden`` and ``weight`` promoted
+    together (bf16 inputs: bf16 GEMMs, their products accumulated in float32 by the kernel, each logit rounded to
+    bf16 once as the unfused bf16 ``F.linear`` rounds it) and each block's softmax math in float32 (float64 for
+    float64 inputs); the gradient blocks are cast to the GEMM dtype for the backward GEMMs, whose results are summed
+    in float32.
     """
     check_fused_inputs(hidden_TD, weight_VD, target_T, bias, reduction, chunk_size, token_chunk_size)
     width = hidden_TD.shape[-1]
-    dtype = torch.promote_types(torch.promote_types(hidden_TD.dtype, weight_VD.dtype), torch.float32)
-    blocks = Blocks(target_T.numel(), weight_VD.shape[0], token_chunk_size or chunk_size, chunk_size, dtype)
+    gemm_dtype = torch.promote_types(hidden_TD.dtype, weight_VD.dtype)
+    dtype = torch.promote_types(gemm_dtype, torch.float32)
+    blocks = Blocks(
+        target_T.numel(), weight_VD.shape[0], token_chunk_size or chunk_size, chunk_size, dtype, gemm_dtype
+    )
     flat_TD, flat_T = hidden_TD.reshape(-1, width), target_T.reshape(-1).long()
     return _FusedLinearCrossEntropy.apply(flat_TD, weight_VD, bias, flat_T, blocks, ignore_index, reduction, group)
 

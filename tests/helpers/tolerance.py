@@ -196,3 +196,103 @@ def trained_param_tol(chain: int, tokens: int, *, init: Tensor, want: Tensor) ->
     (:func:`sgd_drift`'s last term, ``eps * |p|``, a few steps bounded by 4)."""
     change = (want.double() - init.double()).abs().max().item()
     return reordered_sum_tol(2 * chain + tokens, change) + 4 * EPS32 * want.abs().max().item()
+
+
+def low_precision_cross_entropy_bounds(
+    h: Tensor, w: Tensor, b: Tensor | None, target: Tensor, *, reduction: str = "mean", chunk: int,
+    token_chunk: int | None = None, ignore_index: int = -100,
+) -> dict:
+    """What a fused linear cross-entropy whose GEMMs run in the inputs' low dtype (bf16 / fp16 ``h [T, D]``,
+    ``w [V, D]``, ``b [V]``: products accumulated in float32 inside the kernel, each result rounded once to the low
+    dtype) and whose softmax math is float32 may differ by from the exact loss of the same low-precision values (a
+    float64 reference): ``"loss"``: an absolute bound; ``"h"``, ``"w"``, ``"b"``: a bound per gradient entry (the
+    gradients coming back in the inputs' dtype). ``chunk`` / ``token_chunk``: the fused loss's vocabulary / token
+    block sizes. ``u``: the low dtype's unit roundoff (2**-8 for bf16), ``gamma``: float32's (:func:`gamma`).
+
+    - Each logit: a float32 dot product of ``D`` exact products (``gamma_D``), rounded to the low dtype (``u``),
+      plus the bias in float32 (one more rounding): ``delta_tv = (u + 2 gamma_(D+2)) * (S_tv + |b_v|)``, ``S_tv =
+      sum_d |h_td w_vd|`` (the logit's magnitude, bounding the computed one's).
+    - The log-sum-exp is 1-Lipschitz, and more precisely ``|lse(z + e) - lse(z)| <= log sum_v p_v exp(delta_v)``
+      when ``|e_v| <= delta_v`` (Jensen, both sides): ``Lambda_t``; each log-probability ``z - lse`` is then off by
+      ``eps_tv = delta_tv + Lambda_t + s``, ``s`` the float32 softmax arithmetic on the given logits
+      (:func:`softmax_tol` with ``width=0``, plus float64's own), and each probability by ``p * expm1(eps)``; each
+      token's loss by ``Lambda_t + delta_t,target + s``.
+    - The loss: the per-token bounds' mean (sum), plus the float32 sum of ``T`` positive terms and the division.
+    - A gradient block ``G = scale * (p - onehot)`` is off by ``scale * p * expm1(eps)`` plus its float32 roundings
+      (the scale's division and product, the subtraction) and its cast to the low dtype: ``c1 = u + 2 gamma_4``
+      relative to ``|G| <= Ghat = scale * (p exp(eps) + onehot) * (1 + c1)``. The two GEMMs on it: float32
+      accumulation over a block's ``chunk`` rows (``token_chunk`` tokens), each block's result rounded to the low
+      dtype, the blocks' results summed in float32, the total rounded to the input's dtype once:
+      ``(2 u + gamma_(n + blocks)) (1 + u)**2`` relative to the sum of ``Ghat`` times the other operand's absolute
+      values (``n = V`` for hidden's gradient, ``T`` for the weight's and the bias's), plus float64's own
+      ``gamma``. Where the low dtype's exponent range is float32's narrower (fp16), a rounding into its subnormals
+      is off by up to ``tiny * u`` absolutely instead (``tiny``: its smallest normal): once per gradient-block entry
+      (times the other operand's absolute values) and once per block result and the total.
+    """
+    low = torch.promote_types(h.dtype, w.dtype)
+    u = unit_roundoff(low)
+    num_tokens, width = h.shape
+    vocab = w.shape[0]
+    token_chunk = token_chunk or chunk
+    h64, w64 = h.detach().double(), w.detach().double()
+    b64 = None if b is None else b.detach().double()
+    magnitude = h64.abs() @ w64.abs().T + (0.0 if b64 is None else b64.abs())  # S_tv + |b_v|
+    delta = (u + 2 * gamma(width + 2)) * magnitude
+    z = F.linear(h64, w64, b64)
+    logp = z.log_softmax(dim=1)
+    p = logp.exp()
+    lam = torch.logsumexp(logp + delta, dim=1)  # Lambda_t
+    blocks_v, blocks_t = blocks_of(vocab, chunk), blocks_of(num_tokens, token_chunk)
+    f64 = gamma(width + vocab + num_tokens + 4, torch.float64)
+    s = softmax_tol(vocab, (magnitude + delta).max().item(), 0, blocks_v) + f64 * (1 + magnitude.max().item())
+    valid = target != ignore_index
+    count = int(valid.sum())
+    safe = torch.where(valid, target, 0).long()
+    onehot = F.one_hot(safe, vocab).double()
+    per_token = torch.where(valid, lam + delta.gather(1, safe[:, None]).squeeze(1) + s, 0.0)
+    divisor = count if reduction == "mean" else 1
+    loss = z.logsumexp(dim=1).sub(z.gather(1, safe[:, None]).squeeze(1)).mul(valid).sum().item() / divisor
+    loss_bound = per_token.sum().item() / divisor
+    loss_bound += gamma(num_tokens + 2) * (abs(loss) + loss_bound)
+    scale = valid.double()[:, None] / divisor
+    eps = delta + lam[:, None] + s
+    c1 = u + 2 * gamma(4)
+    ghat = scale * (p * eps.exp() + onehot) * (1 + c1)
+    sub = torch.finfo(low).smallest_normal * u  # a rounding into the low dtype's subnormals, absolutely
+    off = scale * (p * eps.expm1() + c1 * (p * eps.exp() + onehot)) + sub * valid.double()[:, None]  # |G_cast - G|
+    c_h = (2 * u + gamma(vocab + blocks_v)) * (1 + u) ** 2 + f64
+    c_w = (2 * u + gamma(num_tokens + blocks_t)) * (1 + u) ** 2 + f64
+    return {
+        "loss": loss_bound,
+        "h": (off + c_h * ghat) @ w64.abs() + sub * (blocks_v + 1),
+        "w": (off + c_w * ghat).T @ h64.abs() + sub * (blocks_t + 1),
+        "b": (off + c_w * ghat).sum(dim=0) + sub * (blocks_t + 1),
+    }
+
+
+# The FP8 tensor cores of Hopper (H800 / H100 / H200) keep about 14 bits of their accumulator (DeepSeek-V3 technical
+# report, §3.3.2, "Increasing Accumulation Precision"): the accumulation's unit roundoff taken for a CUDA FP8 GEMM.
+# ``torch._scaled_mm``'s default (``use_fast_accum=False``) promotes the partial sums to float32 every few MMAs, so
+# the kernel does at least this well; CPU kernels accumulate in float32 (``unit_roundoff(torch.float32)``).
+CUDA_FP8_ACCUMULATION_U = 2.0**-14
+
+
+def scaled_gemm_tol(k: int, terms: Tensor, ref: Tensor, out_dtype: torch.dtype, accumulation_u: float) -> Tensor:
+    """How far a scaled FP8 GEMM's output (``torch._scaled_mm``, or a float32 GEMM on dequantised operands) may be
+    from the float64 product ``ref`` of its own dequantised operands, per entry: ``terms`` is that product's
+    ``|a| @ |b|.T`` (the sum of its terms' sizes), ``k`` the contraction length.
+
+    - The products of two FP8 values are exact in float32; their sum of ``k`` terms, in any order, with the
+      accumulator's unit roundoff ``accumulation_u``: ``gamma_k * terms`` (Higham §3.1), ``gamma_k`` of that ``u``.
+    - The scales' products in the epilogue (``acc * scale_a * scale_b``, float32): two roundings,
+      ``gamma_2 * (|ref| + that)``.
+    - The result rounded to ``out_dtype`` once: its ``u`` times the value so far, or into its subnormals (fp16):
+      ``tiny * u`` absolutely. float64's own error of ``ref`` (``gamma_k`` of float64) is added.
+    """
+    nu = k * accumulation_u
+    if not 0 <= nu < 1:
+        raise ValueError(f"scaled_gemm_tol: k * u = {nu}. Rule: 0 <= k * u < 1 for the bound to hold.")
+    accumulated = nu / (1 - nu) * terms + gamma(k, torch.float64) * terms
+    scaled = accumulated + gamma(2) * (ref.abs() + accumulated)
+    u_out = unit_roundoff(out_dtype)
+    return scaled + u_out * (ref.abs() + scaled) + torch.finfo(out_dtype).smallest_normal * u_out

@@ -1,16 +1,14 @@
 """``fused_linear_cross_entropy`` against the oracle ``F.cross_entropy`` of the full logits, computed in one process:
 the loss and the gradients of hidden, weight and bias, for block sizes that divide the shapes and ones that do not,
-ignored tokens, both reductions, leading dimensions, bf16 inputs and autocast; what it keeps for backward; its
-input errors.
+ignored tokens, both reductions, leading dimensions and autocast; what it keeps for backward; its input errors.
+bf16 / fp16 inputs (whose GEMMs run in their own dtype): ``tests/unit/test_fused_ce_low_precision.py``.
 
 Tolerances: derived from float32 arithmetic, not fitted to one machine's kernels: the fused loss and the oracle
 compute the same sums in different orders (logits block by block, an online softmax, gradients accumulated over
 blocks), and ATen's kernels order them differently per CPU (``ATEN_CPU_CAPABILITY``). ``cross_entropy_bounds``
 (``tests/helpers/tolerance.py``) gives, per quantity, the bound of that chain of reordered sums: the loss relative to
 the sum of its positive per-token terms plus each token's log-sum-exp bound, each gradient entry relative to the sum
-of the absolute values of its terms (``|softmax - onehot| <= softmax + onehot`` times the other factor). bf16 inputs:
-the oracle is the float32 loss of the same bf16 values (the fused loss computes every block in float32), the
-gradients within that bound plus a bf16 rounding of each side's entry, since both come back in bf16.
+of the absolute values of its terms (``|softmax - onehot| <= softmax + onehot`` times the other factor).
 """
 
 from __future__ import annotations
@@ -116,24 +114,6 @@ def test_custom_ignore_index_and_int32_targets() -> None:
     want = F.cross_entropy(F.linear(h, w, b), target, ignore_index=7)
     got = fused_linear_cross_entropy(h, w, target.int(), bias=b, ignore_index=7, chunk_size=9)
     _loss_close(got, want, cross_entropy_bounds(h, w, b, target, blocks=blocks_of(V, 9), ignore_index=7))
-
-
-@pytest.mark.parametrize("chunk_size", [13, 3072])
-def test_bfloat16_inputs_computed_in_float32(chunk_size: int) -> None:
-    h, w, b, target = _inputs(torch.bfloat16)
-    got = fused_linear_cross_entropy(h, w, target, bias=b, chunk_size=chunk_size)
-    want = _oracle(h, w, b, target)  # float32 logits of the same bf16 values
-    assert got.dtype == torch.float32
-    bounds = cross_entropy_bounds(h, w, b, target, blocks=blocks_of(V, chunk_size))
-    _loss_close(got, want, bounds)
-    got_grads, want_grads = _grads(got, h, w, b), _grads(want, h, w, b)
-    assert all(g.dtype == torch.bfloat16 for g in got_grads)
-    _grads_close(got_grads, want_grads, bounds, "hwb", low=torch.bfloat16)
-    # the unfused bf16 path (logits rounded to bf16 before the float32 loss) is further off than the fused one, up to
-    # the fused loss's own bound
-    rounded = F.cross_entropy(F.linear(h, w, b).float(), target)
-    rtol, atol = bounds["loss"]
-    assert (got - want).abs() <= (rounded - want).abs() + atol + rtol * want.abs()
 
 
 def test_autocast_does_not_lower_the_blocks() -> None:

@@ -1,0 +1,48 @@
+"""The strategy's settings: one frozen value (``settings.py``) and the pipeline layout it may name
+(``pipeline_layout.py``: the layout string's grammar and how it places layers on stage chunks)."""
+
+from lightning_moe_overlap.config.settings import (
+    CHECKPOINT_FORMATS,
+    DISPATCHERS,
+    DROP_POLICIES,
+    EXPERT_BACKENDS,
+    FLEX_BACKENDS,
+    OVERLAP_BY_DEFAULT,
+    PIPELINE_SCHEDULES,
+    SHARD_MODES,
+    START_METHODS,
+    CheckpointFormat,
+    Dispatcher,
+    DropPolicy,
+    ExpertBackend,
+    FlexBackend,
+    OverlapConfig,
+    PipelineSchedule,
+    ShardMode,
+    StartMethod,
+    default_schedule,
+    resolve_overlap,
+)
+
+__all__ = [
+    "CHECKPOINT_FORMATS",
+    "DISPATCHERS",
+    "DROP_POLICIES",
+    "EXPERT_BACKENDS",
+    "FLEX_BACKENDS",
+    "OVERLAP_BY_DEFAULT",
+    "PIPELINE_SCHEDULES",
+    "SHARD_MODES",
+    "START_METHODS",
+    "CheckpointFormat",
+    "Dispatcher",
+    "DropPolicy",
+    "ExpertBackend",
+    "FlexBackend",
+    "OverlapConfig",
+    "PipelineSchedule",
+    "ShardMode",
+    "StartMethod",
+    "default_schedule",
+    "resolve_overlap",
+]
