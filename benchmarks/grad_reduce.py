@@ -60,7 +60,7 @@ def run_fit(cfg: Config, early: bool) -> dict[str, list[float]]:
 
     class Time(Callback):
         def on_train_start(self, trainer, pl_module) -> None:  # noqa: ANN001
-            sharded = trainer.strategy._sharded
+            sharded = trainer.strategy.prepared.sharded
             for name, into in (("end_step", exposed), ("begin_step", gather)):
                 setattr(sharded, name, _timed(getattr(sharded, name), into))
 

@@ -19,7 +19,7 @@ from collections.abc import Callable
 import torch
 
 from lightning_moe_overlap.overlap import CommRuntime, run_schedule
-from lightning_moe_overlap.overlap.rng import RngState
+from lightning_moe_overlap.overlap.rng_snapshot import RngState
 
 
 def best_of(repeats: int, fn: Callable[[], float]) -> float:

@@ -4,7 +4,7 @@ Writes a Qwen3-MoE model with many experts in the Hub's layout (``save_pretraine
 safetensors + index) into ``--dir``, then starts ``--ranks`` gloo processes that each run
 ``Trainer.fit(HFMoECausalLM(pretrained=DIR), max_steps=0)`` under ``MoEOverlapStrategy(ep=RANKS, shard=...)``: the
 model is built on the meta device, made expert-parallel and sharded, then every rank reads its part of the files
-(``parallel/apply.py``, ``apply_pretrained``). Per rank:
+(``parallelize/steps.py``, ``apply_pretrained``). Per rank:
 
 - **peak host memory above the baseline**: the process's peak resident set (``VmHWM``) is reset
   (``/proc/self/clear_refs``) when ``configure_model`` is about to run and read once the strategy is set up; the

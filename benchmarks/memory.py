@@ -31,7 +31,7 @@ from lightning.pytorch import Callback
 
 from lightning_moe_overlap.callbacks import ActivationOffload, SavedActivationMeter, SelectiveRecompute
 from lightning_moe_overlap.demo import MoEGPT
-from lightning_moe_overlap.moe.adapters import apply_expert_parallel
+from lightning_moe_overlap.moe.ep import apply_expert_parallel
 from lightning_moe_overlap.overlap.runtime import CommRuntime
 
 TAGS = ["dispatched_input", "pre_mlp_layernorm_output"]

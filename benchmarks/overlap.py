@@ -51,7 +51,7 @@ import pipelined
 from simulated_ep import count_host_syncs, export_trace, loopback, make_deterministic
 
 from lightning_moe_overlap.parallel.grads import sync_gradients
-from lightning_moe_overlap.moe.adapters import apply_expert_parallel
+from lightning_moe_overlap.moe.ep import apply_expert_parallel
 from lightning_moe_overlap.moe.layer import MoELayer
 from lightning_moe_overlap.moe.stats import RoutingStats, summarize
 from lightning_moe_overlap.overlap.engine import OverlapEngine
@@ -59,7 +59,7 @@ from lightning_moe_overlap.overlap.observers import CommTimer, CommTraffic
 from lightning_moe_overlap.overlap.runtime import CommRuntime
 from lightning_moe_overlap.overlap.schedule import Task
 from lightning_moe_overlap.config import default_schedule
-from lightning_moe_overlap.parallel import ParallelDims, ParallelDimsError, ParallelGroups, build_groups
+from lightning_moe_overlap.parallel import ParallelDims, ParallelDimsError, ParallelGroups, build_mesh
 from lightning_moe_overlap.pipeline.schedules import validate_schedule
 
 MODES: dict[str, tuple[bool, bool]] = {  # name -> (overlap, delay_wgrad)
@@ -366,7 +366,8 @@ def device_comm_probe(t: Trainer, cfg: Config, groups: ParallelGroups, batch: tu
 def rank_main(rank: int, cfg: Config) -> dict[str, Any]:
     """Run every mode, interleaved; return this rank's per-step records."""
     device = torch.device(f"cuda:{rank}") if cfg.device == "cuda" else torch.device("cpu")
-    groups = build_groups(ParallelDims.from_world_size(cfg.ranks, pp=cfg.pp, ep=cfg.ep_size), rank)
+    dims = ParallelDims.from_world_size(cfg.ranks, pp=cfg.pp, ep=cfg.ep_size)
+    groups = build_mesh(dims, device.type).process_groups(rank)  # as the strategy makes them: one mesh's views
     if cfg.pp > 1:
         batch = make_batch(cfg, groups.coords.dp, device)  # the ranks of one pp group share their data
         return pipelined.rank_main(rank, cfg, groups, device, lambda: Net(cfg).to(device), batch, align)

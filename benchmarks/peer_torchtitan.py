@@ -51,7 +51,7 @@ from lightning_moe_overlap.parallel.grads import sync_gradients
 from lightning_moe_overlap.moe.dispatch.comm import all_to_all_raw, exchange_counts
 from lightning_moe_overlap.overlap.observers import CommTraffic
 from lightning_moe_overlap.overlap.runtime import CommRuntime
-from lightning_moe_overlap.parallel import ParallelDims, ParallelGroups, build_groups
+from lightning_moe_overlap.parallel import ParallelDims, ParallelGroups, build_mesh
 
 TORCHTITAN_VERSION = "0.3.0"
 INSTALL_HINT = (
@@ -269,7 +269,7 @@ def rank_main(
     rank: int, cfg: Config, rounds: int, warmup: int, profile: tuple[str, ...] = (), autocast: bool = False
 ) -> dict[str, Any]:
     device = torch.device("cpu")
-    groups = build_groups(ParallelDims.from_world_size(cfg.ranks, ep=cfg.ep_size), rank)
+    groups = build_mesh(ParallelDims.from_world_size(cfg.ranks, ep=cfg.ep_size), "cpu").process_groups(rank)
     full = replace(cfg, tokens=cfg.tokens * cfg.microbatches, microbatches=1)
     x, y = make_batch(cfg, rank, device)
     batch = {"micro": (x, y), "full": (x.reshape(1, -1, cfg.hidden), y.reshape(1, -1, cfg.hidden))}

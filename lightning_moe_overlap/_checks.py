@@ -1,6 +1,21 @@
-"""Small predicates shared by the boundary checks (validation rules, public constructors)."""
+"""Small predicates shared by the boundary checks (validation rules, public constructors), and the mark of an error
+that every rank raises alike."""
 
 from __future__ import annotations
+
+from typing import TypeVar
+
+SAME_ON_EVERY_RANK = "same_on_every_rank"  # set on a raised error: every rank finds it alike, rank 0 shows it
+
+E = TypeVar("E", bound=BaseException)
+
+
+def same_on_every_rank(err: E) -> E:
+    """Mark ``err`` as one that every rank raises alike (it depends only on what every rank reads alike), so that
+    the launcher (``processes/exits.py``) shows it once, in full, on rank 0, and the other ranks end with one line;
+    returns ``err``."""
+    setattr(err, SAME_ON_EVERY_RANK, True)
+    return err
 
 
 def is_positive_int(value: object) -> bool:

@@ -23,7 +23,7 @@ THIRD_PARTY_NOISE: tuple[Filter, ...] = (
 )
 
 # FSDP2 the strategy applies on its own at `shard="none"`, only to make the dense parameters DTensor replicas
-# (parallel/sharding.py): torch warns on every rank, for any model whose output is a view (a biased Linear on 3-D
+# (parallelize/sharding.py): torch warns on every rank, for any model whose output is a view (a biased Linear on 3-D
 # input), that an in-place op on it would skip the pre-backward all-gather. There the parameters are gathered once
 # per step before the first forward and stay gathered until the strategy reduces the gradients after the last
 # backward, so that all-gather is never the one the step relies on, and the user did not ask for FSDP. With

@@ -28,9 +28,9 @@ from lightning_moe_overlap.loss.vocab_parallel import check_loss_parallel, head_
 from lightning_moe_overlap.moe.layer import MoELayer
 from lightning_moe_overlap.moe.router import TopKRouter
 from lightning_moe_overlap.parallel.context_module import ContextParallel
-from lightning_moe_overlap.parallel.tensor import vocab_parallel_head
+from lightning_moe_overlap.parallel.tp_styles import vocab_parallel_head
 from lightning_moe_overlap.pipeline.batches import token_ids
-from lightning_moe_overlap.pipeline.layout import Chunk, PipelineLayout
+from lightning_moe_overlap.config.pipeline_layout import Chunk, PipelineLayout
 from lightning_moe_overlap.pipeline.split import PipelineChunks, reset_module
 from lightning_moe_overlap.pipeline.splitters import check_layers
 

@@ -25,7 +25,7 @@ from lightning_moe_overlap.loss.tokens import aux_loss_weight, step_tokens
 from lightning_moe_overlap.parallel.context_module import ContextParallel
 from lightning_moe_overlap.loss.vocab_parallel import check_loss_parallel, plain_logits
 from lightning_moe_overlap.pipeline.batches import lm_batch
-from lightning_moe_overlap.pipeline.layout import PipelineLayout
+from lightning_moe_overlap.config.pipeline_layout import PipelineLayout
 from lightning_moe_overlap.pipeline.split import PipelineChunks
 from lightning_moe_overlap.pipeline.splitters import split_hf_decoder
 

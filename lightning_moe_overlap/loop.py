@@ -52,7 +52,7 @@ from torch import Tensor
 
 from lightning_moe_overlap.accumulation import WHOLE, Window
 from lightning_moe_overlap.loss.tokens import TokenScope
-from lightning_moe_overlap.processes.exits import same_on_every_rank
+from lightning_moe_overlap._checks import same_on_every_rank
 from lightning_moe_overlap.step_logs import MicroBatchLogs
 
 ContextFactory = Callable[[], AbstractContextManager]

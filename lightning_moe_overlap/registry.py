@@ -1,7 +1,7 @@
 """``Registry``: named entries, built-in ones fixed at creation and user ones added and removed at run time.
 
 Two registries use it: the experts adapters (``moe/adapters.py``: which modules are experts and how they store
-their weights) and the layer names of the memory callbacks (``callbacks/names.py``: what ``"core_attn"`` or
+their weights) and the layer names of the memory callbacks (``callbacks/layer_specs.py``: what ``"core_attn"`` or
 ``"moe_act"`` means in a kind of decoder layer).
 
 Scope: one registry per kind, process-wide, as Lightning's strategy and accelerator registries and torch's

@@ -40,60 +40,39 @@ from lightning_moe_overlap.config import (
     ShardMode,
     StartMethod,
 )
+from lightning_moe_overlap.float8.recipes import FP8Recipe
 from lightning_moe_overlap.fp8.apply import Float8Report
 from lightning_moe_overlap.fp8.dense import precompute_float8_scales
-from lightning_moe_overlap.fp8.recipes import FP8Recipe
-from lightning_moe_overlap.parallel.grads import clip_grad_norm, global_grad_norm
-from lightning_moe_overlap.processes.launcher import ExpertParallelScriptLauncher, ExpertParallelSpawnLauncher
+from lightning_moe_overlap.hf.load import HFLoadReport
 from lightning_moe_overlap.loop import LoopPath, MicroBatchLoop, StepHooks, StepPath
 from lightning_moe_overlap.loss.tokens import TokenScope
 from lightning_moe_overlap.loss.vocab_parallel import loss_parallel_scope, plain_step_output
-from lightning_moe_overlap.moe.adapters import expert_parallel_modules
-from lightning_moe_overlap.hf.load import HFLoadReport
-from lightning_moe_overlap.hf.pretrained import PretrainedCalls, meta_from_pretrained
+from lightning_moe_overlap.optim.host_offload import describe_offload, offload_optimizers
 from lightning_moe_overlap.overlap.engine import OverlapEngine
 from lightning_moe_overlap.overlap.failures import default_nccl_error_handling, safety_nets
 from lightning_moe_overlap.overlap.runtime import CommRuntime
 from lightning_moe_overlap.parallel import ParallelDims, ParallelGroups
-from lightning_moe_overlap.parallel.apply import (
-    apply_ep,
-    apply_fp8_step,
-    apply_fsdp,
-    apply_materialize,
-    apply_pipeline,
-    apply_pretrained,
-    apply_cp,
-    apply_tp,
-    aux_loss_scale,
-    tensor_parallel_grads,
-)
-from lightning_moe_overlap.parallel.context_module import ContextParallel
-from lightning_moe_overlap.parallel.tensor import TensorParallelGrads
-from lightning_moe_overlap.parallel.held import global_shapes, held_tensors
-from lightning_moe_overlap.parallel.materialize import build_on_meta, declare_weights, meta_init_of
+from lightning_moe_overlap.parallel.grads import clip_grad_norm, global_grad_norm
 from lightning_moe_overlap.parallel.mesh import ParallelMesh, build_mesh
-from lightning_moe_overlap.parallel.sharding import ShardedModel
-from lightning_moe_overlap.processes.shutdown import destroy_process_groups_at_exit
+from lightning_moe_overlap.parallelize.held_tensors import global_shapes, held_tensors
+from lightning_moe_overlap.parallelize.meta_build import meta_build
+from lightning_moe_overlap.parallelize.prepared_model import PreparedModel, adopt, record
+from lightning_moe_overlap.parallelize.steps import aux_loss_scale, parallelize_model, place_model
 from lightning_moe_overlap.pipeline.path import PipelinePath
-from lightning_moe_overlap.pipeline.pipelined import PipelinedModel
 from lightning_moe_overlap.precision import ExpertParallelPrecision, with_global_norm_clip
-from lightning_moe_overlap.prepared import PreparedModel, check_same_layout, record, recorded
+from lightning_moe_overlap.processes.launcher import ExpertParallelScriptLauncher, ExpertParallelSpawnLauncher
+from lightning_moe_overlap.processes.shutdown import destroy_process_groups_at_exit
 from lightning_moe_overlap.step_logs import MicroBatchLogs
 from lightning_moe_overlap.validation import (
     build_dims,
     check_config,
     check_flex,
-    check_fp8,
     check_machine,
-    check_model,
-    check_offload_settings,
     check_train_loaders,
     check_trainer,
     check_world,
     raise_problems,
 )
-from lightning_moe_overlap.moe.handle import MoEModelHandle
-from lightning_moe_overlap.optim.offload import describe_offload, offload_optimizers
 
 log = logging.getLogger(__name__)
 
@@ -176,7 +155,7 @@ class MoEOverlapStrategy(ParallelStrategy):
             dtype. Gradients of the micro-batches of a step accumulate in ``param_dtype``.
         optimizer_cpu_offload: Keep the optimizer state of the largest parameters (``optimizer_offload_fraction``
             of the elements this rank holds) in host memory and run their update there, on host copies (float32
-            masters of lower-precision parameters), copied back after each step (``optim/offload.py``,
+            masters of lower-precision parameters), copied back after each step (``optim/host_offload.py``,
             docs/memory.md). The optimizer ``configure_optimizers`` returns is wrapped; its groups, an LR scheduler
             on it, clipping by the global norm, every ``shard`` mode and the checkpoints work as without.
         optimizer_offload_fraction: The share in (0, 1] of the parameters' elements offloaded, largest parameters
@@ -279,30 +258,25 @@ class MoEOverlapStrategy(ParallelStrategy):
             overlap_grad_reduce=overlap_grad_reduce,
             overlap_param_gather=overlap_param_gather,
             token_mean_over_dp=token_mean_over_dp,
+            fp8=fp8,
+            fsdp_mp_policy=fsdp_mp_policy,
+            checkpoint_format=checkpoint_format,
+            optimizer_cpu_offload=optimizer_cpu_offload,
+            optimizer_offload_fraction=optimizer_offload_fraction,
+            timeout=timeout,
         )
-        raise_problems(check_config(self.config) + check_fp8(fp8, self.config))  # every rule broken, in one error
-        self._timeout = _as_timedelta(timeout)
+        checkpointer.check_format(checkpoint_format)
+        _as_timedelta(timeout)
+        raise_problems(check_config(self.config))  # every rule broken, in one error
         self._num_nodes = 1
         self._dims: ParallelDims | None = None
-        self._groups: ParallelGroups | None = None
+        self._groups: ParallelGroups | None = None  # this run's, until a prepared model brings its own
         self._mesh: ParallelMesh | None = None
-        self._sharded: ShardedModel | None = None  # what `fully_shard` was applied to (parallel/sharding.py)
-        self._tp_grads: TensorParallelGrads | None = None  # at tp > 1: the replicas' gradients summed over tp
-        self._cp: ContextParallel | None = None  # at cp > 1: the module's handle; its ring attention entered per step
+        self._runtime = CommRuntime(delay_wgrad=delay_wgrad)
+        self._prepared: PreparedModel | None = None  # what `setup` built or adopted (parallelize/prepared_model.py)
         self._failed = False  # set by `on_exception`: the teardown then does no more work than it must
-        self.runtime = CommRuntime(delay_wgrad=delay_wgrad)
-        self._ep_model: MoEModelHandle | None = None
         self._path: StepPath | None = None  # how the step methods run (loop.py, pipeline/path.py)
-        self._pipeline: PipelinedModel | None = None  # at pp > 1: this rank's chunks and their schedule
-        # what this rank read of the module's `hf_weights` in setup (None: it declares none)
-        self.loaded_weights: HFLoadReport | None = None
         self._loop_trainer: Trainer | None = None  # whose automatic optimization skips backward for the loop
-        self._fsdp_mp_policy = fsdp_mp_policy
-        self.checkpoint_format = checkpointer.check_format(checkpoint_format)
-        raise_problems(check_offload_settings(optimizer_cpu_offload, optimizer_offload_fraction))
-        self.optimizer_offload_fraction = optimizer_offload_fraction if optimizer_cpu_offload else None
-        self.fp8 = fp8
-        self.fp8_report: Float8Report | None = None  # what `setup` put in FP8 (None: fp8 is None)
         self.token_scope = TokenScope()  # the step's token count, for `step_tokens` (loss/tokens.py)
         self._accumulation: Accumulation | None = None  # while fitting: the accumulation windows of the batches
 
@@ -328,6 +302,8 @@ class MoEOverlapStrategy(ParallelStrategy):
 
     @property
     def parallel_groups(self) -> ParallelGroups:
+        if self._prepared is not None:  # the groups its layers were built with
+            return self._prepared.groups
         if self._groups is None:
             raise RuntimeError(
                 "`MoEOverlapStrategy.parallel_groups` is only available after the processes have initialised "
@@ -338,6 +314,8 @@ class MoEOverlapStrategy(ParallelStrategy):
     @property
     def parallel_mesh(self) -> ParallelMesh:
         """The ``DeviceMesh`` over the same rank layout (``parallel/mesh.py``), with a 1-D view per group kind."""
+        if self._prepared is not None:
+            return self._prepared.mesh
         if self._mesh is None:
             raise RuntimeError(
                 "`MoEOverlapStrategy.parallel_mesh` is only available from the strategy's `setup` on (after "
@@ -349,7 +327,44 @@ class MoEOverlapStrategy(ParallelStrategy):
     def pipeline_chunks(self) -> list[Module] | None:
         """At ``pp > 1``, the chunks of the model this rank holds (from ``setup`` on), in virtual-stage order; None at
         ``pp = 1``. The memory callbacks attach to them."""
-        return None if self._pipeline is None else self._pipeline.held_chunks
+        pipeline = None if self._prepared is None else self._prepared.pipeline
+        return None if pipeline is None else pipeline.held_chunks
+
+    @property
+    def prepared(self) -> PreparedModel | None:
+        """What ``setup`` built of the model, or took from an earlier run (``parallelize/prepared_model.py``): the
+        mesh and groups, the comm runtime, the expert-parallel handle, the pipeline, the sharded units, the FP8 and
+        pretrained-weight reports. None before ``setup``."""
+        return self._prepared
+
+    @property
+    def runtime(self) -> CommRuntime:
+        """The comm runtime of the model's MoE layers (delayed wgrad, observers); the prepared model's once set up."""
+        return self._runtime if self._prepared is None else self._prepared.runtime
+
+    @property
+    def fp8_report(self) -> Float8Report | None:
+        """What ``setup`` put in FP8 (None: ``fp8`` is None, or before ``setup``)."""
+        return None if self._prepared is None else self._prepared.fp8
+
+    @property
+    def loaded_weights(self) -> HFLoadReport | None:
+        """What this rank read of the module's ``hf_weights`` when the model was set up (None: it declares none)."""
+        return None if self._prepared is None else self._prepared.loaded
+
+    @property
+    def checkpoint_format(self) -> CheckpointFormat:
+        """How ``Trainer.save_checkpoint`` writes (``config.checkpoint_format``); may be set between saves, e.g.
+        ``"consolidated"`` for one export at the end of a run (docs/checkpoints.md)."""
+        return self.config.checkpoint_format  # type: ignore[return-value]
+
+    @checkpoint_format.setter
+    def checkpoint_format(self, checkpoint_format: CheckpointFormat) -> None:
+        self.config = self.config.with_run_setting(checkpoint_format=checkpointer.check_format(checkpoint_format))
+
+    @property
+    def _timeout(self) -> timedelta:
+        return _as_timedelta(self.config.timeout)
 
     @property
     def is_distributed(self) -> bool:
@@ -449,7 +464,7 @@ class MoEOverlapStrategy(ParallelStrategy):
     @override
     def model_sharded_context(self) -> Generator[None, None, None]:
         """``configure_model`` builds on the meta device, at every pp: each rank then allocates only what it holds
-        (its experts' slice, its dense tensors, its pipeline chunks; ``parallel/materialize.py``), initialised with
+        (its experts' slice, its dense tensors, its pipeline chunks; ``parallelize/materialize.py``), initialised with
         the LightningModule's ``init_module`` hook under the run's seed.
 
         Hugging Face's ``from_pretrained`` called there (``AutoModelForCausalLM.from_pretrained(folder)``, Lightning's
@@ -465,36 +480,8 @@ class MoEOverlapStrategy(ParallelStrategy):
         rank then keeps its own values and frees what it does not hold (docs/pipeline.md, "Pretrained weights"). A
         model built in ``__init__`` is unaffected.
         """
-        module = self.lightning_module
-        if not build_on_meta(module):
+        with meta_build(self.lightning_module, name=type(self).__name__, pp=self.config.pp):
             yield
-            return
-        with meta_from_pretrained() as calls:  # a call not honoured runs on the device configure_model was given
-            try:
-                with torch.device("meta"):
-                    yield
-            except RuntimeError as err:
-                if "from_pretrained" not in str(err) or "meta device" not in str(err):
-                    raise
-                raise RuntimeError(
-                    f"`MoEOverlapStrategy(pp={self.config.pp})`: `{type(module).__name__}.configure_model` runs under "
-                    "the meta device (at every pp, each rank allocates only what it holds), and a `from_pretrained` "
-                    "the strategy does not recognise refused to load weights there (it recognises "
-                    "`PreTrainedModel.from_pretrained` and the auto classes'). Rule: a model loaded in configure_model "
-                    "by another loader opts out of the meta device. Fix: set `build_on_meta = False` on the "
-                    "LightningModule (every rank loads the whole checkpoint into host memory, then keeps only what it "
-                    "holds), or build the model from its config in configure_model and declare the weights to load "
-                    "(`hf_weights`), or load it in `__init__`."
-                ) from err
-        if module is not None:
-            self._declare_pretrained(module, calls)
-
-    def _declare_pretrained(self, module: Module, calls: PretrainedCalls) -> None:
-        """Declare the weights of the models ``configure_model`` loaded with ``from_pretrained`` (built on meta) as
-        ``module.hf_weights``, and log once what was recognised and what ran as written."""
-        added = declare_weights(module, calls.weights(module))
-        for line in calls.describe(f"`{type(self).__name__}`: `{type(module).__name__}.configure_model`", added):
-            rank_zero_info(line)
 
     @override
     def setup(self, trainer: Trainer) -> None:
@@ -504,20 +491,15 @@ class MoEOverlapStrategy(ParallelStrategy):
         if fitting:
             automatic = self.lightning_module.automatic_optimization
             raise_problems(check_trainer(self.config, automatic_optimization=automatic))
-        self._adopt_prepared()
-        if self._ep_model is None:
-            self._parallelize()
-        else:  # set up before (`prepared.py`): only this run's precision and device
-            self.precision_plugin.convert_module(self.model)
-            self.model_to_device()
+        self._prepare()
         if fitting:
             self.setup_optimizers(trainer)
         self.setup_precision_plugin()
         hooks = None
         if fitting:
             pl_compat.optimizers_to_device(self.optimizers, self.root_device)
-            if self.optimizer_offload_fraction is not None:  # a share of the state and update on the host
-                fraction = self.optimizer_offload_fraction
+            fraction = self.config.offload_fraction
+            if fraction is not None:  # a share of the state and update on the host
                 self.optimizers = offload_optimizers(self.optimizers, fraction, self.root_device)
                 rank_zero_info(f"{type(self).__name__}: {describe_offload(self.optimizers)} (rank 0)")
             hooks = self._step_hooks(trainer)
@@ -529,93 +511,68 @@ class MoEOverlapStrategy(ParallelStrategy):
             )  # fmt: skip
         self._path = self._build_step_path(hooks)
 
+    def _prepare(self) -> None:
+        """Parallelise the model (``parallelize_model``, every step in ``parallelize/steps.py``'s order) and leave the
+        record with it, or take the record an earlier ``setup`` left (``parallelize/prepared_model.py``): ``fit`` ->
+        ``validate`` / ``test`` / ``predict`` / ``fit`` set the strategy up again, with the same Trainer or a new one."""
+        assert self.model is not None
+        earlier = adopt(self.model, self.config, self.dims, owner=f"`{type(self).__name__}`")
+        if earlier is None:
+            self._prepared = None  # set up for another model before: this one takes this run's mesh and groups
+            self._prepared = parallelize_model(
+                self.lightning_module, self.config, self.parallel_mesh, self.parallel_groups, self._runtime,
+                device=self.root_device, convert_precision=self.precision_plugin.convert_module,
+            )  # fmt: skip
+            record(self.model, self._prepared)
+            if self._prepared.loaded is not None:  # Lightning's INFO log: shown by default, once
+                rank_zero_info(f"{type(self).__name__}: {self._prepared.loaded.describe()} (rank 0)")
+            return
+        if earlier is not self._prepared:  # a new strategy: the module's layers use the prepared groups
+            self._prepared = earlier
+            self._hand_to_module(self.lightning_module, earlier.mesh, earlier.groups)
+            if earlier.pipeline is None:  # this run's micro-batch count
+                scale = aux_loss_scale(self.config.num_microbatches, self.dims, pipelined=False)
+                earlier.ep_model.set_aux_loss_scale(scale)
+        self.precision_plugin.convert_module(self.model)  # only this run's precision and device
+        self.model_to_device()
+
+    @property
+    def _built(self) -> PreparedModel:
+        """The prepared model, from ``setup`` on."""
+        assert self._prepared is not None, "MoEOverlapStrategy: used before `setup`"
+        return self._prepared
+
     def _build_step_path(self, hooks: StepHooks | None) -> StepPath:
         """The step methods' path: the micro-batch loop at ``pp = 1``, the pipeline schedule at ``pp > 1``; both
         run their micro-batches through one ``OverlapEngine`` when training (``hooks``: ``None`` outside ``fit``)."""
-        assert self._sharded is not None
+        prepared = self._built
         engine = None
         if hooks is not None:
             nets = safety_nets(self._timeout.total_seconds(), self._backend())
             engine = OverlapEngine(
-                self.runtime, overlap=self.config.overlap, timeout_s=nets.wait_s, stall_timeout_s=nets.stall_s
+                prepared.runtime, overlap=self.config.overlap, timeout_s=nets.wait_s, stall_timeout_s=nets.stall_s
             )
-        if self._pipeline is None:
+        if prepared.pipeline is None:
             loop = None if engine is None else MicroBatchLoop(hooks, engine, self.config.num_microbatches,
                                                               self.token_scope)  # fmt: skip
-            return LoopPath(self._sharded.gather, loop)
+            return LoopPath(prepared.sharded.gather, loop)
         if engine is not None:
             accumulate = self._accumulation.batches if self._accumulation is not None else 1
-            self._pipeline.build_schedule(engine, self.root_device, self.token_scope, accumulate=accumulate)
+            prepared.pipeline.build_schedule(engine, self.root_device, self.token_scope, accumulate=accumulate)
             self._set_pipeline_aux_scale(accumulate)
-        return PipelinePath(self._pipeline, self.lightning_module, self.root_device, hooks,
+        return PipelinePath(prepared.pipeline, self.lightning_module, self.root_device, hooks,
                             self.precision_plugin.train_step_context, self.token_scope)  # fmt: skip
 
     def _set_pipeline_aux_scale(self, accumulate: int) -> None:
         """At pp > 1 the routers' auxiliary-loss weight follows the schedule's: 1 where torch divides the gradients
         by M, ``1 / (M * A)`` where the losses are weighted instead (``pipeline/step_loss.py``)."""
-        assert self._ep_model is not None and self._pipeline is not None
-        weighted = accumulate > 1 or self._pipeline.split.token_loss
+        prepared = self._built
+        assert prepared.pipeline is not None
+        weighted = accumulate > 1 or prepared.pipeline.split.token_loss
         pipelined_scale = aux_loss_scale(self.config.num_microbatches, self.dims, pipelined=True)
-        self._ep_model.set_aux_loss_scale(
+        prepared.ep_model.set_aux_loss_scale(
             pipelined_scale / (self.config.num_microbatches * accumulate) if weighted else pipelined_scale
         )
-
-    def _parallelize(self) -> None:
-        """The model's transformation, in the order of ``parallel/apply.py`` (where each step is described)."""
-        assert self.model is not None
-        ep_model = MoEModelHandle(self.model)
-        raise_problems(check_model(self.config, ep_model.experts_per_block(), self.dims.ep_span))
-        rank = self.global_rank
-        self._pipeline = apply_pipeline(self.lightning_module, self.config, self.parallel_mesh, self.root_device,
-                                        rank=rank)  # fmt: skip
-        split = None if self._pipeline is None else self._pipeline.split
-        init = meta_init_of(self.lightning_module, self.root_device, torch.initial_seed(), split)
-        apply_materialize(self.model, init, self._pipeline)
-        apply_tp(self.lightning_module, self.parallel_mesh)
-        self._cp = apply_cp(self.lightning_module, self.parallel_mesh)
-        apply_ep(ep_model, self.config, self.parallel_mesh, self.runtime, self._pipeline, rank=rank, init=init)
-        self._tp_grads = tensor_parallel_grads(self.model, self.parallel_mesh)
-        self._ep_model = ep_model
-        self.fp8_report = apply_fp8_step(self.model, self.fp8, self.root_device, self.config)
-        self.precision_plugin.convert_module(self.model)
-        self.model_to_device()
-        ep_model.broadcast_replicas(self.parallel_groups)
-        self._sharded = apply_fsdp(self.model, ep_model, self.config, self.parallel_mesh, self._pipeline,
-                                   mp_policy=self._fsdp_mp_policy)  # fmt: skip
-        self.loaded_weights = apply_pretrained(self.lightning_module, self._pipeline)
-        if self.loaded_weights is not None:  # Lightning's INFO log: shown by default, once
-            rank_zero_info(f"{type(self).__name__}: {self.loaded_weights.describe()} (rank 0)")
-        record(self.model, PreparedModel(self.config, self.dims, self.parallel_groups, self.parallel_mesh,
-                                         self.runtime, self._ep_model, self._pipeline, self._sharded,
-                                         self._tp_grads))  # fmt: skip
-
-    def _adopt_prepared(self) -> None:
-        """Take what an earlier ``setup`` built for this model (``prepared.py``): ``fit`` -> ``validate`` / ``test`` /
-        ``predict`` / ``fit`` set the strategy up again, with the same Trainer or a new one."""
-        assert self.model is not None
-        prepared = recorded(self.model)
-        if prepared is None:
-            if self._ep_model is not None:  # set up for another model before: this one is set up afresh
-                self._ep_model = self._pipeline = self._sharded = self._tp_grads = None
-            wrapped = expert_parallel_modules(self.model)
-            if wrapped:
-                raise RuntimeError(
-                    f"`{type(self).__name__}`: `{type(self.model).__name__}` already has expert-parallel experts "
-                    f"({', '.join(wrapped[:3])}{', ...' if len(wrapped) > 3 else ''}) that this strategy did not "
-                    "build (`apply_expert_parallel` ran on it); the strategy makes a model expert-parallel itself, "
-                    "once. Pass the model as built, before `apply_expert_parallel`."
-                )
-            return
-        if prepared.ep_model is self._ep_model:
-            return
-        check_same_layout(prepared, self.config, self.dims, owner=f"`{type(self).__name__}`")
-        self._groups, self._mesh, self.runtime = prepared.groups, prepared.mesh, prepared.runtime
-        self._ep_model, self._pipeline, self._sharded = prepared.ep_model, prepared.pipeline, prepared.sharded
-        self._tp_grads = prepared.tp_grads
-        self._hand_to_module(self.lightning_module, prepared.mesh, prepared.groups)  # what its layers use
-        self._cp = apply_cp(self.lightning_module, prepared.mesh)
-        if self._pipeline is None:  # this run's micro-batch count
-            self._ep_model.set_aux_loss_scale(aux_loss_scale(self.config.num_microbatches, self.dims, pipelined=False))
 
     @override
     def on_train_start(self) -> None:
@@ -630,8 +587,7 @@ class MoEOverlapStrategy(ParallelStrategy):
 
         def zero_grad(batch_idx: int) -> None:
             pl_compat.zero_grad(trainer, batch_idx, trainer.optimizers[0])
-            assert self._sharded is not None
-            self._sharded.begin_step()
+            self._built.sharded.begin_step()
 
         def forward(micro_batch: Any, batch_idx: int, *rest: Any) -> Any:
             # on the thread that runs it (an engine lane, with overlap): this thread's attention through the ring
@@ -647,20 +603,20 @@ class MoEOverlapStrategy(ParallelStrategy):
             backward=backward,
             sync_gradients=self.sync_gradients,
             capture_logs=lambda: MicroBatchLogs(module),
-            aux_loss_scale=self._scale_aux_loss if self._ep_model is not None else None,
-            before_last_backward=lambda: self._sharded.before_last_backward() if self._sharded else None,
+            aux_loss_scale=self._scale_aux_loss,
+            before_last_backward=lambda: self._built.sharded.before_last_backward(),
             token_loss=lambda batch, token_sum: self._accumulation.batch_loss(batch, token_sum),
         )
 
     def _scale_aux_loss(self, scale: float) -> None:
         """The loop's auxiliary-loss weight of the next forwards, times ``cp`` (``apply.aux_loss_scale``)."""
-        assert self._ep_model is not None
-        self._ep_model.set_aux_loss_scale(scale * self.dims.cp)
+        self._built.ep_model.set_aux_loss_scale(scale * self.dims.cp)
 
     def _cp_enabled(self) -> AbstractContextManager[Any]:
         """At cp > 1, torch's process-wide ring handlers, entered on the main thread around a step's forwards and
         backwards (``ContextParallelAttention.enabled``); nothing at cp = 1."""
-        return nullcontext() if self._cp is None else self._cp.attention.enabled()
+        cp = self._built.cp
+        return nullcontext() if cp is None else cp.attention.enabled()
 
     def _loss_parallel(self) -> AbstractContextManager[Any]:
         """At tp > 1, torch's ``loss_parallel``: its cross-entropy handlers for vocabulary-sharded logits are
@@ -671,7 +627,8 @@ class MoEOverlapStrategy(ParallelStrategy):
 
     def _cp_thread_context(self) -> AbstractContextManager[Any]:
         """At cp > 1, the ring for the SDPA calls of the calling thread (``thread_context``); nothing at cp = 1."""
-        return nullcontext() if self._cp is None else self._cp.attention.thread_context()
+        cp = self._built.cp
+        return nullcontext() if cp is None else cp.attention.thread_context()
 
     @override
     def optimizer_step(
@@ -682,12 +639,11 @@ class MoEOverlapStrategy(ParallelStrategy):
         **kwargs: Any,
     ) -> Any:
         output = super().optimizer_step(optimizer, closure, model, **kwargs)
-        if self.fp8_report is not None and self.fp8_report.float8_all_gather:
+        prepared = self._built
+        if prepared.fp8 is not None and prepared.fp8.float8_all_gather:
             precompute_float8_scales(self.model)  # the next all-gather's float8 scales, in one all-reduce
-        if self._sharded is not None:
-            self._sharded.after_optimizer_step()
-        assert self._ep_model is not None
-        self._ep_model.update_expert_bias(self.parallel_groups.dp_cp_tp)
+        prepared.sharded.after_optimizer_step()
+        prepared.ep_model.update_expert_bias(prepared.groups.dp_cp_tp)
         return output
 
     @override
@@ -703,10 +659,7 @@ class MoEOverlapStrategy(ParallelStrategy):
     @override
     def model_to_device(self) -> None:
         assert self.model is not None
-        if self._pipeline is not None:  # the other pp ranks' chunks stay on meta
-            self._pipeline.place(self.root_device, seed=torch.initial_seed())
-        else:
-            self.model.to(self.root_device)
+        place_model(self.model, None if self._prepared is None else self._prepared.pipeline, self.root_device)
 
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
@@ -737,7 +690,7 @@ class MoEOverlapStrategy(ParallelStrategy):
 
     def _cp_step(self, user_step: Callable[..., Any]) -> Callable[..., Any]:
         """An evaluation step (the module shards its batch as in training) run with the ring at cp > 1."""
-        if self._cp is None:
+        if self._built.cp is None:
             return user_step
 
         def step(*args: Any, **kwargs: Any) -> Any:
@@ -753,20 +706,19 @@ class MoEOverlapStrategy(ParallelStrategy):
     def sync_gradients(self) -> None:
         """Average gradients over the data-parallel groups (called once per step, after the last micro-batch): FSDP's
         all-reduce (``"none"``, plus the experts' over edp, ``parallel/grads.py``) or reduce-scatter
-        (``parallel/sharding.py``).
+        (``parallelize/sharding.py``).
         """
-        assert self._ep_model is not None and self._sharded is not None
-        if self._tp_grads is not None:  # before FSDP reduces over dp x cp: the replicas' sum over their tp shards
-            self._tp_grads.reduce(self.model)
-        self._sharded.end_step()
-        if not self._sharded.sharded:
-            self._ep_model.sync_expert_gradients(self.parallel_groups)
+        prepared = self._built
+        if prepared.tp_grads is not None:  # before FSDP reduces over dp x cp: the replicas' sum over their tp shards
+            prepared.tp_grads.reduce(self.model)
+        prepared.sharded.end_step()
+        if not prepared.sharded.sharded:
+            prepared.ep_model.sync_expert_gradients(prepared.groups)
 
     def global_grad_norm(self) -> Tensor:
         """The L2 norm of all gradients of the model across every rank (float64 on the root device, the same on
         every rank)."""
-        assert self._sharded is not None
-        params = [p for p in self._sharded.parameters if p.requires_grad]
+        params = [p for p in self._built.sharded.parameters if p.requires_grad]
         return global_grad_norm(params, block=self._replica_size, device=self.root_device)
 
     def _clip_grad_by_norm(self, optimizer: torch.optim.Optimizer, max_norm: float) -> None:
@@ -782,12 +734,12 @@ class MoEOverlapStrategy(ParallelStrategy):
 
     def held_tensors(self) -> dict[str, Tensor]:
         """``{unsplit name: tensor}`` of every parameter and persistent buffer this rank holds, from ``setup`` on
-        (plain or ``DTensor``; at ``pp > 1`` its own chunks'): what a checkpoint loader fills (``parallel/held.py``)."""
-        return held_tensors(self.lightning_module, self._pipeline)
+        (plain or ``DTensor``; at ``pp > 1`` its own chunks'): what a checkpoint loader fills (``parallelize/held_tensors.py``)."""
+        return held_tensors(self.lightning_module, self._built.pipeline)
 
     def global_shapes(self) -> dict[str, tuple[int, ...]]:
         """``{unsplit name: global shape}`` of every parameter and persistent buffer of the whole model, held here
-        or not (``parallel/held.py``)."""
+        or not (``parallelize/held_tensors.py``)."""
         return global_shapes(self.lightning_module)
 
     # -- checkpoints (docs/checkpoints.md): layout-free state, sharded or consolidated, committed atomically ------
@@ -819,11 +771,10 @@ class MoEOverlapStrategy(ParallelStrategy):
                 "strategy writes its checkpoints itself (no `CheckpointIO`). Pass no storage options and choose the "
                 "format with `checkpoint_format`."
             )
-        checkpointer.save(
-            checkpoint, filepath, self.checkpoint_format, self.lightning_module, self.optimizers, self._groups
-        )
-        if self._sharded is not None:  # `state_dict()` leaves `fully_shard`'s modules sharded
-            self._sharded.release()
+        checkpointer.save(checkpoint, filepath, self.config.checkpoint_format, self.lightning_module, self.optimizers,
+                          self.parallel_groups)  # fmt: skip
+        if self._prepared is not None:  # `state_dict()` leaves `fully_shard`'s modules sharded
+            self._prepared.sharded.release()
 
     @override
     def load_checkpoint(self, checkpoint_path: str | os.PathLike, weights_only: bool | None = None) -> dict[str, Any]:
@@ -896,17 +847,18 @@ class MoEOverlapStrategy(ParallelStrategy):
             self._loop_trainer = None
         self._accumulation = None
         self._path = None
-        if self._sharded is not None and not self._failed:
-            self._sharded.release()
-        if self._pipeline is None and not self._failed:
+        pipeline = None if self._prepared is None else self._prepared.pipeline
+        if self._prepared is not None and not self._failed:
+            self._prepared.sharded.release()
+        if pipeline is None and not self._failed:
             super().teardown()
             return
         # Strategy.teardown without moving the whole module: at pp > 1 the other pp ranks' chunks stay on meta; after
         # a failure the modules stay as the step left them (FSDP's parameters gathered mid-step: moving them fails)
         if not self._failed:
             pl_compat.optimizers_to_device(self.optimizers, torch.device("cpu"))
-            assert self._pipeline is not None
-            self._pipeline.place(torch.device("cpu"), seed=torch.initial_seed())
+            assert pipeline is not None
+            pipeline.place(torch.device("cpu"), seed=torch.initial_seed())
         self.precision_plugin.teardown()
         assert self.accelerator is not None and self.cluster_environment is not None
         self.accelerator.teardown()

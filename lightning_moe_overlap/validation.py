@@ -33,7 +33,7 @@ from lightning_moe_overlap.config import (
 )
 from lightning_moe_overlap.fp8.apply import MIN_CUDA_CAPABILITY
 from lightning_moe_overlap.fp8.dense import linear_align, plan_linears
-from lightning_moe_overlap.fp8.recipes import NEEDS_TE, RECIPES
+from lightning_moe_overlap.float8.recipes import NEEDS_TE, RECIPES
 
 MXFP8 = "mxfp8"  # the block recipe: high-precision dispatch, no tensor-parallel plan
 from lightning_moe_overlap.moe.adapters import find_experts
@@ -41,7 +41,7 @@ from lightning_moe_overlap.moe.capacity import capacity_problems
 from lightning_moe_overlap.moe.dispatch.base import splits_evenly
 from lightning_moe_overlap.parallel.dims import ParallelDims, ParallelDimsError
 from lightning_moe_overlap.parallel.mesh import mesh_layout
-from lightning_moe_overlap.processes.exits import SAME_ON_EVERY_RANK, same_on_every_rank  # noqa: F401 - re-exported
+from lightning_moe_overlap._checks import SAME_ON_EVERY_RANK, same_on_every_rank  # noqa: F401 - re-exported
 
 OWNER = "`MoEOverlapStrategy`"
 
@@ -202,7 +202,7 @@ def _layout_problems(cfg: OverlapConfig) -> tuple[list[Problem], bool]:
     (the schedule's rules need its chunk count)."""
     if cfg.pipeline_layout is None:
         return [], True
-    from lightning_moe_overlap.pipeline.layout import parse_layout
+    from lightning_moe_overlap.config.pipeline_layout import parse_layout
 
     try:
         chunks = len(parse_layout(cfg.pipeline_layout))
@@ -393,11 +393,13 @@ CONFIG_RULES: tuple[Callable[[OverlapConfig], list[Problem]], ...] = (
 
 
 def check_config(cfg: OverlapConfig) -> list[Problem]:
-    """Rules that need only the configuration."""
-    return [p for rule in CONFIG_RULES for p in rule(cfg)]
+    """Rules that need only the configuration (FP8 and the optimizer offload's settings included)."""
+    problems = [p for rule in CONFIG_RULES for p in rule(cfg)]
+    return problems + check_fp8(cfg.fp8, cfg) + check_offload_settings(cfg.optimizer_cpu_offload,
+                                                                       cfg.optimizer_offload_fraction)
 
 
-# -- optimizer CPU offload (optim/offload.py) --------------------------------------------------------------------
+# -- optimizer CPU offload (optim/host_offload.py) ---------------------------------------------------------------
 def check_offload_settings(enabled: bool, fraction: object) -> list[Problem]:
     """``optimizer_cpu_offload`` and ``optimizer_offload_fraction`` (checked by the strategy's constructor)."""
     number = isinstance(fraction, (int, float)) and not isinstance(fraction, bool)

@@ -23,7 +23,7 @@ def _restore_rank_zero(monkeypatch):
 @pytest.fixture(autouse=True)
 def _scoped_registries():
     """Adapters and layer names are process-wide registries: undo whatever a test registers."""
-    from lightning_moe_overlap.callbacks.names import LAYER_SPECS
+    from lightning_moe_overlap.callbacks.layer_specs import LAYER_SPECS
     from lightning_moe_overlap.moe.adapters import ADAPTERS
 
     with ADAPTERS.scoped(), LAYER_SPECS.scoped():

@@ -6,9 +6,8 @@ overlap schedule, and can be listed in ``trainer.callbacks`` or in a LightningCL
 (``lightning_moe_overlap.callbacks.SelectiveRecompute``). See docs/memory.md.
 """
 
-from lightning_moe_overlap.callbacks.meter import SavedActivationMeter
-from lightning_moe_overlap.callbacks.monitor import MoEMonitor
-from lightning_moe_overlap.callbacks.names import (
+from lightning_moe_overlap.callbacks.activation_offload import ActivationOffload
+from lightning_moe_overlap.callbacks.layer_specs import (
     OFFLOAD_MODULE_NAMES,
     OFFLOAD_TENSOR_NAMES,
     RECOMPUTE_NAMES,
@@ -19,10 +18,11 @@ from lightning_moe_overlap.callbacks.names import (
     register_layer_names,
     unregister_layer_names,
 )
-from lightning_moe_overlap.callbacks.offload import ActivationOffload
+from lightning_moe_overlap.callbacks.meter import SavedActivationMeter
+from lightning_moe_overlap.callbacks.monitor import MoEMonitor
 from lightning_moe_overlap.callbacks.offload_engine import OffloadEngine, OffloadStats
 from lightning_moe_overlap.callbacks.recompute import SelectiveRecompute
-from lightning_moe_overlap.callbacks.timeline import OverlapTimeline
+from lightning_moe_overlap.callbacks.timeline_callback import OverlapTimeline
 
 __all__ = [
     "OFFLOAD_MODULE_NAMES",

@@ -22,8 +22,8 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import nn
 from typing_extensions import override
 
-from lightning_moe_overlap.callbacks.names import Layer, find_layers
-from lightning_moe_overlap.callbacks.validation import no_layers_error
+from lightning_moe_overlap.callbacks._name_checks import no_layers_error
+from lightning_moe_overlap.callbacks.layer_specs import Layer, find_layers
 from lightning_moe_overlap.parallel.dtensors import local
 
 Target = nn.Module | Sequence[nn.Module]  # a model, or a pipeline rank's chunks

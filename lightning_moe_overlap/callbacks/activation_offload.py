@@ -21,9 +21,10 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch import Tensor, nn
 from typing_extensions import override
 
-from lightning_moe_overlap.callbacks import _patch, _regions
+from lightning_moe_overlap.callbacks import _forward_regions, _patch
 from lightning_moe_overlap.callbacks._attach import LayerCallback, Target, parameters_and_buffers
-from lightning_moe_overlap.callbacks.names import (
+from lightning_moe_overlap.callbacks._name_checks import check_names, missing_names_error
+from lightning_moe_overlap.callbacks.layer_specs import (
     OFFLOAD_MODULE_NAMES,
     OFFLOAD_TENSOR_NAMES,
     CallRegion,
@@ -37,7 +38,6 @@ from lightning_moe_overlap.callbacks.names import (
 )
 from lightning_moe_overlap.callbacks.numa import bind_to_device_numa_node
 from lightning_moe_overlap.callbacks.offload_engine import OffloadEngine
-from lightning_moe_overlap.callbacks.validation import check_names, missing_names_error
 
 _EXPERT_NAMES = ("dispatched_input", "expert_fc1", "moe_act")
 # Offload names whose tensors a recomputed module does not save at all (nothing left to offload).
@@ -167,7 +167,7 @@ class ActivationOffload(LayerCallback):
             if isinstance(region, ModuleRegion):
                 self._mark(region.module, name)
             elif isinstance(region, CallRegion):
-                wrap = _regions.around_sdpa(_regions.in_region(name))
+                wrap = _forward_regions.around_sdpa(_forward_regions.in_region(name))
                 self._handles.append(_patch.wrap_forward(region.module, wrap, order=_patch.INNER))
             elif isinstance(region, OutputTag):
                 self._handles.append(region.module.register_forward_hook(_tag_output(engine, name)))
@@ -179,8 +179,10 @@ class ActivationOffload(LayerCallback):
 
     def _mark(self, module: nn.Module, name: str) -> None:
         """Region ``name`` while ``module`` runs (its forward pre-hook enters it, its forward hook leaves it)."""
-        self._handles.append(module.register_forward_pre_hook(lambda m, args: _regions.enter(name)))
-        self._handles.append(module.register_forward_hook(lambda m, args, out: _regions.leave(name), always_call=True))
+        self._handles.append(module.register_forward_pre_hook(lambda m, args: _forward_regions.enter(name)))
+        self._handles.append(
+            module.register_forward_hook(lambda m, args, out: _forward_regions.leave(name), always_call=True)
+        )
 
     def _warn_if_recomputed(self, trainer: Trainer) -> None:
         from lightning_moe_overlap.callbacks.recompute import SelectiveRecompute

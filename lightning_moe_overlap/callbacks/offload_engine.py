@@ -34,7 +34,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from lightning_moe_overlap.callbacks import _regions
+from lightning_moe_overlap.callbacks import _forward_regions
 from lightning_moe_overlap.callbacks.meter import current_meter
 
 
@@ -233,7 +233,7 @@ class OffloadEngine:
     # -- groups (called from the layers' forward hooks, in the forward's thread) ----------------------------------
     def open_group(self) -> None:
         stack = self._stack()
-        if _regions.inside_checkpoint():
+        if _forward_regions.inside_checkpoint():
             stack.append(None)
             return
         group = _Group(self, getattr(self._local, "last", None))
@@ -265,7 +265,7 @@ class OffloadEngine:
             return False
         if ptr in group.tags:
             return True
-        regions = _regions.active()
+        regions = _forward_regions.active()
         return any(regions[name] > 0 for name in self.modules)
 
     def _stack(self) -> list[_Group | None]:

@@ -22,9 +22,10 @@ from typing_extensions import override
 from lightning_moe_overlap.callbacks import _patch
 from lightning_moe_overlap.callbacks._attach import Handle, LayerCallback, Target
 from lightning_moe_overlap.callbacks._checkpoint import RecomputeContext, checkpointed, recompute_context
-from lightning_moe_overlap.callbacks._regions import around_sdpa
-from lightning_moe_overlap.callbacks._units import LayerUnits
-from lightning_moe_overlap.callbacks.names import (
+from lightning_moe_overlap.callbacks._forward_regions import around_sdpa
+from lightning_moe_overlap.callbacks._name_checks import check_names, missing_names_error
+from lightning_moe_overlap.callbacks._recompute_units import LayerUnits
+from lightning_moe_overlap.callbacks.layer_specs import (
     RECOMPUTE_NAMES,
     CallRegion,
     Layer,
@@ -34,7 +35,6 @@ from lightning_moe_overlap.callbacks.names import (
     present_names,
     user_names,
 )
-from lightning_moe_overlap.callbacks.validation import check_names, missing_names_error
 
 _EXPERT_NAMES = ("moe_act", "a2a_overlap_mlp")
 _STAGES = ("local", "act")  # the stages of the experts that can be recomputed (their own checkpoint wrapper)

@@ -5,11 +5,11 @@
   ``get_optimizer_state_dict``, ``set_*``), the tensors this rank holds only.
 - :mod:`.sharded`: every rank writes its part into one DCP directory; DCP reshards on load.
 - :mod:`.consolidated`: one file with every tensor unsharded, as an unsharded run would write it.
-- :mod:`.checks`: does a checkpoint fit the model, decided before any tensor is read.
+- :mod:`.fit_checks`: does a checkpoint fit the model, decided before any tensor is read.
 - :mod:`.optimizer`: optimizer state between torch's index-keyed and the name-keyed forms.
 - :mod:`.legacy`: reading and converting directories of format version 1 (per-expert keys).
 - :mod:`.atomic`: staging names, the commit marker, the rename.
-- :mod:`.rng`: each rank's random generators.
+- :mod:`.rng_state`: each rank's random generators.
 - :mod:`.safe_load`: every file read without running code from it (``weights_only``, the default).
 - :mod:`.checkpointer`: what the strategy's checkpoint hooks do.
 """

@@ -21,10 +21,10 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from lightning_moe_overlap.checkpoint import atomic, checks, legacy, safe_load, state
+from lightning_moe_overlap.checkpoint import atomic, fit_checks, legacy, safe_load, state
 from lightning_moe_overlap.checkpoint.consolidated import gather_full, read_consolidated, write_file
 from lightning_moe_overlap.checkpoint.optimizer import merge_param_groups, named_groups
-from lightning_moe_overlap.checkpoint.rng import capture_rng, read_rng, restore_rng
+from lightning_moe_overlap.checkpoint.rng_state import capture_rng, read_rng, restore_rng
 from lightning_moe_overlap.checkpoint.sharded import VERSION, read_sharded, write_sharded
 from lightning_moe_overlap.config import CHECKPOINT_FORMATS, CheckpointFormat
 from lightning_moe_overlap.parallel import ParallelGroups
@@ -137,7 +137,7 @@ def _restore_rng(blob: bytes | None, where: str, *, weights_only: bool) -> None:
         states = None if blob is None else read_rng(blob, where, weights_only=weights_only)
     except ValueError as err:
         error = err
-    checks.agree(error)
+    fit_checks.agree(error)
     if states is not None:
         restore_rng(states)
 

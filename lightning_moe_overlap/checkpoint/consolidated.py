@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from lightning_moe_overlap.checkpoint import checks, safe_load
+from lightning_moe_overlap.checkpoint import fit_checks, safe_load
 from lightning_moe_overlap.checkpoint.atomic import check_not_staging, local_path, publish, read_marker, staging_path
 from lightning_moe_overlap.checkpoint.optimizer import (
     flat_to_named,
@@ -183,10 +183,10 @@ def read_consolidated(
     try:
         full = read_file(path, weights_only=weights_only)
         saved = {k: global_shape(v) for k, v in full["state_dict"].items()}
-        checks.check_expert_counts(saved, expert_counts(module), str(path))
+        fit_checks.check_expert_counts(saved, expert_counts(module), str(path))
         template = model_state(module)
         wanted = {k: global_shape(v) for k, v in template.items()}
-        checks.check_keys(saved, {**wanted, **absent_keys(module)}, str(path), strict=strict)
+        fit_checks.check_keys(saved, {**wanted, **absent_keys(module)}, str(path), strict=strict)
         out = {k: v for k, v in full.items() if k not in ("state_dict", "optimizer_states")}
         out["state_dict"] = {k: like(v, full["state_dict"][k]) for k, v in template.items() if k in saved}
         info = full.get(INFO_KEY) or {}
@@ -198,7 +198,7 @@ def read_consolidated(
             ]
     except (ValueError, NotImplementedError) as err:
         error = err
-    checks.agree(error)
+    fit_checks.agree(error)
     rng_states = info.get("rng_states") or []
     same_world = info.get("world_size") == world_size and rank < len(rng_states)
     return out, (rng_states[rank] if same_world else None)
@@ -212,10 +212,10 @@ def _optimizer_part(
     template = optimizer_state(module, optimizer, template=True)
     held = {n for n, p in module.named_parameters() if not p.is_meta}
     listed = {param_of(k) for k in template if k.startswith(GROUPS)}
-    checks.check_optimizer({param_of(k) for k in saved if k.startswith(GROUPS)}, listed, held, where)
+    fit_checks.check_optimizer({param_of(k) for k in saved if k.startswith(GROUPS)}, listed, held, where)
     with_state = {param_of(k) for k in saved if k.startswith(STATE)}
     wanted = {k: v for k, v in template.items() if k.startswith(GROUPS) or param_of(k) in with_state}
-    checks.check_state_names(saved, wanted, where)
+    fit_checks.check_state_names(saved, wanted, where)
     return {k: like(v, saved[k]) for k, v in wanted.items()}
 
 

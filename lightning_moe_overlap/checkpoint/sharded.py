@@ -37,7 +37,7 @@ import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-from lightning_moe_overlap.checkpoint import checks, safe_load
+from lightning_moe_overlap.checkpoint import fit_checks, safe_load
 from lightning_moe_overlap.checkpoint.atomic import read_marker
 from lightning_moe_overlap.checkpoint.state import (
     GROUPS,
@@ -125,12 +125,12 @@ def read_sharded(
         request = _request(path, module, optimizers, meta, strict=strict, weights_only=weights_only)
     except (ValueError, NotImplementedError) as err:
         error = err
-    checks.agree(error)
+    fit_checks.agree(error)
     if same_world:
         request[RNG] = {_rank_key(rank): None}
     with single_process_quiet():
         refused = safe_load.dcp_load(request, path, weights_only=weights_only, no_dist=_no_dist())
-    checks.agree(refused)
+    fit_checks.agree(refused)
     checkpoint = {k: v for k, v in meta.items() if k != "optimizer_states"}
     checkpoint["state_dict"] = request[MODEL]
     count = min(len(optimizers), len(meta.get("optimizer_states", [])))
@@ -146,11 +146,11 @@ def _request(
     """The entries this rank reads, each the live tensor to read into (after checking they fit the model)."""
     entries = saved_entries(path, weights_only=weights_only)
     saved = _under(entries, MODEL)
-    checks.check_expert_counts(saved, expert_counts(module), str(path))
+    fit_checks.check_expert_counts(saved, expert_counts(module), str(path))
     template = model_state(module)
     absent = absent_keys(module)
     relevant = {k: s for k, s in saved.items() if k not in absent}
-    checks.check_keys(relevant, {k: global_shape(v) for k, v in template.items()}, str(path), strict=strict)
+    fit_checks.check_keys(relevant, {k: global_shape(v) for k, v in template.items()}, str(path), strict=strict)
     request: dict[str, Any] = {MODEL: {k: v for k, v in template.items() if k in saved}}
     held = {n for n, p in module.named_parameters() if not p.is_meta}
     for i, optimizer in enumerate(optimizers[: len(meta.get("optimizer_states", []))]):
@@ -158,10 +158,10 @@ def _request(
         flat_saved = _under(entries, key)
         flat = optimizer_state(module, optimizer, template=True)
         listed = {param_of(k) for k in flat if k.startswith(GROUPS)}
-        checks.check_optimizer({param_of(k) for k in flat_saved if k.startswith(GROUPS)}, listed, held, str(path))
+        fit_checks.check_optimizer({param_of(k) for k in flat_saved if k.startswith(GROUPS)}, listed, held, str(path))
         with_state = {param_of(k) for k in flat_saved if k.startswith(STATE)}
         wanted = {k: v for k, v in flat.items() if k.startswith(GROUPS) or param_of(k) in with_state}
-        checks.check_state_names(flat_saved, wanted, str(path))
+        fit_checks.check_state_names(flat_saved, wanted, str(path))
         request[key] = wanted
     return request
 

@@ -26,12 +26,11 @@ from lightning_moe_overlap.cli.components import component_problems
 from lightning_moe_overlap.config import OverlapConfig
 from lightning_moe_overlap.ep_choices import passing_ep_values
 from lightning_moe_overlap.hf.pretrained import meta_from_pretrained
-from lightning_moe_overlap.parallel.materialize import build_on_meta, declare_weights
+from lightning_moe_overlap.parallelize.materialize import build_on_meta, declare_weights
 from lightning_moe_overlap.validation import (
     OWNER,
     Problem,
     check_config,
-    check_fp8,
     check_fp8_machine,
     check_fp8_model,
     check_flex,
@@ -109,13 +108,6 @@ def _strategy_config(strategy: Any) -> OverlapConfig | None:
     return None
 
 
-def _strategy_fp8(strategy: Any) -> Any:
-    """The ``fp8`` init arg of a ``MoEOverlapStrategy`` class-path section (None otherwise)."""
-    if isinstance(strategy, dict):
-        return (strategy.get("init_args") or {}).get("fp8")
-    return None
-
-
 def _instantiate(spec: dict[str, Any]) -> Any:
     module_name, _, cls_name = spec["class_path"].rpartition(".")
     cls = getattr(importlib.import_module(module_name), cls_name)
@@ -190,8 +182,7 @@ def run_checks(config: dict[str, Any], world_size: int | None = None, *, machine
     if machine_checks:
         accelerator = trainer.get("accelerator", "auto")
         problems += check_machine(cfg, "cuda" if accelerator in ("gpu", "cuda") else "cpu")
-    fp8 = _strategy_fp8(trainer.get("strategy"))
-    problems += check_fp8(fp8, cfg)
+    fp8 = cfg.fp8
     if machine_checks:
         problems += check_fp8_machine(fp8, "cuda" if trainer.get("accelerator") in ("gpu", "cuda") else "cpu")
     problems += check_launch(cfg, _batch_size(config.get("data")), config.get("ckpt_path"))
@@ -237,7 +228,7 @@ def weights_problems(model: Any) -> list[Problem]:
     """The published checkpoint the model declares (``hf_weights``) against the model built on meta: the files'
     headers only, the errors the load would raise at setup (``hf-weights``)."""
     from lightning_moe_overlap.hf.load import as_hf_weights_list
-    from lightning_moe_overlap.parallel.held import global_shapes
+    from lightning_moe_overlap.parallelize.held_tensors import global_shapes
 
     try:
         for weights in as_hf_weights_list(getattr(model, "hf_weights", None), f"`{type(model).__name__}`"):
@@ -248,7 +239,7 @@ def weights_problems(model: Any) -> list[Problem]:
 
 
 def _model_structure(model: Any) -> tuple[bool, dict[str, int]]:
-    from lightning_moe_overlap.moe.handle import MoEModelHandle
+    from lightning_moe_overlap.moe.model_handle import MoEModelHandle
 
     return model.automatic_optimization, dict(MoEModelHandle(model).experts_per_block())
 
@@ -264,7 +255,7 @@ def pipeline_findings(cfg: OverlapConfig, model: Any) -> tuple[str | None, list[
     Findings: ``pipeline-splitter`` (no splitter knows the model, or it does not say its number of layers),
     ``pipeline-layers`` (the layers do not fit the chunks: the message suggests a layout), ``pipeline-split`` (the
     splitter's result breaks a rule of ``split_model``)."""
-    from lightning_moe_overlap.pipeline.layout import build_layout
+    from lightning_moe_overlap.config.pipeline_layout import build_layout
     from lightning_moe_overlap.pipeline.report import layout_report, placement_for
     from lightning_moe_overlap.pipeline.split import split_model
     from lightning_moe_overlap.pipeline.splitters import count_layers

@@ -6,8 +6,10 @@ offers exactly these) and as tuples derived from them (what validation and the f
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
-from typing import Literal, get_args
+from datetime import timedelta
+from typing import Any, Literal, get_args
 
 Dispatcher = Literal["alltoall", "allgather", "flex"]
 FlexBackend = Literal["deepep"]
@@ -50,7 +52,10 @@ def resolve_overlap(
 
 @dataclass(frozen=True)
 class OverlapConfig:
-    """Everything :class:`MoEOverlapStrategy` was asked for; see the strategy's docstring for each field."""
+    """Everything :class:`MoEOverlapStrategy` was asked for, every setting of its constructor but Lightning's own
+    plugins (accelerator, devices, cluster environment, checkpoint IO, precision); see the strategy's docstring for
+    each field. The one value that validation, the ``check`` command and a later run's layout check
+    (``parallelize/prepared_model.py``) read."""
 
     ep: int = 1
     tp: int = 1
@@ -77,6 +82,12 @@ class OverlapConfig:
     overlap_grad_reduce: bool = False
     overlap_param_gather: bool = False
     token_mean_over_dp: bool = False
+    fp8: str | None = None
+    fsdp_mp_policy: Any = None  # torch's `MixedPrecisionPolicy` (a frozen dataclass, compared by value) or None
+    checkpoint_format: str = "sharded"
+    optimizer_cpu_offload: bool = False
+    optimizer_offload_fraction: float = 1.0
+    timeout: float | timedelta | None = None
     # what was asked for `overlap` before resolution: None when left unset (warnings about it speak only to a
     # user who set it)
     overlap_requested: bool | None = field(init=False, default=None)
@@ -91,13 +102,25 @@ class OverlapConfig:
             object.__setattr__(self, "overlap", resolve_overlap(None, self.num_microbatches, pp=self.pp,
                                                                 schedule=schedule))  # fmt: skip
 
+    def with_run_setting(self, **changes: Any) -> OverlapConfig:
+        """This configuration with ``changes`` (settings a run may change, e.g. ``checkpoint_format``), keeping what
+        was asked for ``overlap`` (``dataclasses.replace`` would take the resolved value for it)."""
+        changed = dataclasses.replace(self, **changes)
+        object.__setattr__(changed, "overlap_requested", self.overlap_requested)
+        return changed
+
+    @property
+    def offload_fraction(self) -> float | None:
+        """The share of the parameters' elements whose optimizer state lives on the host; None without offload."""
+        return self.optimizer_offload_fraction if self.optimizer_cpu_offload else None
+
     @property
     def resolved_vpp(self) -> int:
         """Chunks per pp rank: ``vpp``, else the layout's chunks / ``pp``, else 1."""
         if self.vpp is not None:
             return self.vpp
         if self.pipeline_layout is not None and isinstance(self.pp, int) and self.pp >= 1:
-            from lightning_moe_overlap.pipeline.layout import parse_layout
+            from lightning_moe_overlap.config.pipeline_layout import parse_layout
 
             chunks = len(parse_layout(self.pipeline_layout))
             return max(1, chunks // self.pp)

@@ -23,8 +23,8 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from lightning_moe_overlap._compat import torch as torch_compat
-from lightning_moe_overlap.fp8.recipes import Float8Recipe, Role
-from lightning_moe_overlap.fp8.scaling import dequantize, quantize
+from lightning_moe_overlap.float8.recipes import Float8Recipe, Role
+from lightning_moe_overlap.float8.scaling import dequantize, quantize
 
 ALIGN = 16  # the FP8 kernels' multiple for the contraction and output dims (CUDA); K is padded to it here
 OUT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)

@@ -3,9 +3,9 @@
 With FP8 dispatch (``docs/fp8.md``) the all-to-all dispatcher quantises each token row before the exchange (one
 scale per row, over the hidden dim: what a rowwise scale of the experts' first GEMM covers), sends the e4m3 bytes
 and the scales in one exchange, and hands the experts a :class:`Float8Rows`: a tensor of the rows' shape and
-high-precision dtype that holds only the FP8 values and the scales. The experts' FP8 kernel (``experts.py``) reads
-them as they are, without a round trip to high precision; the gradient that flows back into it is an ordinary
-high-precision tensor (the backward of the dispatch stays in high precision).
+high-precision dtype that holds only the FP8 values and the scales. The experts' FP8 kernel
+(``fp8/experts_kernel.py``) reads them as they are, without a round trip to high precision; the gradient that flows
+back into it is an ordinary high-precision tensor (the backward of the dispatch stays in high precision).
 
 Any other operation on a :class:`Float8Rows` sees what the rows stand for, ``q * scale`` in its dtype (a
 correct, slower fallback), so code that does not know the type still computes the right thing.
@@ -26,8 +26,8 @@ import torch
 from torch import Tensor
 
 from lightning_moe_overlap._compat import torch as torch_compat
-from lightning_moe_overlap.fp8.recipes import Float8Recipe
-from lightning_moe_overlap.fp8.scaling import dequantize, quantize
+from lightning_moe_overlap.float8.recipes import Float8Recipe
+from lightning_moe_overlap.float8.scaling import dequantize, quantize
 
 SCALE_BYTES = 4  # a float32 scale per row
 

@@ -23,7 +23,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from lightning_moe_overlap.fp8.recipes import EPS, Float8Recipe, Role
+from lightning_moe_overlap.float8.recipes import EPS, Float8Recipe, Role
 
 E8M0_MIN_EXPONENT = -127  # the smallest power of two an e8m0 scale holds
 

@@ -6,7 +6,7 @@ It converts, in place:
   and routers left out by default);
 - the routed experts, this package's :class:`~lightning_moe_overlap.moe.experts.Experts` and
   :class:`~lightning_moe_overlap.moe.ep.ExpertParallelExperts` (any experts module the strategy wrapped, HF ones
-  included), by setting their ``kernel`` to the FP8 kernel (:mod:`.experts`). An ``Experts`` converted before the
+  included), by setting their ``kernel`` to the FP8 kernel (:mod:`.experts_kernel`). An ``Experts`` converted before the
   strategy wraps it passes its kernel on to its wrapper; an HF experts module is converted once wrapped.
 
 Parameters, buffers and state-dict keys do not change: the weights stay the high-precision masters, quantised when
@@ -27,9 +27,9 @@ from lightning_moe_overlap.fp8.dense import (
     linear_align,
     plan_linears,
 )
-from lightning_moe_overlap.fp8.experts import Float8ExpertsKernel
-from lightning_moe_overlap.fp8.gemm import OUT_DTYPES
-from lightning_moe_overlap.fp8.recipes import Float8Recipe, resolve_recipe
+from lightning_moe_overlap.fp8.experts_kernel import Float8ExpertsKernel
+from lightning_moe_overlap.float8.gemm import OUT_DTYPES
+from lightning_moe_overlap.float8.recipes import Float8Recipe, resolve_recipe
 from lightning_moe_overlap.moe.ep import ExpertParallelExperts
 from lightning_moe_overlap.moe.experts import Experts
 from lightning_moe_overlap.parallel.dtensors import local
@@ -78,7 +78,7 @@ def apply_fp8(
 
     Args:
         model: converted in place.
-        recipe: a name from :data:`~lightning_moe_overlap.fp8.recipes.RECIPES` or a :class:`Float8Recipe`.
+        recipe: a name from :data:`~lightning_moe_overlap.float8.recipes.RECIPES` or a :class:`Float8Recipe`.
         dense: convert the dense ``nn.Linear`` modules (needs torchao, the ``fp8`` extra).
         experts: convert the routed experts.
         module_filter: ``(fqn, linear) -> bool``, which dense linears may convert (default: all but output heads and

@@ -14,9 +14,9 @@ default filter (:func:`default_linear_filter`) leaves out the output head and th
 more than their share of the FLOPs (torchtitan leaves its output layer out by default too). Every linear left out
 is reported with the reason.
 
-Under a tensor-parallel plan (``tp > 1``, ``parallel/tensor.py``), which the strategy applies before this conversion:
+Under a tensor-parallel plan (``tp > 1``, ``parallelize/tensor_plan.py``), which the strategy applies before this conversion:
 each planned linear holds its ``DTensor`` shard, and its ``Float8Linear`` holds the same one and gets the same
-style again (:class:`~lightning_moe_overlap.parallel.tensor.PlannedLinear`): the GEMMs run in FP8 on each rank's
+style again (:class:`~lightning_moe_overlap.parallel.tp_styles.PlannedLinear`): the GEMMs run in FP8 on each rank's
 shard, and the plan's collectives stay in the training dtype (torchao's FP8 parallel styles, which all-gather in
 FP8, are not used: docs/fp8.md). A linear whose weight its model uses outside the linear's forward says so with
 :data:`HIGH_PRECISION_ATTR` (the reason) and stays in high precision (``MoEGPT``'s fused ``qkv`` at ``tp > 1``).
@@ -35,7 +35,8 @@ from types import ModuleType
 from torch import nn
 
 from lightning_moe_overlap._install import install_hint
-from lightning_moe_overlap.fp8.recipes import RECIPES, Float8Recipe
+from lightning_moe_overlap.float8.recipes import RECIPES, Float8Recipe
+from lightning_moe_overlap.parallel.tp_styles import PLANNED_ATTR
 
 LinearFilter = Callable[[str, nn.Linear], bool]
 
@@ -154,8 +155,6 @@ def convert_linears(
 def _float8_linear(float8: ModuleType, linear: nn.Linear, config: object) -> nn.Linear:
     """torchao's ``Float8Linear`` holding ``linear``'s parameters (what ``convert_to_float8_training`` makes), given
     ``linear``'s tensor-parallel style again when a plan parallelized it."""
-    from lightning_moe_overlap.parallel.tensor import PLANNED_ATTR  # noqa: PLC0415 - parallel imports the moe package
-
     converted = float8.float8_linear.Float8Linear.from_float(linear, config=config)
     planned = getattr(linear, PLANNED_ATTR, None)
     if planned is not None:
@@ -165,8 +164,6 @@ def _float8_linear(float8: ModuleType, linear: nn.Linear, config: object) -> nn.
 
 def _convert_mx(model: nn.Module, recipe: Float8Recipe, convert: list[str]) -> tuple[str, ...]:
     """Swap the linears ``convert`` (FQNs) of ``model`` for :class:`MXLinear` in place."""
-    from lightning_moe_overlap.parallel.tensor import PLANNED_ATTR  # noqa: PLC0415 - parallel imports the moe package
-
     import_float8()  # the install hint when torchao is missing
     from lightning_moe_overlap.fp8.mx_linear import MXLinear  # noqa: PLC0415 - torchao is imported lazily
 

@@ -12,7 +12,7 @@ The weights stay the high-precision masters (float32 or bfloat16): each GEMM qua
 rows and weight are saved for backward (as the bf16 kernel saves them), and quantised there along the backward
 GEMMs' own contraction dims, which a rowwise recipe needs.
 
-Rows already in FP8 (:class:`~lightning_moe_overlap.fp8.rows.Float8Rows`, from the FP8 dispatch): the forward GEMM
+Rows already in FP8 (:class:`~lightning_moe_overlap.float8.rows.Float8Rows`, from the FP8 dispatch): the forward GEMM
 takes their e4m3 values and per-row scales as they are (each weight's scale given per output column), and saves
 them, not high-precision rows, for backward; the weight gradient, which contracts over the rows, dequantises them
 and quantises them along that dim. With ``rowwise`` the forward is then bitwise the one on high-precision rows
@@ -39,10 +39,10 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from lightning_moe_overlap.fp8.gemm import fp8_matmul, fp8_matmul_rows
-from lightning_moe_overlap.fp8.recipes import Float8Recipe
-from lightning_moe_overlap.fp8.rows import Float8Rows
-from lightning_moe_overlap.fp8.scaling import dequantize
+from lightning_moe_overlap.float8.gemm import fp8_matmul, fp8_matmul_rows
+from lightning_moe_overlap.float8.recipes import Float8Recipe
+from lightning_moe_overlap.float8.rows import Float8Rows
+from lightning_moe_overlap.float8.scaling import dequantize
 from lightning_moe_overlap.moe.grouped import RowSplits, autocast_dtype, leaf_target, weight_gradient
 from lightning_moe_overlap.overlap.runtime import CommRuntime
 
@@ -199,7 +199,7 @@ class Float8ExpertsKernel:
     @property
     def dispatch_recipe(self) -> Float8Recipe | None:
         """The recipe rows are quantised for when a dispatcher sends them in FP8 (``fp8_dispatch``): this kernel
-        reads such rows (:class:`~lightning_moe_overlap.fp8.rows.Float8Rows`) without dequantising them. None (a
+        reads such rows (:class:`~lightning_moe_overlap.float8.rows.Float8Rows`) without dequantising them. None (a
         high-precision dispatch) for a block recipe (``mxfp8``), whose GEMMs scale blocks, not rows."""
         return None if self.recipe.granularity == "block" else self.recipe
 

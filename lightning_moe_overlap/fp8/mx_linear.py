@@ -32,7 +32,7 @@ from torchao.prototype.mx_formats.config import (
 )
 from torchao.quantization.quantize_.common.kernel_preference import KernelPreference
 
-from lightning_moe_overlap.fp8.recipes import MX_BLOCK, Float8Recipe
+from lightning_moe_overlap.float8.recipes import MX_BLOCK, Float8Recipe
 from lightning_moe_overlap.moe.grouped import autocast_dtype
 
 

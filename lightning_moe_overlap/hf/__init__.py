@@ -3,7 +3,7 @@
 built on meta and declared for that load) and export to the Hub layout (:mod:`.export`).
 docs/hf_checkpoints.md describes them."""
 
-from lightning_moe_overlap.hf.checks import HFKeysError
+from lightning_moe_overlap.hf.key_match import HFKeysError
 from lightning_moe_overlap.hf.export import export_hf
 from lightning_moe_overlap.hf.families import HF_FAMILIES, register_hf_family, unregister_hf_family
 from lightning_moe_overlap.hf.keys import HFFamily, Piece, Split, hub_experts

@@ -24,7 +24,7 @@ from torch import Tensor
 from torch.distributed.tensor import DTensor
 
 from lightning_moe_overlap._install import install_hint
-from lightning_moe_overlap.hf.checks import covers
+from lightning_moe_overlap.hf.key_match import covers
 from lightning_moe_overlap.hf.families import select_family
 from lightning_moe_overlap.hf.files import CONFIG, INDEX
 from lightning_moe_overlap.hf.keys import HFFamily, Piece

@@ -4,7 +4,7 @@
 
 1. **Match** (no tensor data read): the files' keys and shapes (headers) against the model's global shapes, through
    the key family (:mod:`.families`); any missing, unexpected or misshapen key fails here, with one error naming
-   them all (:mod:`.checks`). The answer depends only on the files and ``shapes``, so it is the same on every rank.
+   them all (:mod:`.key_match`). The answer depends only on the files and ``shapes``, so it is the same on every rank.
 2. **Plan**: for each tensor this rank holds (a plain tensor, or a ``DTensor``'s local chunk at its global offset),
    one read per piece that meets it (:mod:`.planner`).
 3. **Read** through ``torch.distributed.checkpoint.load`` with DCP's ``HuggingFaceStorageReader``: each read takes
@@ -38,10 +38,10 @@ from torch.distributed.checkpoint.metadata import (
     TensorStorageMetadata,
 )
 
-from lightning_moe_overlap.hf.checks import plan_pieces
 from lightning_moe_overlap.hf.families import select_family
 from lightning_moe_overlap.hf.files import FileTensor, folder, read_config, read_keys
 from lightning_moe_overlap.hf.fp8_weights import BlockScaledPlanner, BlockScales, split_scales
+from lightning_moe_overlap.hf.key_match import plan_pieces
 from lightning_moe_overlap.hf.keys import HFFamily, Piece
 from lightning_moe_overlap.hf.planner import PieceLoadPlanner, chunk_of
 
@@ -131,7 +131,7 @@ def load_hf_weights(
     Raises:
         ValueError: a name of ``shapes`` does not start with ``prefix``, ``held`` names a tensor ``shapes`` does
             not, the folder is no checkpoint, or the checkpoint does not fill the model exactly
-            (:class:`~lightning_moe_overlap.hf.checks.HFKeysError`: missing, unexpected and misshapen keys), or its
+            (:class:`~lightning_moe_overlap.hf.key_match.HFKeysError`: missing, unexpected and misshapen keys), or its
             FP8 weights and their ``_scale_inv`` scales do not fit (:func:`~.fp8_weights.split_scales`).
         NotImplementedError: a block-scaled FP8 weight is not 2-D.
     """

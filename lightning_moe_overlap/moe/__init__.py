@@ -10,7 +10,6 @@ from lightning_moe_overlap.moe.adapters import (
     ExpertsAdapter,
     FoundExperts,
     adapter_for,
-    apply_expert_parallel,
     find_experts,
     find_moe_blocks,
     layout_of,
@@ -28,11 +27,11 @@ from lightning_moe_overlap.moe.dispatch import (
     build_dispatcher,
     require_flex_backend,
 )
-from lightning_moe_overlap.moe.ep import ExpertParallelExperts, ExpertShard
+from lightning_moe_overlap.moe.ep import ExpertParallelExperts, ExpertShard, apply_expert_parallel
 from lightning_moe_overlap.moe.experts import Experts
 from lightning_moe_overlap.moe.grouped import GroupedLinear, RowSplits, grouped_linear, grouped_mlp
 from lightning_moe_overlap.moe.layer import GatedMLP, MoELayer
-from lightning_moe_overlap.moe.layout import ExpertsLayout
+from lightning_moe_overlap.moe.experts_layout import ExpertsLayout
 from lightning_moe_overlap.moe.router import TopKRouter
 
 __all__ = [

@@ -1,4 +1,5 @@
-"""Find the experts modules of any model, and make them expert-parallel in place.
+"""Find the experts modules of any model: the adapters that recognise them and the search (making them
+expert-parallel is ``moe/ep.py``'s :func:`~lightning_moe_overlap.moe.ep.apply_expert_parallel`).
 
 An *adapter* recognises one kind of experts module and describes its storage (:class:`ExpertsLayout`). Built in:
 
@@ -12,9 +13,8 @@ An *adapter* recognises one kind of experts module and describes its storage (:c
 
 Other blocks: :func:`register_experts_adapter` (user adapters are tried before the built-in ones).
 
-:func:`apply_expert_parallel` swaps each experts module found for an
-:class:`~lightning_moe_overlap.moe.ep.ExpertParallelExperts` (``setattr`` on its parent); routers, shared
-experts and everything else are left as they are.
+An experts module already made expert-parallel says so with a class attribute (:data:`EXPERT_PARALLEL_ATTR`), so
+that this module needs nothing of the expert-parallel machinery to skip it.
 """
 
 from __future__ import annotations
@@ -25,24 +25,13 @@ from dataclasses import dataclass
 from typing import Any
 
 from torch import nn
-from torch.distributed import ProcessGroup
-from torch.distributed.device_mesh import DeviceMesh
 
-from lightning_moe_overlap.moe.capacity import DropPolicy, validate_capacity
-from lightning_moe_overlap.moe.dispatch.base import check_expert_split
-from lightning_moe_overlap.moe.dispatch.comm import group_size
-from lightning_moe_overlap.moe.dispatch.deepep_buffers import DeepEPBuffers
-from lightning_moe_overlap.moe.dispatch.factory import build_dispatcher
-from lightning_moe_overlap.moe.ep import ExpertParallelExperts
 from lightning_moe_overlap.moe.experts import Experts
-from lightning_moe_overlap.moe.grouped import GemmImpl
-from lightning_moe_overlap.moe.te_backend import ExpertBackend
-from lightning_moe_overlap.moe.layer import MoELayer
-from lightning_moe_overlap.moe.layout import ExpertsLayout, method_without_weights
-from lightning_moe_overlap.moe.layout_check import check_layout_math, check_layout_tensors
-from lightning_moe_overlap.moe.shared import overlap_shared_experts
-from lightning_moe_overlap.overlap.runtime import CommRuntime
+from lightning_moe_overlap.moe.experts_layout import ExpertsLayout, method_without_weights
+from lightning_moe_overlap.moe.layout_check import check_layout_tensors
 from lightning_moe_overlap.registry import Registry
+
+EXPERT_PARALLEL_ATTR = "moe_overlap_expert_parallel"  # True on the class of an expert-parallel experts module
 
 
 @dataclass(frozen=True)
@@ -102,7 +91,7 @@ def _hf_up_name(module: nn.Module) -> str | None:
 
 
 def _hf_matches(module: nn.Module) -> bool:
-    if isinstance(module, (ExpertParallelExperts, Experts)):
+    if isinstance(module, Experts) or is_expert_parallel(module):
         return False
     up_name = _hf_up_name(module)
     down = getattr(module, "down_proj", None)
@@ -219,7 +208,7 @@ def find_experts(model: nn.Module) -> dict[str, FoundExperts]:
 def _walk(parent: nn.Module, prefix: str, found: dict[str, FoundExperts]) -> None:
     for attr, child in parent.named_children():
         name = f"{prefix}{attr}"
-        if isinstance(child, ExpertParallelExperts):
+        if is_expert_parallel(child):
             continue
         adapter = adapter_for(child)
         if adapter is None:
@@ -239,136 +228,12 @@ def find_moe_blocks(model: nn.Module) -> dict[str, int]:
 def expert_parallel_modules(model: nn.Module) -> list[str]:
     """The names of the experts modules of ``model`` that are already expert-parallel (``apply_expert_parallel`` ran
     on it): :func:`find_experts` does not list them, so a second wrap would find no MoE block."""
-    return [name for name, module in model.named_modules() if isinstance(module, ExpertParallelExperts)]
+    return [name for name, module in model.named_modules() if is_expert_parallel(module)]
 
 
-# -- wrapping --------------------------------------------------------------------------------------------------
-def _ep_group_of(groups_or_ep_group: Any) -> ProcessGroup | None:
-    if groups_or_ep_group is None or isinstance(groups_or_ep_group, ProcessGroup):
-        return groups_or_ep_group
-    group = getattr(groups_or_ep_group, "ep", None)
-    if isinstance(group, ProcessGroup):
-        return group
-    raise TypeError(
-        f"`apply_expert_parallel`: got {type(groups_or_ep_group).__name__} for the groups; expected a "
-        "`ParallelGroups` (its `.ep` is used), a `ProcessGroup` (the ep group) or None (single process)."
-    )
-
-
-def apply_expert_parallel(
-    model: nn.Module,
-    groups_or_ep_group: Any,
-    *,
-    dispatcher: str = "alltoall",
-    runtime: CommRuntime | None = None,
-    capacity_factor: float | None = None,
-    token_drop_policy: DropPolicy = "probs",
-    impl: GemmImpl = "auto",
-    expert_backend: ExpertBackend = "torch",
-    shared_expert_overlap: bool = False,
-    ep_mesh: DeviceMesh | None = None,
-    **knobs: Any,
-) -> list[ExpertParallelExperts]:
-    """Replace every recognised experts module of ``model`` by its expert-parallel version, in place.
-
-    Collective-free (each rank slices its own experts), but every rank of the ep group must call it on the same
-    model so their layers line up. Every :class:`~lightning_moe_overlap.moe.layer.MoELayer` parent also gets
-    ``runtime`` (for ``shared_expert_overlap``); with ``shared_expert_overlap=True`` every block with shared
-    experts runs them inside the dispatch window (``MoELayer``, and HF blocks through ``moe/shared.py``).
-
-    Args:
-        model: the user's model.
-        groups_or_ep_group: a ``ParallelGroups`` (its ``ep`` is used), the ep ``ProcessGroup``, or ``None``.
-        dispatcher: ``"alltoall"``, ``"allgather"`` or ``"flex"``.
-        runtime: the strategy's :class:`CommRuntime` (shared by every layer).
-        capacity_factor: per-expert capacity factor on local tokens; ``None`` is dropless. The experts drop with it,
-            except under a ``MoELayer`` that drops with its own (each layer drops once).
-        token_drop_policy: ``"probs"`` or ``"position"``.
-        impl: grouped GEMM implementation.
-        expert_backend: ``"torch"`` (pure PyTorch GEMMs) or ``"te"`` (Transformer Engine ``GroupedLinear``).
-        shared_expert_overlap: run each block's shared experts between issuing the dispatch and waiting on it
-            (needs ``runtime``); blocks without shared experts are left as they are.
-        ep_mesh: the 1-D ``DeviceMesh`` of the ep group; the expert parameters become ``DTensor``s ``Shard(0)``
-            over it (``None``: plain tensors holding the local experts).
-        **knobs: dispatcher knobs (see :func:`~lightning_moe_overlap.moe.dispatch.build_dispatcher`). With
-            ``dispatcher="flex"`` and no ``deepep_buffers`` / ``deepep_buffer``, one
-            :class:`~lightning_moe_overlap.moe.dispatch.DeepEPBuffers` is made here and shared by every layer.
-
-    Returns:
-        The new modules, in model order.
-
-    Raises:
-        ValueError: a block's ``num_experts`` is not divisible by ep, or its own forward and its layout's math
-            disagree on a few test tokens (both checked for every block before any change; see
-            :func:`~lightning_moe_overlap.moe.layout_check.check_layout_math`), or a bad capacity setting, or one
-            that differs from a ``MoELayer``'s own.
-        TypeError: ``groups_or_ep_group`` of the wrong kind, an unknown knob, or a layout naming something that is
-            not a 3-D per-expert tensor of its module (e.g. a list of per-expert modules).
-        NotImplementedError: an experts module variant that cannot be sharded (or mapped onto TE).
-        ImportError: ``dispatcher="flex"`` without DeepEP / CUDA.
-    """
-    ep_group = _ep_group_of(groups_or_ep_group)
-    validate_capacity(capacity_factor, token_drop_policy, owner="`apply_expert_parallel`")
-    ep = group_size(ep_group)
-    found = find_experts(model)
-    experts_capacity: dict[str, float | None] = {}
-    layouts: dict[str, ExpertsLayout] = {}
-    for name, item in found.items():
-        check_expert_split(item.num_experts, ep, owner=f"`apply_expert_parallel` ({name})")
-        experts_capacity[name] = _experts_capacity(item, capacity_factor, token_drop_policy)
-        layouts[name] = item.adapter.layout(item.module)
-        check_layout_math(name, item.module, item.adapter.name, layouts[name])  # its forward is not called after
-    if dispatcher == "flex" and knobs.get("deepep_buffers") is None and knobs.get("deepep_buffer") is None:
-        # One DeepEP buffer per process, shared by every layer (each buffer pins hundreds of MB of NVLink memory).
-        knobs = {**knobs, "deepep_buffers": DeepEPBuffers(knobs.get("deepep_num_sms", 20))}
-    wrapped: list[ExpertParallelExperts] = []
-    for name, item in found.items():
-        layout = layouts[name]
-        token_dispatcher = build_dispatcher(dispatcher, ep_group, item.num_experts, runtime, **knobs)
-        ep_module = ExpertParallelExperts(
-            item.module,
-            layout,
-            token_dispatcher,
-            capacity_factor=experts_capacity[name],
-            token_drop_policy=token_drop_policy,
-            impl=impl,
-            expert_backend=expert_backend,
-            ep_mesh=ep_mesh,
-        )
-        ep_module.train(item.module.training)  # the mode the replaced module had (from_pretrained: eval)
-        setattr(item.parent, item.attr, ep_module)
-        if isinstance(item.parent, MoELayer):
-            item.parent.runtime = runtime
-            if shared_expert_overlap and item.parent.shared_experts is not None:
-                item.parent.shared_expert_overlap = True
-        elif shared_expert_overlap and runtime is not None:
-            overlap_shared_experts(item.parent, runtime)
-        wrapped.append(ep_module)
-    return wrapped
-
-
-def _experts_capacity(item: FoundExperts, capacity_factor: float | None, token_drop_policy: str) -> float | None:
-    """The factor the expert-parallel module drops with, so that a layer drops over capacity exactly once.
-
-    A :class:`MoELayer` with a ``capacity_factor`` of its own drops before its experts: its experts get ``None``.
-    The same setting given here too is that one drop; a different one is an error (two drops would keep the
-    smaller capacity, which neither setting says).
-    """
-    layer = item.parent
-    if not isinstance(layer, MoELayer) or layer.capacity_factor is None:
-        return capacity_factor
-    if capacity_factor is not None and (capacity_factor, token_drop_policy) != (
-        layer.capacity_factor,
-        layer.token_drop_policy,
-    ):
-        raise ValueError(
-            f"`apply_expert_parallel` ({item.name}): capacity_factor={capacity_factor!r}, "
-            f"token_drop_policy={token_drop_policy!r} given here, but its `MoELayer` drops with "
-            f"capacity_factor={layer.capacity_factor!r}, token_drop_policy={layer.token_drop_policy!r}; a layer drops "
-            "over capacity once, with one setting. Set the capacity in one place (the `MoELayer`, or here, e.g. "
-            "`MoEOverlapStrategy(capacity_factor=...)`), or give both the same values."
-        )
-    return None
+def is_expert_parallel(module: nn.Module) -> bool:
+    """Whether ``module`` is an expert-parallel experts module (its class sets :data:`EXPERT_PARALLEL_ATTR`)."""
+    return getattr(type(module), EXPERT_PARALLEL_ATTR, False) is True
 
 
 def layout_of(module: nn.Module) -> ExpertsLayout:
@@ -390,8 +255,8 @@ __all__ = [
     "ExpertsAdapter",
     "FoundExperts",
     "adapter_for",
-    "apply_expert_parallel",
     "expert_parallel_modules",
+    "is_expert_parallel",
     "find_experts",
     "find_moe_blocks",
     "layout_of",

@@ -23,15 +23,21 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import Any
 
 import torch
 from torch import Tensor, nn
+from torch.distributed import ProcessGroup
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
 
+from lightning_moe_overlap.float8.recipes import Float8Recipe
+from lightning_moe_overlap.moe.adapters import FoundExperts, find_experts
 from lightning_moe_overlap.moe.capacity import DropPolicy, drop_over_capacity, validate_capacity
-from lightning_moe_overlap.moe.dispatch.base import DispatcherBase
+from lightning_moe_overlap.moe.dispatch.base import DispatcherBase, check_expert_split
+from lightning_moe_overlap.moe.dispatch.comm import group_size
+from lightning_moe_overlap.moe.dispatch.deepep_buffers import DeepEPBuffers
+from lightning_moe_overlap.moe.dispatch.factory import build_dispatcher
 from lightning_moe_overlap.moe.grouped import (
     GemmImpl,
     ProjectionKernel,
@@ -42,13 +48,14 @@ from lightning_moe_overlap.moe.grouped import (
     grouped_projection,
     row_splits,
 )
-from lightning_moe_overlap.moe.layout import ExpertsLayout
+from lightning_moe_overlap.moe.layer import MoELayer
+from lightning_moe_overlap.moe.experts_layout import ExpertsLayout
+from lightning_moe_overlap.moe.layout_check import check_layout_math
+from lightning_moe_overlap.moe.shared import overlap_shared_experts
 from lightning_moe_overlap.moe.stages import STAGE_NAMES, ExpertsStage
 from lightning_moe_overlap.moe.te_backend import EXPERT_BACKENDS, ExpertBackend, TEExperts, check_te_layout
+from lightning_moe_overlap.overlap.runtime import CommRuntime
 from lightning_moe_overlap.parallel.dtensors import like, local
-
-if TYPE_CHECKING:  # the fp8 package imports this module: a runtime import would be circular
-    from lightning_moe_overlap.fp8.recipes import Float8Recipe
 
 
 @dataclass(frozen=True)
@@ -88,6 +95,8 @@ class ExpertParallelExperts(nn.Module):
         ep_mesh: the 1-D mesh of the dispatcher's ep group (same ranks, same order); the parameters are then
             ``DTensor``s ``Shard(0)`` over it. ``None`` keeps plain tensors holding the local experts.
     """
+
+    moe_overlap_expert_parallel = True  # adapters.EXPERT_PARALLEL_ATTR: `find_experts` skips it
 
     def __init__(
         self,
@@ -265,7 +274,7 @@ class ExpertParallelExperts(nn.Module):
     def to_empty_shards(self, device: torch.device | str) -> None:
         """Give each parameter on the meta device (a source built on meta was sliced) an uninitialised local shard on
         ``device``, in the same layout (a ``DTensor`` over the same mesh, the same global shape); the others stay.
-        The caller fills them (``parallel/materialize.py``: a seeded init or a checkpoint)."""
+        The caller fills them (``parallelize/materialize.py``: a seeded init or a checkpoint)."""
         for name, param in list(self.named_parameters(recurse=False)):
             if not param.is_meta:
                 continue
@@ -291,3 +300,132 @@ def _check_mesh(ep_mesh: DeviceMesh | None, dispatcher: DispatcherBase) -> None:
             f"dispatcher's ep group has {ep} ranks with this rank at {ep_rank}; the "
             "experts' DTensors must be sharded over the ep group itself. Pass `ParallelMesh['ep']` of the same dims."
         )
+
+
+# -- making a model's experts expert-parallel --------------------------------------------------------------------------------------------------
+def _ep_group_of(groups_or_ep_group: Any) -> ProcessGroup | None:
+    if groups_or_ep_group is None or isinstance(groups_or_ep_group, ProcessGroup):
+        return groups_or_ep_group
+    group = getattr(groups_or_ep_group, "ep", None)
+    if isinstance(group, ProcessGroup):
+        return group
+    raise TypeError(
+        f"`apply_expert_parallel`: got {type(groups_or_ep_group).__name__} for the groups; expected a "
+        "`ParallelGroups` (its `.ep` is used), a `ProcessGroup` (the ep group) or None (single process)."
+    )
+
+
+def apply_expert_parallel(
+    model: nn.Module,
+    groups_or_ep_group: Any,
+    *,
+    dispatcher: str = "alltoall",
+    runtime: CommRuntime | None = None,
+    capacity_factor: float | None = None,
+    token_drop_policy: DropPolicy = "probs",
+    impl: GemmImpl = "auto",
+    expert_backend: ExpertBackend = "torch",
+    shared_expert_overlap: bool = False,
+    ep_mesh: DeviceMesh | None = None,
+    **knobs: Any,
+) -> list[ExpertParallelExperts]:
+    """Replace every recognised experts module of ``model`` by its expert-parallel version, in place.
+
+    Collective-free (each rank slices its own experts), but every rank of the ep group must call it on the same
+    model so their layers line up. Every :class:`~lightning_moe_overlap.moe.layer.MoELayer` parent also gets
+    ``runtime`` (for ``shared_expert_overlap``); with ``shared_expert_overlap=True`` every block with shared
+    experts runs them inside the dispatch window (``MoELayer``, and HF blocks through ``moe/shared.py``).
+
+    Args:
+        model: the user's model.
+        groups_or_ep_group: a ``ParallelGroups`` (its ``ep`` is used), the ep ``ProcessGroup``, or ``None``.
+        dispatcher: ``"alltoall"``, ``"allgather"`` or ``"flex"``.
+        runtime: the strategy's :class:`CommRuntime` (shared by every layer).
+        capacity_factor: per-expert capacity factor on local tokens; ``None`` is dropless. The experts drop with it,
+            except under a ``MoELayer`` that drops with its own (each layer drops once).
+        token_drop_policy: ``"probs"`` or ``"position"``.
+        impl: grouped GEMM implementation.
+        expert_backend: ``"torch"`` (pure PyTorch GEMMs) or ``"te"`` (Transformer Engine ``GroupedLinear``).
+        shared_expert_overlap: run each block's shared experts between issuing the dispatch and waiting on it
+            (needs ``runtime``); blocks without shared experts are left as they are.
+        ep_mesh: the 1-D ``DeviceMesh`` of the ep group; the expert parameters become ``DTensor``s ``Shard(0)``
+            over it (``None``: plain tensors holding the local experts).
+        **knobs: dispatcher knobs (see :func:`~lightning_moe_overlap.moe.dispatch.build_dispatcher`). With
+            ``dispatcher="flex"`` and no ``deepep_buffers`` / ``deepep_buffer``, one
+            :class:`~lightning_moe_overlap.moe.dispatch.DeepEPBuffers` is made here and shared by every layer.
+
+    Returns:
+        The new modules, in model order.
+
+    Raises:
+        ValueError: a block's ``num_experts`` is not divisible by ep, or its own forward and its layout's math
+            disagree on a few test tokens (both checked for every block before any change; see
+            :func:`~lightning_moe_overlap.moe.layout_check.check_layout_math`), or a bad capacity setting, or one
+            that differs from a ``MoELayer``'s own.
+        TypeError: ``groups_or_ep_group`` of the wrong kind, an unknown knob, or a layout naming something that is
+            not a 3-D per-expert tensor of its module (e.g. a list of per-expert modules).
+        NotImplementedError: an experts module variant that cannot be sharded (or mapped onto TE).
+        ImportError: ``dispatcher="flex"`` without DeepEP / CUDA.
+    """
+    ep_group = _ep_group_of(groups_or_ep_group)
+    validate_capacity(capacity_factor, token_drop_policy, owner="`apply_expert_parallel`")
+    ep = group_size(ep_group)
+    found = find_experts(model)
+    experts_capacity: dict[str, float | None] = {}
+    layouts: dict[str, ExpertsLayout] = {}
+    for name, item in found.items():
+        check_expert_split(item.num_experts, ep, owner=f"`apply_expert_parallel` ({name})")
+        experts_capacity[name] = _experts_capacity(item, capacity_factor, token_drop_policy)
+        layouts[name] = item.adapter.layout(item.module)
+        check_layout_math(name, item.module, item.adapter.name, layouts[name])  # its forward is not called after
+    if dispatcher == "flex" and knobs.get("deepep_buffers") is None and knobs.get("deepep_buffer") is None:
+        # One DeepEP buffer per process, shared by every layer (each buffer pins hundreds of MB of NVLink memory).
+        knobs = {**knobs, "deepep_buffers": DeepEPBuffers(knobs.get("deepep_num_sms", 20))}
+    wrapped: list[ExpertParallelExperts] = []
+    for name, item in found.items():
+        layout = layouts[name]
+        token_dispatcher = build_dispatcher(dispatcher, ep_group, item.num_experts, runtime, **knobs)
+        ep_module = ExpertParallelExperts(
+            item.module,
+            layout,
+            token_dispatcher,
+            capacity_factor=experts_capacity[name],
+            token_drop_policy=token_drop_policy,
+            impl=impl,
+            expert_backend=expert_backend,
+            ep_mesh=ep_mesh,
+        )
+        ep_module.train(item.module.training)  # the mode the replaced module had (from_pretrained: eval)
+        setattr(item.parent, item.attr, ep_module)
+        if isinstance(item.parent, MoELayer):
+            item.parent.runtime = runtime
+            if shared_expert_overlap and item.parent.shared_experts is not None:
+                item.parent.shared_expert_overlap = True
+        elif shared_expert_overlap and runtime is not None:
+            overlap_shared_experts(item.parent, runtime)
+        wrapped.append(ep_module)
+    return wrapped
+
+
+def _experts_capacity(item: FoundExperts, capacity_factor: float | None, token_drop_policy: str) -> float | None:
+    """The factor the expert-parallel module drops with, so that a layer drops over capacity exactly once.
+
+    A :class:`MoELayer` with a ``capacity_factor`` of its own drops before its experts: its experts get ``None``.
+    The same setting given here too is that one drop; a different one is an error (two drops would keep the
+    smaller capacity, which neither setting says).
+    """
+    layer = item.parent
+    if not isinstance(layer, MoELayer) or layer.capacity_factor is None:
+        return capacity_factor
+    if capacity_factor is not None and (capacity_factor, token_drop_policy) != (
+        layer.capacity_factor,
+        layer.token_drop_policy,
+    ):
+        raise ValueError(
+            f"`apply_expert_parallel` ({item.name}): capacity_factor={capacity_factor!r}, "
+            f"token_drop_policy={token_drop_policy!r} given here, but its `MoELayer` drops with "
+            f"capacity_factor={layer.capacity_factor!r}, token_drop_policy={layer.token_drop_policy!r}; a layer drops "
+            "over capacity once, with one setting. Set the capacity in one place (the `MoELayer`, or here, e.g. "
+            "`MoEOverlapStrategy(capacity_factor=...)`), or give both the same values."
+        )
+    return None

@@ -23,7 +23,7 @@ that is one ``tolist`` (a D2H sync, on the reference path only).
 
 Kernels of a projection: :class:`GroupedLinear` by default; a :data:`ProjectionKernel` passed as ``kernel`` (the
 experts' ``kernel`` attribute) replaces it, with the same arguments and the same wgrad contract: the FP8 experts
-(``lightning_moe_overlap/fp8/experts.py``) are plugged in this way.
+(``lightning_moe_overlap/fp8/experts_kernel.py``) are plugged in this way.
 
 Autocast: under ``torch.autocast`` for the rows' device type, the rows and the weight are cast to the autocast
 dtype in forward (as ``torch.nn.functional.linear`` does) and the GEMMs run in it with autocast off; backward
@@ -45,7 +45,7 @@ import torch
 from torch import Tensor
 
 from lightning_moe_overlap._compat import torch as torch_compat
-from lightning_moe_overlap.moe.dispatch.comm import backward_handoff
+from lightning_moe_overlap.overlap.backward_handoff import backward_handoff
 from lightning_moe_overlap.overlap.runtime import CommRuntime
 from lightning_moe_overlap.parallel.dtensors import like, local
 

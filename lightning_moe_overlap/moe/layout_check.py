@@ -24,7 +24,7 @@ from torch import Tensor, nn
 from torch.distributed.tensor import DTensor
 
 from lightning_moe_overlap.moe.grouped import grouped_mlp
-from lightning_moe_overlap.moe.layout import ExpertsLayout
+from lightning_moe_overlap.moe.experts_layout import ExpertsLayout
 from lightning_moe_overlap.moe.permute import gather_rows, scatter_weighted, sort_by_expert
 
 log = logging.getLogger(__name__)

@@ -18,9 +18,9 @@ from torch.distributed.tensor import DTensor
 
 from lightning_moe_overlap.config import OverlapConfig
 from lightning_moe_overlap.parallel.grads import sync_expert_gradients
-from lightning_moe_overlap.moe.adapters import apply_expert_parallel, find_moe_blocks
+from lightning_moe_overlap.moe.adapters import find_moe_blocks
 from lightning_moe_overlap.moe.bias import CorrectionBiasBalancer, correction_bias_balancers
-from lightning_moe_overlap.moe.ep import ExpertParallelExperts
+from lightning_moe_overlap.moe.ep import ExpertParallelExperts, apply_expert_parallel
 from lightning_moe_overlap.moe.router import TopKRouter
 from lightning_moe_overlap.overlap.runtime import CommRuntime
 from lightning_moe_overlap.parallel import ParallelGroups

@@ -167,7 +167,7 @@ class TopKRouter(torch_compat.Float32Buffers):
 
     def reset_parameters(self) -> None:
         """The initial state: ``weight ~ N(0, 0.02)``, expert bias and token counts zero (also what a model built on
-        the meta device gets, ``parallel/materialize.py``)."""
+        the meta device gets, ``parallelize/materialize.py``)."""
         nn.init.normal_(self.weight, std=0.02)
         if self.expert_bias is not None and self.local_tokens_per_expert is not None:
             with torch.no_grad():

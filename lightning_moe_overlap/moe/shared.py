@@ -20,10 +20,13 @@ The shared stage: the real computation always runs as one call of an explicit st
 ``block.shared_stage`` (an :class:`~lightning_moe_overlap.moe.stages.ExpertsStage` named ``"shared"`` that runs
 the shared experts' own forward; no parameters of its own, so the state-dict keys do not change). Forward hooks,
 ``add_wrapper`` and ``torch.utils.checkpoint`` attach to it and see the real input and output once per block call,
-wherever the computation runs (inside the dispatch window, or inline). The block's call of its shared experts
-module itself is what the window intercepts (its forward is replaced on the instance: the block's code calls it
-inline, and no hook can move a call): hooks on that module see the placeholder, not the computation.
-:func:`shared_stage` returns the module to attach to, with or without a window.
+wherever the computation runs (inside the dispatch window, or inline). The block's own call of its shared experts
+module is redirected with that module's forward hooks, the supported extension point (nothing of the module is
+replaced): a pre-hook keeps the call's arguments and hands the module's forward zero rows of them (what the
+placeholder's shape and dtype are probed with), and a forward hook returns the stage's result, the window's
+result, or the placeholder instead of that empty output. Hooks registered on the shared-experts module itself
+therefore see the zero rows, not the computation. :func:`shared_stage` returns the module to attach to, with or
+without a window.
 """
 
 from __future__ import annotations
@@ -43,7 +46,8 @@ STAGE_ATTR = "shared_stage"  # the window's stage, a child of the block
 
 
 class _CallState:
-    """One block call: its input, whether the routed experts ran, the submitted shared work."""
+    """One block call: its input, whether the routed experts ran, the submitted shared work, and the arguments of
+    the shared-experts call in progress."""
 
     def __init__(self, block_input: Tensor | None) -> None:
         self.block_input = block_input
@@ -51,6 +55,7 @@ class _CallState:
         self.shared_called = False
         self.work: SideWork | None = None
         self.cancelled = False
+        self.call: tuple[tuple[Any, ...], dict[str, Any]] | None = None  # the redirected call's (args, kwargs)
 
 
 class SharedExpertWindow:
@@ -66,8 +71,7 @@ class SharedExpertWindow:
         self.block = block
         self.shared: nn.Module = getattr(block, shared_name)
         self.runtime = runtime
-        self._forward = self.shared.forward  # the bound original forward (no hooks)
-        self.stage = ExpertsStage(SHARED_STAGE, self._forward)  # every real computation is one call of it
+        self.stage = ExpertsStage(SHARED_STAGE, self.shared.forward)  # every real computation is one call of it
         block.add_module(STAGE_ATTR, self.stage)
         self._local = threading.local()
         experts = block.experts
@@ -76,16 +80,16 @@ class SharedExpertWindow:
             block.register_forward_hook(self._block_finished),
             experts.register_forward_pre_hook(self._experts_started),
             experts.register_forward_hook(self._experts_finished),
+            self.shared.register_forward_pre_hook(self._shared_called, with_kwargs=True, prepend=True),
+            self.shared.register_forward_hook(self._shared_returned, with_kwargs=True, prepend=True),
         ]
-        self.shared.forward = self._shared_forward  # an instance attribute: hooks and names stay the module's
 
     def remove(self) -> None:
         for handle in self._handles:
             handle.remove()
-        del self.shared.forward
         delattr(self.block, STAGE_ATTR)
 
-    # -- hooks -----------------------------------------------------------------------------------------------------
+    # -- the block's and the routed experts' hooks ------------------------------------------------------------------
     def _state(self) -> _CallState | None:
         return getattr(self._local, "call", None)
 
@@ -113,20 +117,31 @@ class SharedExpertWindow:
         if state is not None and state.work is not None and state.shared_called:
             state.work.run()  # no comm point ran it: fill the placeholder before the block reads it
 
-    # -- the shared experts' forward -------------------------------------------------------------------------------
-    def _shared_forward(self, x: Tensor, *args: Any, **kwargs: Any) -> Tensor:
+    # -- the shared experts' call: its arguments kept, its forward run on zero rows, its output replaced ------------
+    def _shared_called(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
         state = self._state()
-        if state is None or args or kwargs or state.shared_called:
-            return self.stage(x, *args, **kwargs)
+        if state is None or not args or not isinstance(args[0], Tensor) or state.call is not None:
+            return None  # outside a block call (or nested): the module runs as written
+        state.call = (args, kwargs)
+        x = args[0]
+        return (x.reshape(-1, x.shape[-1])[:0], *args[1:]), kwargs
+
+    def _shared_returned(self, module: nn.Module, args: tuple, kwargs: dict, empty: Any) -> Tensor | None:
+        state = self._state()
+        if state is None or state.call is None:
+            return None
+        (x, *rest), call_kwargs = state.call
+        state.call = None
+        if rest or call_kwargs or state.shared_called:
+            return self.stage(x, *rest, **call_kwargs)
         state.shared_called = True
         if state.experts_started:  # called after the routed experts (DeepSeek-V3 order)
             if state.work is not None and x is state.block_input:
                 return state.work.result()
             return self.stage(x)
-        # Called before the routed experts (Qwen2-MoE order): a placeholder now, the forward in the window.
-        with torch.no_grad():  # the probe is not the computation: not through the stage
-            probe = self._forward(x.reshape(-1, x.shape[-1])[:0])
-        out = torch.empty(*x.shape[:-1], probe.shape[-1], dtype=probe.dtype, device=probe.device)
+        # Called before the routed experts (Qwen2-MoE order): a placeholder now, the forward in the window. The
+        # forward just ran on zero rows (the pre-hook's), which gives the output's width and dtype.
+        out = torch.empty(*x.shape[:-1], empty.shape[-1], dtype=empty.dtype, device=empty.device)
         state.work = self.runtime.submit(lambda: out.copy_(self.stage(x)))
         return out
 

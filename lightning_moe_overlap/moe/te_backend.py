@@ -36,7 +36,7 @@ from torch import Tensor, nn
 
 from lightning_moe_overlap._install import install_hint
 from lightning_moe_overlap.config import EXPERT_BACKENDS, ExpertBackend
-from lightning_moe_overlap.moe.layout import ExpertsLayout
+from lightning_moe_overlap.moe.experts_layout import ExpertsLayout
 from lightning_moe_overlap.overlap.runtime import CommRuntime
 from lightning_moe_overlap.parallel.dtensors import like, local
 

@@ -1,7 +1,7 @@
-"""Optimizer wrappers: the state and update of a share of the parameters in host memory (``offload.py``)."""
+"""Optimizer wrappers: the state and update of a share of the parameters in host memory (``host_offload.py``)."""
 
 from lightning_moe_overlap.optim.host_copy import HostCopy
-from lightning_moe_overlap.optim.offload import (
+from lightning_moe_overlap.optim.host_offload import (
     OffloadedOptimizer,
     StateBytes,
     choose_offloaded,

@@ -27,7 +27,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from lightning_moe_overlap.overlap.rng import RngSource, RngState
+from lightning_moe_overlap.overlap.rng_snapshot import RngSource, RngState
 from lightning_moe_overlap.overlap.schedule import Role
 
 
@@ -49,7 +49,7 @@ class Baton:
         phase: the phase name, used in error messages.
         starter: the role that holds the baton first.
         timeout_s: the longest a context waits for the baton before it raises ``RuntimeError``.
-        rng: the generators the contexts' random streams are kept in (see ``rng.py``); by default the CPU one
+        rng: the generators the contexts' random streams are kept in (see ``rng_snapshot.py``); by default the CPU one
             and the creating thread's current CUDA device's. The device is fixed here, never read from the thread
             that hands over.
     """
@@ -70,7 +70,7 @@ class Baton:
         self._done = threading.Event()
         self._threads: dict[Role, int] = {}  # the thread each context started on (its lane)
         self._parked: dict[Role, int] = {}  # the thread each waiting context called `handoff` from
-        # Random streams per context, only where two contexts interleave (see rng.py).
+        # Random streams per context, only where two contexts interleave (see rng_snapshot.py).
         self._rng_source = RngSource.of_current_thread() if rng is None else rng
         start = self._rng_source.capture() if len(roles) == 2 else None
         self._rng: dict[Role, RngState] | None = {role: start for role in roles} if start is not None else None

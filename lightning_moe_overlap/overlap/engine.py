@@ -29,7 +29,7 @@ from typing import Any
 
 from lightning_moe_overlap.overlap.baton import Baton
 from lightning_moe_overlap.overlap.failures import FailureBoard, FailureWatch
-from lightning_moe_overlap.overlap.rng import DeviceGenerators, RngSource
+from lightning_moe_overlap.overlap.rng_snapshot import DeviceGenerators, RngSource
 from lightning_moe_overlap.overlap.runtime import CommRuntime
 from lightning_moe_overlap.overlap.schedule import Phase, Role, Task, build_schedule, pair
 from lightning_moe_overlap.overlap.streams import device_max_connections_warning
@@ -67,7 +67,7 @@ class OverlapEngine:
         failure_poll_s: how often the engine reads other ranks' failure reports from the c10d store during a step.
         namespace: c10d-store key prefix for failure reports; identical on every rank of a run.
         generators: the device generators the contexts' random streams are kept in (``torch.cuda`` by default; see
-            ``rng.py``). The device is the current device of the thread that calls :meth:`run`.
+            ``rng_snapshot.py``). The device is the current device of the thread that calls :meth:`run`.
     """
 
     def __init__(

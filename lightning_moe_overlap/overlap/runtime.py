@@ -24,7 +24,7 @@ A ``CommRuntime`` is made of three explicit parts and a list of observers:
   context, keyed by the baton's holder) and the weight-gradient queue, touched only by the context holding the
   baton (``pending.py``);
 - ``communicator``: how the dispatchers' collectives are issued, given at construction; ``None`` is
-  ``torch.distributed`` (``moe/dispatch/communicator.py``; a benchmark passes its loopback instead);
+  ``torch.distributed`` (``overlap/communicator.py``; a benchmark passes its loopback instead);
 - observers (``observers.py``: timing, traffic, the timeline), attached with :meth:`CommRuntime.attach`. Without
   any, a comm point pays one emptiness test.
 
@@ -41,7 +41,7 @@ from lightning_moe_overlap.overlap.observers import CommObserver, Waitable
 from lightning_moe_overlap.overlap.pending import PendingWork, SideWork
 
 if TYPE_CHECKING:
-    from lightning_moe_overlap.moe.dispatch.communicator import Communicator
+    from lightning_moe_overlap.overlap.communicator import Communicator
     from lightning_moe_overlap.overlap.schedule import Role
 
 

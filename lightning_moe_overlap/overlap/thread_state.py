@@ -16,7 +16,7 @@ Not propagated, because PyTorch has no public API to read them: saved-tensor hoo
 (``torch.autograd.graph.saved_tensors_hooks``), ``TorchFunctionMode``/``TorchDispatchMode`` stacks (including
 ``torch.set_default_device``). Install these through the engine's ``context_factory``. Process-wide settings
 (default dtype, deterministic algorithms, anomaly mode) need no propagation. The random
-generators are process-wide too; the baton gives each context its own stream (see ``rng.py``).
+generators are process-wide too; the baton gives each context its own stream (see ``rng_snapshot.py``).
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """Parallel sizes, rank layout, process groups and the device mesh."""
 
 from lightning_moe_overlap.parallel.dims import ParallelDims, ParallelDimsError, RankCoords
-from lightning_moe_overlap.parallel.groups import ParallelGroups, build_groups
+from lightning_moe_overlap.parallel.groups import ParallelGroups
 from lightning_moe_overlap.parallel.mesh import MeshLayout, ParallelMesh, build_mesh, mesh_layout
 
 __all__ = [
@@ -11,7 +11,6 @@ __all__ = [
     "ParallelGroups",
     "ParallelMesh",
     "RankCoords",
-    "build_groups",
     "build_mesh",
     "mesh_layout",
 ]

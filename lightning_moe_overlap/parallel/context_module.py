@@ -3,7 +3,7 @@
 The strategy cannot shard a batch itself: only the model knows which tensors of a micro-batch are sequences and how
 it shifts its targets (the targets must be shifted on the whole sequence, before sharding). So a LightningModule
 that runs at ``cp > 1`` declares the attribute ``context_parallel`` (``None`` by default: ``MoEGPT`` does), and the
-strategy sets it to a :class:`ContextParallel` (``parallel/apply.py``, ``apply_cp``). In its loss the module then
+strategy sets it to a :class:`ContextParallel` (``parallelize/steps.py``, ``apply_cp``). In its loss the module then
 shards its per-token tensors with :meth:`ContextParallel.shard` and computes the mean loss over the tokens it kept::
 
     inputs_BT, targets_BT = tokens_BS[:, :-1], tokens_BS[:, 1:]      # shifted on the whole sequence
@@ -24,7 +24,7 @@ from torch import Tensor
 
 from lightning_moe_overlap.parallel.context_attention import ContextParallelAttention
 from lightning_moe_overlap.parallel.context_batch import check_sequence, shard_batch
-from lightning_moe_overlap.processes.exits import same_on_every_rank
+from lightning_moe_overlap._checks import same_on_every_rank
 
 ATTR = "context_parallel"  # the LightningModule's attribute the strategy sets
 

@@ -1,7 +1,7 @@
 """Plain tensors and ``DTensor``s side by side: the local shard of either, and a local shard wrapped like a parameter.
 
 Expert parameters are ``DTensor``s sharded over the ep mesh (``moe/ep.py``) and, under ``fully_shard``, every
-parameter is one (``parallel/sharding.py``); the kernels, collectives and norms of this package work on the local
+parameter is one (``parallelize/sharding.py``); the kernels, collectives and norms of this package work on the local
 shards, which is what :func:`local` gives for both kinds.
 """
 

@@ -2,7 +2,7 @@
 gradient reduction").
 
 In the sharded modes the micro-batches' gradients accumulate, unreduced, in the gathered parameters, and FSDP's
-hooks are idle (``parallel/sharding.py``). :class:`EarlyReduction` reduces each FSDP unit (the module
+hooks are idle (``parallelize/sharding.py``). :class:`EarlyReduction` reduces each FSDP unit (the module
 ``fully_shard`` was applied to: a layer, an experts module, the root) as soon as its gradients are final in the
 step's LAST backward, so that its reduce-scatter runs while the backward of the units before it still computes.
 

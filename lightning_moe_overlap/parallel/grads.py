@@ -4,12 +4,12 @@ Scaling. Each rank backpropagates ``loss / num_microbatches`` of its own batch. 
 over the ``D = dp * cp`` data-parallel ranks, so
 
 - a dense parameter is replicated on every rank of the ``dp_cp`` group: its gradient is summed over ``dp_cp`` and
-  divided by ``D`` (by ``fully_shard``: ``parallel/sharding.py``);
+  divided by ``D`` (by ``fully_shard``: ``parallelize/sharding.py``);
 - an expert parameter is replicated only over the ``edp`` group, but its local gradient already holds the
   contributions of every rank of its ``ep`` group (their tokens came to it through the all-to-all). Summing over
   ``edp`` therefore covers all ``D`` ranks, and it is divided by ``D`` as well, not by ``edp``.
 
-With sharded parameters (``shard="optimizer"`` / ``"full"``, ``parallel/sharding.py``) FSDP reduce-scatters the
+With sharded parameters (``shard="optimizer"`` / ``"full"``, ``parallelize/sharding.py``) FSDP reduce-scatters the
 gradients instead.
 
 Norm. After the sync every gradient is a local shard or a replica: dense gradients are equal on every rank of a pp
@@ -91,7 +91,7 @@ def sync_gradients(
 
 def sync_expert_gradients(expert: Sequence[torch.nn.Parameter], *, edp_group: ProcessGroup, dp_cp_size: int) -> None:
     """Average expert gradients over ``edp``, scaled by ``1/dp_cp_size`` (the dense ones go through FSDP:
-    ``parallel/sharding.py``)."""
+    ``parallelize/sharding.py``)."""
     allreduce_mean(materialised_grads(expert), edp_group, dp_cp_size)
 
 

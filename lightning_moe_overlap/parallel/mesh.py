@@ -19,7 +19,7 @@ wholly in ``ep`` while ``ep`` still needs it, one dimension at most is split in 
 
 A kind made of several dimensions is a flattened view of them; ``ep`` (``edp``) gets a size-1 dimension of its own
 name when no dimension lies in it. ``unit``, the last dimension, has size 1: the size-1 shard dimension of the
-replicated parameters' 2-D mesh (``parallel/sharding.py``). When the split dimension's size is not a multiple of
+replicated parameters' 2-D mesh (``parallelize/sharding.py``). When the split dimension's size is not a multiple of
 what ``ep`` still needs (``cp=2, ep=3``), no such cut exists and :func:`mesh_layout` refuses the sizes.
 """
 
@@ -160,7 +160,7 @@ class ParallelMesh:
     def replicate_mesh(self) -> DeviceMesh:
         """The 2-D ``(dp_cp, unit)`` mesh of this rank's ``dp x cp`` group with a size-1 shard dimension, sliced from
         the root mesh (so that it composes with ``DTensor`` parameters over ``tp``): ``fully_shard`` over it
-        replicates (``parallel/sharding.py``). No new communicator."""
+        replicates (``parallelize/sharding.py``). No new communicator."""
         parts = self.layout.views["dp_cp"]
         return self.device_mesh[(parts[0] if len(parts) == 1 else "dp_cp", UNIT)]
 
@@ -178,7 +178,7 @@ def build_mesh(
     Every group of the mesh (each dimension's, each flattened view's) is made with ``backend`` (default: the default
     group's) and ``timeout``; the ep groups on NCCL get the high-priority stream of
     :func:`~lightning_moe_overlap.parallel.groups.group_options`. Dimensions of size 1 are kept, so every kind has a
-    view whatever the sizes. :meth:`ParallelGroups.from_mesh` reads the process groups off the views: the mesh is the
+    view whatever the sizes. :meth:`ParallelMesh.process_groups` reads the process groups off the views: the mesh is the
     one set of communicators of a run.
 
     Raises:

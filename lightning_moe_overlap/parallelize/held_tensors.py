@@ -1,6 +1,6 @@
 """What this rank holds of the parallelised model, by the unsplit model's names: what a checkpoint loader fills.
 
-After ``MoEOverlapStrategy.setup`` (``parallel/apply.py``), a rank holds, per parameter and persistent buffer:
+After ``MoEOverlapStrategy.setup`` (``parallelize/steps.py``), a rank holds, per parameter and persistent buffer:
 
 - a plain tensor (a dense tensor at ``pp = 1`` without ``fully_shard``, a buffer), or
 - a ``DTensor``: the experts ``Shard(0)`` over the ep mesh (global shape ``[E, ...]``), a dense parameter under

@@ -1,7 +1,7 @@
 """Give a model built on the meta device its tensors, each rank allocating only what it holds.
 
 ``configure_model`` runs under the meta device (``MoEOverlapStrategy.model_sharded_context``), so the model has
-shapes and no memory. Two steps of ``parallel/apply.py`` allocate and initialise what this rank holds:
+shapes and no memory. Two steps of ``parallelize/steps.py`` allocate and initialise what this rank holds:
 
 - :func:`materialize_dense`: every held module with tensors on meta, except the experts modules, gets its tensors
   (whole: ``fully_shard`` shards them later) and is initialised;

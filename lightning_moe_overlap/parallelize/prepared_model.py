@@ -1,11 +1,19 @@
-"""What the strategy's ``setup`` made of a model, kept on the model so that every later run takes it as it is.
+"""What the strategy's ``setup`` made of a model: one record, which the strategy holds and the model carries.
 
 ``setup`` changes the user's model in place: its experts become expert-parallel modules holding this rank's experts
-(``moe/adapters.py``), ``fully_shard`` turns its parameters into ``DTensor`` s (``parallel/sharding.py``), and at
+(``moe/adapters.py``), ``fully_shard`` turns its parameters into ``DTensor`` s (``parallelize/sharding.py``), and at
 ``pp > 1`` it is cut into chunks (``pipeline/pipelined.py``). None of that can run twice on the same model, and
-``fit`` -> ``validate`` / ``test`` / ``predict`` / ``fit`` (with the same Trainer or a new one) sets the strategy up
-again. So the first ``setup`` records what it built on the model (:func:`record`), and a later ``setup`` adopts it
-(:func:`recorded`) after checking that it asks for the same layout (:func:`check_same_layout`).
+``fit`` -> ``validate`` / ``test`` / ``predict`` / ``fit`` (with the same Trainer or a new one, whose strategy is a new
+object) sets the strategy up again. So the first ``setup`` builds a :class:`PreparedModel` (``parallelize/steps.py``,
+``parallelize_model``), the strategy reads every collaborator from it (it keeps no copy of its fields), and
+:func:`record` leaves it with the model; a later ``setup`` takes it back with :func:`adopt` after checking that it
+asks for the same layout.
+
+Where the record lives. It must outlive the strategy (a new Trainer's strategy finds it) and die with the model. A
+``WeakKeyDictionary`` keyed by the model cannot do that here: the record holds the model (its handle, its FSDP
+roots), and a dictionary's values are strong references, so the model would never be freed. The record is
+therefore one plain attribute of the model object (:data:`ATTRIBUTE`, not a submodule, parameter or buffer, not in
+its ``state_dict``), read and written only here.
 """
 
 from __future__ import annotations
@@ -16,26 +24,35 @@ from typing import TYPE_CHECKING
 from torch import nn
 
 from lightning_moe_overlap.config import OverlapConfig
+from lightning_moe_overlap.moe.adapters import expert_parallel_modules
 from lightning_moe_overlap.overlap.runtime import CommRuntime
 from lightning_moe_overlap.parallel import ParallelDims, ParallelGroups
+from lightning_moe_overlap.parallel.context_module import ContextParallel
 from lightning_moe_overlap.parallel.mesh import ParallelMesh
-from lightning_moe_overlap.parallel.sharding import ShardedModel
-from lightning_moe_overlap.parallel.tensor import TensorParallelGrads
+from lightning_moe_overlap.parallelize.sharding import ShardedModel
+from lightning_moe_overlap.parallelize.tensor_plan import TensorParallelGrads
 
 if TYPE_CHECKING:
+    from lightning_moe_overlap.fp8.apply import Float8Report
+    from lightning_moe_overlap.hf.load import HFLoadReport
+    from lightning_moe_overlap.moe.model_handle import MoEModelHandle
     from lightning_moe_overlap.pipeline.pipelined import PipelinedModel
-    from lightning_moe_overlap.moe.handle import MoEModelHandle
 
-_ATTRIBUTE = "moe_overlap_prepared"
-# Settings a later run may change: how processes start, whether `overlap` was set (it decides warnings only), and at
-# pp = 1 the micro-batch schedule (built per run).
-_PER_RUN = ("start_method", "overlap_requested")
+ATTRIBUTE = "moe_overlap_prepared"
+# Settings a later run may change: how processes start, whether `overlap` was set (it decides warnings only), the
+# checkpoint format, the collectives' timeout, the optimizer offload (the optimizer is built per run), and at pp = 1
+# the micro-batch schedule (built per run).
+_PER_RUN = ("start_method", "overlap_requested", "checkpoint_format", "timeout", "optimizer_cpu_offload",
+            "optimizer_offload_fraction")  # fmt: skip
 _PER_RUN_AT_PP1 = ("overlap", "num_microbatches")
 
 
 @dataclass(frozen=True)
 class PreparedModel:
-    """The strategy's collaborators for one model, as its first ``setup`` built them."""
+    """The strategy's collaborators for one model, as its first ``setup`` built them.
+
+    ``cp``: the module's context-parallel handle at ``cp > 1``; ``fp8``: what was put in FP8 (None without ``fp8``);
+    ``loaded``: what this rank read of the module's ``hf_weights`` (None when it declares none)."""
 
     config: OverlapConfig
     dims: ParallelDims
@@ -46,16 +63,38 @@ class PreparedModel:
     pipeline: PipelinedModel | None
     sharded: ShardedModel
     tp_grads: TensorParallelGrads | None = None
+    cp: ContextParallel | None = None
+    fp8: Float8Report | None = None
+    loaded: HFLoadReport | None = None
 
 
 def record(model: nn.Module, prepared: PreparedModel) -> None:
-    """Keep ``prepared`` on ``model`` (a plain attribute: not a submodule, parameter or buffer, not in its state)."""
-    model.__dict__[_ATTRIBUTE] = prepared
+    """Leave ``prepared`` with ``model`` for a later ``setup`` (see the module docstring for where)."""
+    model.__dict__[ATTRIBUTE] = prepared
 
 
-def recorded(model: nn.Module) -> PreparedModel | None:
-    """What an earlier ``setup`` recorded on ``model``, or None."""
-    return model.__dict__.get(_ATTRIBUTE)
+def adopt(model: nn.Module, config: OverlapConfig, dims: ParallelDims, owner: str) -> PreparedModel | None:
+    """What an earlier ``setup`` built for ``model``, checked against this run's ``config`` and ``dims``; None for a
+    model not set up yet.
+
+    Raises:
+        NotImplementedError: this run asks for another layout than the model was prepared with.
+        RuntimeError: the model has expert-parallel experts that no strategy recorded (``apply_expert_parallel`` ran
+            on it by hand).
+    """
+    prepared = model.__dict__.get(ATTRIBUTE)
+    if prepared is None:
+        wrapped = expert_parallel_modules(model)
+        if wrapped:
+            raise RuntimeError(
+                f"{owner}: `{type(model).__name__}` already has expert-parallel experts "
+                f"({', '.join(wrapped[:3])}{', ...' if len(wrapped) > 3 else ''}) that this strategy did not "
+                "build (`apply_expert_parallel` ran on it); the strategy makes a model expert-parallel itself, "
+                "once. Pass the model as built, before `apply_expert_parallel`."
+            )
+        return None
+    check_same_layout(prepared, config, dims, owner)
+    return prepared
 
 
 def check_same_layout(prepared: PreparedModel, config: OverlapConfig, dims: ParallelDims, owner: str) -> None:

@@ -3,14 +3,14 @@
 ``MoEOverlapStrategy.setup`` runs them in this order (torchtitan's: pipeline cut, TP, EP, activation checkpointing,
 FSDP), each a function of the module and the mesh that can be called and tested alone. ``configure_model`` runs under
 the meta device at every pp (``MoEOverlapStrategy.model_sharded_context``), so the model may arrive without memory;
-each rank then allocates only what it holds (``parallel/materialize.py``):
+each rank then allocates only what it holds (``parallelize/materialize.py``):
 
 1. :func:`apply_pipeline` (``pp > 1``): cut the model into ``pp * vpp`` chunks; the other pp ranks' chunks go to the
    meta device, this rank's stay where they are (on its device, or on meta until the next steps).
 2. :func:`apply_materialize`: the held dense tensors built on meta are allocated (whole: steps 3 and 7 shard them)
    and given their seeded init (the values of the unsplit model, whatever the layout); the experts wait for step 4.
 3. :func:`apply_tp` (``tp > 1``): tensor and sequence parallelism of the dense layers (``parallelize_module`` over
-   ``mesh["tp"]`` with the model's plan, ``parallel/tensor.py``), each tp rank keeping its shard of the tensors it
+   ``mesh["tp"]`` with the model's plan, ``parallelize/tensor_plan.py``), each tp rank keeping its shard of the tensors it
    initialised; the routers learn their sequence group. The experts are left whole: ep folds over the tp ranks.
 3b. :func:`apply_cp` (``cp > 1``): the LightningModule gets its ``context_parallel`` handle (it shards its
    micro-batches' sequences, ``parallel/context_module.py``) and the routers the cp group as their sequence group.
@@ -22,7 +22,7 @@ each rank then allocates only what it holds (``parallel/materialize.py``):
    (``fp8.apply_fp8``; docs/fp8.md), before the precision plugin and ``fully_shard`` see the modules; with
    ``dispatcher="alltoall"`` the experts' rows are dispatched in FP8. At ``pp > 1`` every chunk is converted, this
    rank's allocated ones and the others' on meta alike. After step 3 at ``tp > 1``: each planned
-   linear's FP8 replacement gets its style again (``parallel/tensor.py::PlannedLinear``). With ``shard="full"``
+   linear's FP8 replacement gets its style again (``parallel/tp_styles.py::PlannedLinear``). With ``shard="full"``
    (``tensorwise``, ``tp = 1``) the dense weights are then all-gathered in float8.
 5. activation checkpointing: the ``Recompute`` callback wraps the chunks at ``on_fit_start``, after these steps.
 6. the precision plugin converts the module, and it moves to the device; replicas are made equal
@@ -32,7 +32,7 @@ each rank then allocates only what it holds (``parallel/materialize.py``):
 8. :func:`apply_pretrained`: a LightningModule that declares ``hf_weights`` (a published Hugging Face checkpoint, or
    one per HF model; declared by the strategy for a ``from_pretrained`` in ``configure_model``, ``hf/pretrained.py``)
    gets them read into the sharded model (``torch.distributed.checkpoint``'s HF reader, ``hf/load.py``), after the
-   parameters have their final placement and before the optimizers are built: ``parallel/held.py`` gives what this
+   parameters have their final placement and before the optimizers are built: ``parallelize/held_tensors.py`` gives what this
    rank holds and the whole model's shapes, by the unsplit model's names; each rank reads only its part, and the
    load fails before the first step unless every tensor under the prefix was written.
 
@@ -41,40 +41,81 @@ The groups every step uses come from the one mesh (:meth:`ParallelMesh.process_g
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from lightning.pytorch import LightningModule
+from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import nn
 from torch.distributed.fsdp import MixedPrecisionPolicy
-
-from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
 from lightning_moe_overlap.config import OverlapConfig, ShardMode
 from lightning_moe_overlap.fp8.apply import Float8Report, apply_fp8
 from lightning_moe_overlap.fp8.dense import FLOAT8_ALL_GATHER_RECIPE
 from lightning_moe_overlap.hf.load import HFLoadReport, as_hf_weights_list, load_hf_weights
+from lightning_moe_overlap.moe.model_handle import MoEModelHandle
 from lightning_moe_overlap.overlap.runtime import CommRuntime
-from lightning_moe_overlap.parallel.materialize import (
+from lightning_moe_overlap.parallel.context_attention import ContextParallelAttention
+from lightning_moe_overlap.parallel.context_module import ATTR as CP_ATTR
+from lightning_moe_overlap.parallel.context_module import ContextParallel
+from lightning_moe_overlap.parallel.dims import ParallelDims
+from lightning_moe_overlap.parallel.groups import ParallelGroups
+from lightning_moe_overlap.parallel.mesh import ParallelMesh
+from lightning_moe_overlap.parallel.tp_styles import apply_tensor_parallel
+from lightning_moe_overlap.parallelize.held_tensors import global_shapes, held_tensors
+from lightning_moe_overlap.parallelize.materialize import (
+    WEIGHTS_ATTR,
     MetaInit,
     find_meta_experts,
     materialize_dense,
     materialize_experts,
+    meta_init_of,
 )
-from lightning_moe_overlap.parallel.context_attention import ContextParallelAttention
-from lightning_moe_overlap.parallel.context_module import ATTR as CP_ATTR
-from lightning_moe_overlap.parallel.context_module import ContextParallel
-from lightning_moe_overlap.parallel.held import global_shapes, held_tensors
-from lightning_moe_overlap.parallel.materialize import WEIGHTS_ATTR
-from lightning_moe_overlap.parallel.dims import ParallelDims
-from lightning_moe_overlap.parallel.mesh import ParallelMesh
-from lightning_moe_overlap.parallel.sharding import ShardedModel, replicate_mesh
-from lightning_moe_overlap.parallel.tensor import (
-    TensorParallelGrads,
-    apply_tensor_parallel,
-    plan_of,
-    set_sequence_group,
-)
+from lightning_moe_overlap.parallelize.prepared_model import PreparedModel
+from lightning_moe_overlap.parallelize.sharding import ShardedModel, replicate_mesh
+from lightning_moe_overlap.parallelize.tensor_plan import TensorParallelGrads, plan_of, set_sequence_group
 from lightning_moe_overlap.pipeline.pipelined import PipelinedModel
-from lightning_moe_overlap.moe.handle import MoEModelHandle
+from lightning_moe_overlap.validation import check_model, raise_problems
+
+def parallelize_model(
+    module: LightningModule,
+    config: OverlapConfig,
+    mesh: ParallelMesh,
+    groups: ParallelGroups,
+    runtime: CommRuntime,
+    *,
+    device: torch.device,
+    convert_precision: Callable[[nn.Module], object],
+) -> PreparedModel:
+    """Every step above, in its order, on the LightningModule as ``configure_model`` left it; returns the record of
+    what was built (``parallelize/prepared_model.py``). ``convert_precision`` is the precision plugin's
+    ``convert_module`` (step 6). Collective: every rank calls it."""
+    ep_model = MoEModelHandle(module)
+    raise_problems(check_model(config, ep_model.experts_per_block(), mesh.dims.ep_span))
+    pipeline = apply_pipeline(module, config, mesh, device, rank=groups.rank)
+    init = meta_init_of(module, device, torch.initial_seed(), None if pipeline is None else pipeline.split)
+    apply_materialize(module, init, pipeline)
+    apply_tp(module, mesh)
+    cp = apply_cp(module, mesh)
+    apply_ep(ep_model, config, mesh, runtime, pipeline, rank=groups.rank, init=init)
+    tp_grads = tensor_parallel_grads(module, mesh)
+    fp8 = apply_fp8_step(module, config.fp8, device, config)
+    convert_precision(module)
+    place_model(module, pipeline, device)
+    ep_model.broadcast_replicas(groups)
+    sharded = apply_fsdp(module, ep_model, config, mesh, pipeline, mp_policy=config.fsdp_mp_policy)
+    loaded = apply_pretrained(module, pipeline)
+    return PreparedModel(config, mesh.dims, groups, mesh, runtime, ep_model, pipeline, sharded, tp_grads, cp, fp8,
+                         loaded)  # fmt: skip
+
+
+def place_model(model: nn.Module, pipeline: PipelinedModel | None, device: torch.device) -> None:
+    """Move what this rank holds to ``device``: the whole model at ``pp = 1``, its chunks at ``pp > 1`` (the other pp
+    ranks' chunks stay on meta)."""
+    if pipeline is not None:
+        pipeline.place(device, seed=torch.initial_seed())
+    else:
+        model.to(device)
 
 
 def apply_pipeline(
@@ -206,7 +247,7 @@ def apply_fsdp(
     *,
     mp_policy: MixedPrecisionPolicy | None = None,
 ) -> ShardedModel:
-    """``fully_shard`` the model (``parallel/sharding.py``): at ``shard="none"`` the dense parameters of ``model``
+    """``fully_shard`` the model (``parallelize/sharding.py``): at ``shard="none"`` the dense parameters of ``model``
     (of each held chunk at ``pp > 1``) become replicas over ``dp x cp``, the experts left alone; otherwise the
     experts are sharded over ``edp`` and the dense parameters over ``dp x cp`` (each layer a unit of its own with
     ``overlap_grad_reduce``)."""

@@ -12,7 +12,7 @@ from typing import Any, Protocol, runtime_checkable
 
 from torch import Tensor, nn
 
-from lightning_moe_overlap.pipeline.layout import PipelineLayout
+from lightning_moe_overlap.config.pipeline_layout import PipelineLayout
 
 LossFn = Callable[[Tensor, Tensor], Tensor]
 PrepareBatch = Callable[[Any], tuple[tuple[Tensor, ...], Tensor]]

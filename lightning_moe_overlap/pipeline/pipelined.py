@@ -6,7 +6,7 @@ What the strategy does with it, in order (docs/pipeline.md, "With the strategy")
     pipelined = PipelinedModel.cut(module, config, groups)  # layout, split, which chunks this rank holds
     pipelined.place(device, seed)                 # own chunks allocated (seeded init if built on meta), others on meta
     handle.apply(config, groups, runtime, modules=pipelined.held_chunks)   # experts of own chunks expert-parallel
-    (the strategy places with ``materialize=False`` and allocates the held tensors itself: parallel/apply.py)
+    (the strategy places with ``materialize=False`` and allocates the held tensors itself: parallelize/steps.py)
     pipelined.build_schedule(engine, context)     # torch stages of own chunks, the schedule, the overlap executor
     loss = pipelined.train_step(batch, logs)      # one optimizer step's forwards and backwards
     loss = pipelined.eval_step(batch, logs)       # forward only (validation, test)
@@ -32,7 +32,7 @@ from lightning_moe_overlap.loss.tokens import StepTokens, TokenScope
 from lightning_moe_overlap.overlap.engine import OverlapEngine
 from lightning_moe_overlap.parallel import ParallelGroups
 from lightning_moe_overlap.pipeline.executor import PipelineExecutor
-from lightning_moe_overlap.pipeline.layout import PipelineLayout, build_layout
+from lightning_moe_overlap.config.pipeline_layout import PipelineLayout, build_layout
 from lightning_moe_overlap.pipeline.report import placement_for
 from lightning_moe_overlap.pipeline.schedules import build_schedule, build_stages
 from lightning_moe_overlap.pipeline.split import SplitModel, split_model
@@ -105,7 +105,7 @@ class PipelinedModel:
         :func:`~lightning_moe_overlap.pipeline.split.seeded_init` under ``seed`` (values equal on every rank and
         equal to ``seeded_init`` of the unsplit model); a model built with values keeps them. With
         ``materialize=False`` the held tensors on meta stay there (the strategy allocates them afterwards, the
-        experts as this rank's slice only: ``parallel/materialize.py``). Tensors of the module outside every chunk
+        experts as this rank's slice only: ``parallelize/materialize.py``). Tensors of the module outside every chunk
         move to ``device``.
         """
         self.device = torch.device(device)

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 from torch import nn
 
-from lightning_moe_overlap.pipeline.layout import Placement
+from lightning_moe_overlap.config.pipeline_layout import Placement
 from lightning_moe_overlap.pipeline.split import SplitModel
 
 

@@ -38,7 +38,7 @@ from lightning_moe_overlap.pipeline.chunks import (
     PrepareBatch,
     Splitter,
 )
-from lightning_moe_overlap.pipeline.layout import PipelineLayout
+from lightning_moe_overlap.config.pipeline_layout import PipelineLayout
 
 
 @dataclass

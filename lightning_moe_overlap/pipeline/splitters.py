@@ -22,7 +22,7 @@ from torch import Tensor, nn
 from lightning_moe_overlap.loss.hf import check_plain_head, lm_head_loss
 from lightning_moe_overlap.loss.tokens import step_tokens
 from lightning_moe_overlap.pipeline.batches import lm_batch
-from lightning_moe_overlap.pipeline.layout import Chunk, PipelineLayout
+from lightning_moe_overlap.config.pipeline_layout import Chunk, PipelineLayout
 from lightning_moe_overlap.pipeline.chunks import PipelineChunks, PipelineSplittable, Splitter
 
 NUM_LAYERS_ATTR = "pipeline_num_layers"  # how a model with configure_pipeline says its number of decoder layers

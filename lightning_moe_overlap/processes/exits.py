@@ -7,7 +7,7 @@ other ranks with gloo's ``Connection closed by peer`` or a timeout. Here, on the
 - the launching process posts ``rank r was killed by SIGKILL`` when one of its children ends abnormally;
 - a rank that fails posts ``rank r failed: <type>: <message>`` unless another rank's report is already there;
 - a rank whose error follows another's reads that report and says, in one line, which rank ended it and why;
-- an error marked :func:`same_on_every_rank` (a configuration error, found alike by every rank: the validation
+- an error marked ``_checks.same_on_every_rank`` (a configuration error, found alike by every rank: the validation
   rules, the split of a batch into micro-batches) is shown once, by rank 0; the other ranks post it too (in case
   rank 0 did not find it after all) and say in one line that rank 0 shows it.
 """
@@ -15,23 +15,12 @@ other ranks with gloo's ``Connection closed by peer`` or a timeout. Here, on the
 from __future__ import annotations
 
 import time
-from typing import TypeVar
 
 import torch.distributed as dist
 
 from lightning_moe_overlap.overlap.failures import _quietly, default_store, describe
 
 NAMESPACE = "moe_overlap/exits"
-SAME_ON_EVERY_RANK = "same_on_every_rank"  # set on a raised error: every rank finds it alike, rank 0 shows it
-
-E = TypeVar("E", bound=BaseException)
-
-
-def same_on_every_rank(err: E) -> E:
-    """Mark ``err`` as one that every rank raises alike (it depends only on what every rank reads alike), so that
-    the launcher shows it once, in full, on rank 0, and the other ranks end with one line; returns ``err``."""
-    setattr(err, SAME_ON_EVERY_RANK, True)
-    return err
 
 
 class ExitBoard:

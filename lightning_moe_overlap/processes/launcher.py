@@ -42,7 +42,7 @@ from lightning_moe_overlap.validation import (
     known_batch_size,
     raise_problems,
 )
-from lightning_moe_overlap.moe.handle import MoEModelHandle
+from lightning_moe_overlap.moe.model_handle import MoEModelHandle
 
 if TYPE_CHECKING:
     from lightning.pytorch import Trainer

@@ -15,7 +15,7 @@ def test_the_fp8_argument_parses_and_builds_the_strategy() -> None:
     assert error is None
     init_args = config["trainer"]["strategy"]["init_args"]
     assert init_args["fp8"] == "rowwise"
-    assert MoEOverlapStrategy(**init_args).fp8 == "rowwise"
+    assert MoEOverlapStrategy(**init_args).config.fp8 == "rowwise"
 
 
 def test_check_reports_fp8_problems(capsys) -> None:

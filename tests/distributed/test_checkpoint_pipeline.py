@@ -26,12 +26,12 @@ from torch.distributed.tensor import DTensor
 
 from lightning_moe_overlap.checkpoint import checkpointer, consolidate_checkpoint
 from lightning_moe_overlap.demo import MoEGPT
-from lightning_moe_overlap.moe.adapters import apply_expert_parallel
+from lightning_moe_overlap.moe.ep import apply_expert_parallel
 from lightning_moe_overlap.moe.ep import ExpertParallelExperts
-from lightning_moe_overlap.parallel import ParallelDims, build_groups
-from lightning_moe_overlap.pipeline.layout import build_layout
+from lightning_moe_overlap.parallel import ParallelDims
+from lightning_moe_overlap.config.pipeline_layout import build_layout
 from lightning_moe_overlap.pipeline.split import split_model
-from tests.helpers.distributed import run_distributed
+from tests.helpers.distributed import mesh_groups, run_distributed
 
 WORLD, E, LAYERS = 4, 4, 4
 CONFIG = dict(vocab_size=16, hidden_size=8, num_layers=LAYERS, num_heads=2, num_experts=E, top_k=2, ffn_hidden_size=4)
@@ -232,9 +232,9 @@ def worker(rank: int, world_size: int, root: str) -> list[str]:
     torch.use_deterministic_algorithms(True)
     root = Path(root)
     ref = source()
-    pp2 = build_groups(ParallelDims.from_world_size(world_size, pp=2, ep=2), rank)
-    pp1 = build_groups(ParallelDims.from_world_size(world_size, ep=2), rank)
-    pp1_ep1 = build_groups(ParallelDims.from_world_size(world_size), rank)
+    pp2 = mesh_groups(ParallelDims.from_world_size(world_size, pp=2, ep=2), rank)
+    pp1 = mesh_groups(ParallelDims.from_world_size(world_size, ep=2), rank)
+    pp1_ep1 = mesh_groups(ParallelDims.from_world_size(world_size), rank)
     problems: list[str] = []
     save_both(root, "pp2", pp2, rank, ref, vpp=2, held_only=True)
     if rank == 0:

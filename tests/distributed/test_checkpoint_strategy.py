@@ -277,7 +277,7 @@ def test_checkpoint_with_another_expert_count_is_refused_on_every_rank(results):
 def test_a_sharded_checkpoint_loads_unsharded_in_one_process(results, root):
     """C's ep=2 checkpoint, read here with no process group into the plain model at ep=1 (weights and Adam)."""
     from lightning_moe_overlap.checkpoint import checkpointer
-    from lightning_moe_overlap.moe.adapters import apply_expert_parallel
+    from lightning_moe_overlap.moe.ep import apply_expert_parallel
 
     model = GPT(seed=4)
     apply_expert_parallel(model, None)

@@ -7,6 +7,9 @@ Oracle: the same configuration with the float8 all-gather turned off (the strate
 With tensorwise scaling the weight's scale is the amax of the whole weight either way (all-reduced over the shards,
 or taken after the gather), and casting a shard to float8 then gathering equals gathering then casting: measured
 bitwise equal over 3 steps (losses and every parameter).
+
+A second ``fit`` of the same model with a new Trainer (a new strategy, which takes the prepared model's record)
+precomputes the scales after each of its steps too.
 """
 
 from __future__ import annotations
@@ -19,7 +22,7 @@ from lightning_moe_overlap import MoEOverlapStrategy
 from lightning_moe_overlap import strategy as strategy_module
 from lightning_moe_overlap.demo import MoEGPT
 from lightning_moe_overlap.fp8 import dense
-from lightning_moe_overlap.parallel import apply as parallel_apply
+from lightning_moe_overlap.parallelize import steps as parallel_apply
 from lightning_moe_overlap.parallel.dtensors import local
 from tests.helpers.data import RandomTokens
 from tests.helpers.distributed import run_distributed
@@ -32,10 +35,10 @@ class Tokens(RandomTokens):
         super().__init__(n, SEQ, 64, seed=5)
 
 
-def _fit(float8_all_gather: bool) -> dict:
+def _fit(float8_all_gather: bool, model: MoEGPT | None = None) -> dict:
     torch.manual_seed(0)
-    model = MoEGPT(vocab_size=64, hidden_size=32, num_layers=2, num_heads=4, num_experts=4, top_k=2,
-                   ffn_hidden_size=16, lr=1e-2, seed=3)  # fmt: skip
+    model = model or MoEGPT(vocab_size=64, hidden_size=32, num_layers=2, num_heads=4, num_experts=4, top_k=2,
+                            ffn_hidden_size=16, lr=1e-2, seed=3)  # fmt: skip
     losses: list[float] = []
     model.on_train_batch_end = lambda outputs, *_: losses.append(float(outputs["loss"]))
     precomputed: list[int] = []
@@ -67,11 +70,15 @@ def _fit(float8_all_gather: bool) -> dict:
         "report": strategy.fp8_report.float8_all_gather,
         "weight_type": type(wrapped).__name__,
         "precomputed": len(precomputed),
+        "model": model,
     }
 
 
 def _worker(rank: int, world: int) -> dict:
-    return {"float8": _fit(True), "float32": _fit(False)}
+    on, off = _fit(True), _fit(False)
+    again = _fit(True, model=on.pop("model"))  # a new Trainer and strategy, the prepared model
+    del off["model"], again["model"]
+    return {"float8": on, "float32": off, "again": {k: again[k] for k in ("report", "precomputed", "losses")}}
 
 
 def test_shard_full_fp8_all_gathers_in_float8_and_trains_as_without_it():
@@ -83,5 +90,7 @@ def test_shard_full_fp8_all_gathers_in_float8_and_trains_as_without_it():
         ), f"rank {rank}"  # fmt: skip
         assert (off["report"], off["precomputed"]) == (False, 0) and off["weight_type"] != on["weight_type"]
         assert len(on["losses"]) == STEPS and on["losses"] == off["losses"], f"rank {rank}"
+        again = result["again"]
+        assert (again["report"], again["precomputed"], len(again["losses"])) == (True, STEPS, STEPS), f"rank {rank}"
         for name, value in off["state"].items():
             assert torch.equal(on["state"][name], value), f"rank {rank}: {name}"

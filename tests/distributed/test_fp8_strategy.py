@@ -4,7 +4,7 @@ tokens are dispatched in FP8 (in high precision with ``mxfp8``), and a tiny HF Q
 float32 run.
 
 Oracles: the ``overlap=False`` run of the same configuration (bitwise); counters installed at test time around the
-FP8 wgrad GEMM (``fp8/experts.py``'s ``fp8_wgrad``: queued when it runs inside a closure the runtime queued) and
+FP8 wgrad GEMM (``fp8/experts_kernel.py``'s ``fp8_wgrad``: queued when it runs inside a closure the runtime queued) and
 around the FP8 token exchange (``moe/dispatch/alltoall.py``'s ``float8_all_to_all``), whose expected counts are the
 configuration's (steps x micro-batches x MoE layers, x 2 projections for the GEMMs); the float32 run's loss.
 """
@@ -23,7 +23,7 @@ from torch.utils.data import DataLoader
 from lightning_moe_overlap import MoEOverlapStrategy
 from lightning_moe_overlap.demo import MoEGPT
 from lightning_moe_overlap.demo_hf import HFMoECausalLM
-from lightning_moe_overlap.fp8 import experts as fp8_experts
+from lightning_moe_overlap.fp8 import experts_kernel as fp8_experts
 from lightning_moe_overlap.fp8.apply import has_fp8_kernel
 from lightning_moe_overlap.moe.dispatch import alltoall
 from lightning_moe_overlap.overlap.runtime import CommRuntime

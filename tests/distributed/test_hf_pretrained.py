@@ -1,7 +1,7 @@
 """A published checkpoint of every built-in family, loaded into the sharded model by the strategy (gloo, CPU).
 
 ``HFMoECausalLM(pretrained=FOLDER)`` under ``MoEOverlapStrategy``: the model is built from ``config.json`` on the
-meta device, made expert-parallel, then every rank reads its part of the files (``parallel/apply.py``,
+meta device, made expert-parallel, then every rank reads its part of the files (``parallelize/steps.py``,
 ``apply_pretrained``). Oracle: Hugging Face's own ``from_pretrained`` of the same folder (its own key conversion) in
 this process: the strategy's gathered state before the first step equals its state dict bitwise, and each rank's
 first-step loss equals HF's forward of that rank's batch (mean over the micro-batches) within 1e-5.

@@ -11,7 +11,7 @@ import torch
 import torch.distributed as dist
 
 from lightning_moe_overlap.moe import MoELayer, apply_expert_parallel
-from lightning_moe_overlap.moe.dispatch import communicator
+from lightning_moe_overlap.overlap import communicator
 from lightning_moe_overlap.overlap.runtime import CommRuntime
 from tests.helpers.distributed import run_distributed
 from tests.helpers.syncs import SyncCounter

@@ -20,11 +20,11 @@ from lightning_moe_overlap import ActivationOffload, MoEOverlapStrategy, Selecti
 from lightning_moe_overlap.demo import MoEGPT
 from lightning_moe_overlap.demo_hf import HFMoECausalLM
 from lightning_moe_overlap.parallel.grads import sync_gradients
-from lightning_moe_overlap.moe.adapters import apply_expert_parallel
+from lightning_moe_overlap.moe.ep import apply_expert_parallel
 from lightning_moe_overlap.overlap.engine import OverlapEngine
 from lightning_moe_overlap.overlap.runtime import CommRuntime
-from lightning_moe_overlap.parallel import ParallelDims, build_groups
-from tests.helpers.distributed import run_distributed
+from lightning_moe_overlap.parallel import ParallelDims
+from tests.helpers.distributed import mesh_groups, run_distributed
 from tests.unit.test_dispatch_flex import FakeDeepEPBuffer
 
 WORLD, STEPS, MICRO, VOCAB, SEQ = 2, 2, 2, 64, 9
@@ -188,7 +188,7 @@ def _trainer_matrix() -> list[str]:
 
 def _worker(rank: int, world: int) -> dict:
     torch.set_num_threads(1)
-    groups_by_ep = {ep: build_groups(ParallelDims.from_world_size(world, ep=ep), rank) for ep in (1, 2)}
+    groups_by_ep = {ep: mesh_groups(ParallelDims.from_world_size(world, ep=ep), rank) for ep in (1, 2)}
     return {"engine": _engine_matrix(rank, groups_by_ep), "trainer": _trainer_matrix()}
 
 

@@ -18,12 +18,12 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from lightning_moe_overlap.parallel.grads import sync_gradients
-from lightning_moe_overlap.moe.adapters import apply_expert_parallel
+from lightning_moe_overlap.moe.ep import apply_expert_parallel
 from lightning_moe_overlap.moe.layer import MoELayer
 from lightning_moe_overlap.overlap.engine import OverlapEngine
 from lightning_moe_overlap.overlap.runtime import CommRuntime
-from lightning_moe_overlap.parallel import ParallelDims, build_groups
-from tests.helpers.distributed import run_distributed
+from lightning_moe_overlap.parallel import ParallelDims
+from tests.helpers.distributed import mesh_groups, run_distributed
 
 WORLD, STEPS, D, TOKENS = 4, 2, 16, 10
 
@@ -90,7 +90,7 @@ def _train(rank, groups, ep, micro, top_k, recompute, dispatcher, overlap, delay
 
 def _worker_matrix(rank: int, world: int, cases: list[tuple]) -> int:
     torch.use_deterministic_algorithms(True)
-    groups_by_ep = {ep: build_groups(ParallelDims.from_world_size(world, ep=ep), rank) for ep in (1, 2, 4)}
+    groups_by_ep = {ep: mesh_groups(ParallelDims.from_world_size(world, ep=ep), rank) for ep in (1, 2, 4)}
     checked = 0
     for ep, micro, top_k, recompute, dispatcher in cases:
         args = (rank, groups_by_ep[ep], ep, micro, top_k, recompute, dispatcher)

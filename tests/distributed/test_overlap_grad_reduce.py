@@ -42,7 +42,7 @@ class _Record(Callback):
         self.events: list[tuple[str, object]] = []
 
     def on_train_start(self, trainer, pl_module) -> None:
-        trainer.strategy._sharded.observe_reduction(lambda event, unit: self.events.append((event, unit)))
+        trainer.strategy.prepared.sharded.observe_reduction(lambda event, unit: self.events.append((event, unit)))
 
         def mark(module, args) -> None:
             if torch.is_grad_enabled() and args[0].requires_grad:
@@ -66,7 +66,7 @@ def _fit(shard: str, overlap: bool, early: bool, delay_wgrad: bool = False) -> d
     )  # fmt: skip
     trainer.fit(model)
     params = [p for g in trainer.optimizers[0].param_groups for p in g["params"]]
-    units = [name for name, _ in trainer.strategy._sharded.named_units()]
+    units = [name for name, _ in trainer.strategy.prepared.sharded.named_units()]
     return {
         "shards": [(p.to_local() if isinstance(p, DTensor) else p).detach().clone() for p in params],
         "events": record.events,

@@ -1,5 +1,5 @@
-"""build_groups and build_mesh on real gloo ranks: every rank lands in the groups the pure layout says, they
-communicate, and each 1-D view of the mesh has exactly the members of the group of the same kind."""
+"""The mesh's process groups on real gloo ranks: every rank lands in the groups the pure layout says, they
+communicate, and each 1-D view of the mesh is the group of its kind, with this rank at its coordinate there."""
 
 from __future__ import annotations
 
@@ -7,9 +7,9 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from lightning_moe_overlap.parallel import ParallelDims, build_groups
+from lightning_moe_overlap.parallel import ParallelDims
 from lightning_moe_overlap.parallel.dims import GROUP_KINDS
-from lightning_moe_overlap.parallel.mesh import build_mesh
+from lightning_moe_overlap.parallel.mesh import ParallelMesh, build_mesh
 from tests.helpers.distributed import run_distributed
 
 SHAPES = {  # world -> list of (tp, pp, cp, ep)
@@ -21,28 +21,12 @@ SHAPES = {  # world -> list of (tp, pp, cp, ep)
 
 def _worker_groups(rank: int, world: int, shapes: list[tuple[int, int, int, int]]) -> int:
     checked = 0
-    created: list[list[int]] = []
-    new_group = dist.new_group
-
-    def counting_new_group(ranks, **kwargs):
-        created.append(list(ranks))
-        return new_group(ranks, **kwargs)
-
-    dist.new_group = counting_new_group  # this worker process only
     for tp, pp, cp, ep in shapes:
         dims = ParallelDims.from_world_size(world, tp=tp, pp=pp, cp=cp, ep=ep)
-        created.clear()
-        groups = build_groups(dims, rank)
-        # Built: one single-rank group when some kind has size 1, then each distinct partition once (ep apart).
-        partitions = {
-            (tuple(map(tuple, dims.group_ranks(k))), k == "ep") for k in GROUP_KINDS if len(dims.group_of(k, rank)) > 1
-        }
-        solo = any(len(dims.group_of(k, rank)) == 1 for k in GROUP_KINDS)
-        assert len(created) == solo + sum(len(p) for p, _ in partitions), (dims, created)
-        singles = {id(getattr(groups, k)) for k in GROUP_KINDS if len(dims.group_of(k, rank)) == 1}
-        assert len(singles) <= 1, dims  # every size-1 kind is the same single-rank group
-        if cp == 1:
-            assert groups.dp is groups.dp_cp
+        mesh = build_mesh(dims, "cpu")
+        groups = mesh.process_groups(rank)  # as the strategy gets them
+        if tp == 1:
+            assert groups.dp_cp_tp is groups.dp_cp, dims  # the same ranks: the mesh makes no second communicator
         for kind in GROUP_KINDS:
             group = getattr(groups, kind)
             expected = dims.group_of(kind, rank)
@@ -52,19 +36,20 @@ def _worker_groups(rank: int, world: int, shapes: list[tuple[int, int, int, int]
             assert total.item() == float(sum(expected)), (kind, rank)
             checked += 1
         assert groups.coords == dims.coords(rank)
-        checked += _check_mesh(dims, rank, groups)
+        checked += _check_mesh(dims, rank, mesh)
     return checked
 
 
-def _check_mesh(dims: ParallelDims, rank: int, groups) -> int:
-    """The mesh's view of each kind has the members of that kind's group, and this rank's index in it is its
-    coordinate there; one all-reduce over the flattened views proves they connect those ranks."""
-    mesh = build_mesh(dims, "cpu")
+def _check_mesh(dims: ParallelDims, rank: int, mesh: ParallelMesh) -> int:
+    """The mesh's view of each kind is the group of that kind, its members in coordinate order, and this rank's
+    index in it is its coordinate there; one all-reduce over the flattened views proves they connect those ranks."""
+    groups = mesh.process_groups(rank)
     coords = dims.coords(rank)
     for kind in GROUP_KINDS:
         view = mesh[kind]
         members = dist.get_process_group_ranks(view.get_group())
-        assert members == dist.get_process_group_ranks(getattr(groups, kind)), (kind, rank, dims, members)
+        assert view.get_group() is getattr(groups, kind), (kind, rank, dims)
+        assert members == dims.group_of(kind, rank), (kind, rank, dims, members)
         assert view.mesh.tolist() == members, (kind, rank, view)
         block = coords.dp * dims.cp + coords.cp
         by_kind = {"dp_cp": block, "dp_cp_tp": block * dims.tp + coords.tp}
@@ -93,11 +78,9 @@ def test_groups_eight_ranks():
 
 
 def _worker_wrong_world(rank: int, world: int) -> None:
-    build_groups(ParallelDims.from_world_size(4, ep=2), rank)
+    build_mesh(ParallelDims.from_world_size(4, ep=2), "cpu")
 
 
 def test_groups_refuse_dims_of_another_world():
-    import pytest
-
-    with pytest.raises(RuntimeError, match=r"world_size=2 but the dims were built for world_size=4"):
+    with pytest.raises(RuntimeError, match=r"built for world_size=4 but the default process group has world_size=2"):
         run_distributed(_worker_wrong_world, 2)

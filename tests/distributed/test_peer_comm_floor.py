@@ -17,15 +17,15 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
 import overlap as bench  # noqa: E402
 import peer_torchtitan as peer  # noqa: E402
 
-from lightning_moe_overlap.parallel import ParallelDims, build_groups  # noqa: E402
-from tests.helpers.distributed import run_distributed  # noqa: E402
+from lightning_moe_overlap.parallel import ParallelDims  # noqa: E402
+from tests.helpers.distributed import mesh_groups, run_distributed  # noqa: E402
 
 CFG = bench.Config(ranks=2, layers=2, hidden=16, ffn=8, dense_ffn=8, experts=4, top_k=2, tokens=6, microbatches=3)
 
 
 def _model_and_floor(rank: int, world_size: int) -> dict:
     cpu = torch.device("cpu")
-    groups = build_groups(ParallelDims.from_world_size(world_size, ep=world_size), rank)
+    groups = mesh_groups(ParallelDims.from_world_size(world_size, ep=world_size), rank)
     t = bench.build_trainer(CFG, "sequential", groups, cpu)
     x, y = bench.make_batch(CFG, rank, cpu)
     t.traffic.reset()

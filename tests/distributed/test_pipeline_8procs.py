@@ -14,8 +14,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from lightning_moe_overlap.parallel import ParallelDims, build_groups
-from tests.helpers.distributed import run_distributed
+from lightning_moe_overlap.parallel import ParallelDims
+from tests.helpers.distributed import mesh_groups, run_distributed
 from tests.helpers.pipeline import Sizes, assert_matches_reference, bitwise_problems, train_pipeline
 
 pytestmark = pytest.mark.procs8
@@ -26,7 +26,7 @@ SIZES = Sizes(pp=4, ep=2, dp=2, layers=8, microbatches=8)  # M=8: every rank rea
 
 def worker(rank: int, world_size: int) -> dict:
     torch.use_deterministic_algorithms(True)
-    groups = build_groups(ParallelDims.from_world_size(world_size, pp=SIZES.pp, ep=SIZES.ep), rank)
+    groups = mesh_groups(ParallelDims.from_world_size(world_size, pp=SIZES.pp, ep=SIZES.ep), rank)
     assert (groups.dims.dp, groups.dims.ep) == (SIZES.dp, SIZES.ep), groups.dims
     off = train_pipeline(groups, SIZES, SCHEDULE, VPP, overlap=False)
     on = train_pipeline(groups, SIZES, SCHEDULE, VPP, overlap=True)

@@ -26,10 +26,10 @@ import torch
 
 from lightning_moe_overlap.callbacks import ActivationOffload, SelectiveRecompute
 from lightning_moe_overlap.overlap import CommRuntime, OverlapEngine, PeerFailure
-from lightning_moe_overlap.parallel import ParallelDims, build_groups
+from lightning_moe_overlap.parallel import ParallelDims
 from lightning_moe_overlap.pipeline.executor import PipelineExecutor
 from lightning_moe_overlap.pipeline.schedules import build_schedule, build_stages
-from tests.helpers.distributed import run_distributed
+from tests.helpers.distributed import mesh_groups, run_distributed
 from tests.helpers.pipeline import (
     Sizes,
     assert_matches_reference,
@@ -57,7 +57,7 @@ MEMORY = {
 def worker(rank: int, world_size: int) -> dict:
     torch.use_deterministic_algorithms(True)
     register_block_names()
-    groups = build_groups(ParallelDims.from_world_size(world_size, pp=SIZES.pp, ep=SIZES.ep), rank)
+    groups = mesh_groups(ParallelDims.from_world_size(world_size, pp=SIZES.pp, ep=SIZES.ep), rank)
     runs, problems, memory = {}, [], {}
     for name in OVERLAPPED:
         off = train_pipeline(groups, SIZES, name, 2, overlap=False)

@@ -13,8 +13,8 @@ from lightning_moe_overlap.moe.bias import correction_bias_balancers
 from lightning_moe_overlap.moe.ep import ExpertParallelExperts
 from lightning_moe_overlap.overlap.engine import OverlapEngine
 from lightning_moe_overlap.overlap.runtime import CommRuntime
-from lightning_moe_overlap.parallel import ParallelDims, build_groups
-from tests.helpers.distributed import run_distributed
+from lightning_moe_overlap.parallel import ParallelDims
+from tests.helpers.distributed import mesh_groups, run_distributed
 
 pytest.importorskip("transformers")
 
@@ -59,7 +59,7 @@ def _train(rank: int, groups, recompute: bool, overlap: bool) -> dict[str, list]
 
 def _worker(rank: int, world: int) -> dict:
     torch.set_num_threads(1)
-    groups = build_groups(ParallelDims.from_world_size(world, ep=2), rank)
+    groups = mesh_groups(ParallelDims.from_world_size(world, ep=2), rank)
     reference = _train(rank, groups, recompute=False, overlap=False)
     got = _train(rank, groups, recompute=True, overlap=True)
     same = {

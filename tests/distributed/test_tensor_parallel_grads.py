@@ -16,12 +16,8 @@ from lightning_moe_overlap.demo import MoEGPT
 from lightning_moe_overlap.demo_hf import HFMoECausalLM
 from lightning_moe_overlap.loss import fused_linear_cross_entropy
 from lightning_moe_overlap.loss.vocab_parallel import head_cross_entropy
-from lightning_moe_overlap.parallel.tensor import (
-    TensorParallelGrads,
-    apply_tensor_parallel,
-    plan_of,
-    set_sequence_group,
-)
+from lightning_moe_overlap.parallel.tp_styles import apply_tensor_parallel
+from lightning_moe_overlap.parallelize.tensor_plan import TensorParallelGrads, plan_of, set_sequence_group
 from tests.helpers.distributed import run_distributed
 
 GPT = dict(vocab_size=64, hidden_size=32, num_layers=2, num_heads=4, num_experts=4, top_k=2, ffn_hidden_size=16,

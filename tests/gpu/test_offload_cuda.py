@@ -11,7 +11,7 @@ from lightning_moe_overlap.callbacks import ActivationOffload, SavedActivationMe
 from lightning_moe_overlap.callbacks.numa import bind_to_device_numa_node
 from lightning_moe_overlap.callbacks.offload_engine import CudaCopier
 from lightning_moe_overlap.demo import MoEGPT
-from lightning_moe_overlap.moe.adapters import apply_expert_parallel
+from lightning_moe_overlap.moe.ep import apply_expert_parallel
 from lightning_moe_overlap.overlap import CommRuntime, run_schedule
 
 pytestmark = [

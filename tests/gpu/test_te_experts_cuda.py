@@ -13,7 +13,7 @@ import pytest
 import torch
 from torch import nn
 
-from lightning_moe_overlap.moe.adapters import apply_expert_parallel
+from lightning_moe_overlap.moe.ep import apply_expert_parallel
 from lightning_moe_overlap.moe.experts import Experts
 from lightning_moe_overlap.overlap.runtime import CommRuntime
 

@@ -27,6 +27,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from lightning_moe_overlap.parallel import ParallelDims, ParallelGroups, build_mesh
 
 PRELOAD = (
     "torch",
@@ -81,6 +82,12 @@ def _entry(
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
+
+
+def mesh_groups(dims: ParallelDims, rank: int) -> ParallelGroups:
+    """This rank's process groups of ``dims``, made as the strategy makes them: one CPU mesh's views
+    (``build_mesh(dims, "cpu").process_groups(rank)``). Collective: every rank calls it with the same ``dims``."""
+    return build_mesh(dims, "cpu").process_groups(rank)
 
 
 def run_distributed(

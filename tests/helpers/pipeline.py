@@ -19,7 +19,7 @@ from torch import nn
 
 from lightning_moe_overlap.callbacks import ExpertStage, register_layer_names
 from lightning_moe_overlap.parallel.grads import sync_gradients
-from lightning_moe_overlap.moe.adapters import apply_expert_parallel
+from lightning_moe_overlap.moe.ep import apply_expert_parallel
 from lightning_moe_overlap.moe.layer import MoELayer
 from lightning_moe_overlap.overlap import CommRuntime, OverlapEngine
 from lightning_moe_overlap.pipeline.executor import PipelineExecutor

@@ -16,7 +16,12 @@ from torch import nn
 from lightning_moe_overlap import MoEOverlapStrategy
 from lightning_moe_overlap.checkpoint import atomic, checkpointer, consolidate_checkpoint, load_consolidated_state_dict
 from lightning_moe_overlap.checkpoint.consolidated import read_file
-from lightning_moe_overlap.checkpoint.checks import check_expert_counts, check_keys, check_optimizer, check_state_names
+from lightning_moe_overlap.checkpoint.fit_checks import (
+    check_expert_counts,
+    check_keys,
+    check_optimizer,
+    check_state_names,
+)
 from lightning_moe_overlap.checkpoint.optimizer import (
     flat_to_named,
     indexed_to_flat,
@@ -24,7 +29,7 @@ from lightning_moe_overlap.checkpoint.optimizer import (
     param_names,
     to_indexed,
 )
-from lightning_moe_overlap.moe.adapters import apply_expert_parallel
+from lightning_moe_overlap.moe.ep import apply_expert_parallel
 from lightning_moe_overlap.moe.layer import MoELayer
 
 E = 4  # experts

@@ -15,8 +15,8 @@ from lightning_moe_overlap.checkpoint.consolidated import gather_full
 from lightning_moe_overlap.checkpoint.optimizer import merge_param_groups
 from lightning_moe_overlap.checkpoint.state import absent_keys, optimizer_state
 from lightning_moe_overlap.demo import MoEGPT
-from lightning_moe_overlap.moe.adapters import apply_expert_parallel
-from lightning_moe_overlap.pipeline.layout import build_layout
+from lightning_moe_overlap.moe.ep import apply_expert_parallel
+from lightning_moe_overlap.config.pipeline_layout import build_layout
 from lightning_moe_overlap.pipeline.split import split_model
 
 CONFIG = dict(vocab_size=16, hidden_size=8, num_layers=4, num_heads=2, num_experts=4, top_k=2, ffn_hidden_size=4)

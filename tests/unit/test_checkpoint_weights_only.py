@@ -24,7 +24,7 @@ import torch.distributed.checkpoint as dcp
 
 from lightning_moe_overlap.checkpoint import checkpointer, consolidate_checkpoint, load_consolidated_state_dict
 from lightning_moe_overlap.checkpoint.safe_load import resolve
-from lightning_moe_overlap.checkpoint.rng import capture_rng, read_rng, restore_rng
+from lightning_moe_overlap.checkpoint.rng_state import capture_rng, read_rng, restore_rng
 from lightning_moe_overlap.checkpoint.sharded import load_everything, single_process_quiet
 from tests.unit.test_checkpoint import FIXTURE, _lightning_checkpoint, _trained
 from tests.helpers.planted import Planted

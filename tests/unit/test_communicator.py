@@ -8,7 +8,7 @@ import torch
 
 from lightning_moe_overlap.moe.dispatch import loopback as loopback_module
 from lightning_moe_overlap.moe.dispatch.comm import all_to_all_raw, communicator_of
-from lightning_moe_overlap.moe.dispatch.communicator import TORCH
+from lightning_moe_overlap.overlap.communicator import TORCH
 from lightning_moe_overlap.moe.dispatch.loopback import Loopback
 from lightning_moe_overlap.overlap.observers import CommTraffic
 from lightning_moe_overlap.overlap.runtime import CommRuntime

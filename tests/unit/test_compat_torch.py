@@ -114,7 +114,7 @@ def test_top_saved_tensors_hooks() -> None:
         hooks = torch_compat.top_saved_tensors_hooks()
     assert hooks is not None and hooks[0] is pack, _broken(name, function, "no longer returns the (pack, unpack) hooks")
 
-    seen: list[str] = []  # callbacks/_regions.py::inside_checkpoint tells checkpoint's hooks by their module
+    seen: list[str] = []  # callbacks/_forward_regions.py::inside_checkpoint tells checkpoint's hooks by their module
 
     def body(x: torch.Tensor) -> torch.Tensor:
         top = torch_compat.top_saved_tensors_hooks()
@@ -576,7 +576,7 @@ def test_cp_batch_order_is_torchs_head_tail(seq: int, cp: int) -> None:
 
 def test_wrapper_subclass_names() -> None:
     """``make_wrapper_subclass``, ``disabled_torch_function`` and ``tree_map``: a storage-less subclass whose
-    operations go through ``__torch_dispatch__`` and come back as plain tensors (as ``fp8/rows.py`` relies on)."""
+    operations go through ``__torch_dispatch__`` and come back as plain tensors (as ``float8/rows.py`` relies on)."""
     _require(torch.Tensor, "_make_wrapper_subclass", "torch.Tensor._make_wrapper_subclass", "make_wrapper_subclass")
     _require(torch._C, "_disabled_torch_function_impl", "torch._C._disabled_torch_function_impl",
              "disabled_torch_function")  # fmt: skip

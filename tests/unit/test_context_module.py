@@ -11,7 +11,7 @@ import torch
 from lightning.pytorch import LightningModule
 
 from lightning_moe_overlap.demo import MoEGPT
-from lightning_moe_overlap.parallel.apply import apply_cp, aux_loss_scale
+from lightning_moe_overlap.parallelize.steps import apply_cp, aux_loss_scale
 from lightning_moe_overlap.parallel.context_module import ContextParallel
 from lightning_moe_overlap.parallel.dims import ParallelDims
 

@@ -10,7 +10,7 @@ from torch import nn
 
 from lightning_moe_overlap.config import OverlapConfig
 from lightning_moe_overlap.moe.bias import CorrectionBiasBalancer, correction_bias_balancers
-from lightning_moe_overlap.moe.handle import MoEModelHandle
+from lightning_moe_overlap.moe.model_handle import MoEModelHandle
 
 E = 8
 

@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 from lightning_moe_overlap.moe import DeepEPBuffers, Experts, apply_expert_parallel
-from lightning_moe_overlap.moe import adapters as adapters_module
+from lightning_moe_overlap.moe import ep as ep_module
 from lightning_moe_overlap.moe.dispatch import AllToAllDispatcher, FlexDispatcher
 from lightning_moe_overlap.moe.grouped import grouped_mlp
 from lightning_moe_overlap.overlap.runtime import CommRuntime
@@ -65,7 +65,7 @@ def test_apply_expert_parallel_makes_one_provider_for_the_model(monkeypatch: pyt
         made.append(DeepEPBuffers(num_sms, buffer_factory=CountingFactory()))
         return made[-1]
 
-    monkeypatch.setattr(adapters_module, "DeepEPBuffers", provider)
+    monkeypatch.setattr(ep_module, "DeepEPBuffers", provider)
     ep_modules = apply_expert_parallel(_model(3), None, dispatcher="flex", runtime=None, deepep_num_sms=24)
     assert len(made) == 1 and made[0].num_sms == 24
     assert {id(m.dispatcher.buffers) for m in ep_modules} == {id(made[0])}

@@ -232,7 +232,7 @@ def test_the_strategy_setting_reaches_the_alltoall_dispatcher(dedup: bool) -> No
     from lightning_moe_overlap.moe.ep import ExpertParallelExperts
     from lightning_moe_overlap.moe.layer import MoELayer
     from lightning_moe_overlap.overlap.runtime import CommRuntime
-    from lightning_moe_overlap.moe.handle import MoEModelHandle
+    from lightning_moe_overlap.moe.model_handle import MoEModelHandle
 
     model = torch.nn.Sequential(MoELayer(hidden_size=8, ffn_hidden_size=4, num_experts=E, top_k=2))
     handle = MoEModelHandle(model)

@@ -12,11 +12,11 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from lightning_moe_overlap.callbacks import SavedActivationMeter
-from lightning_moe_overlap.moe.adapters import apply_expert_parallel
+from lightning_moe_overlap.moe.ep import apply_expert_parallel
 from lightning_moe_overlap.moe.ep import ExpertParallelExperts
 from lightning_moe_overlap.moe.experts import Experts
 from lightning_moe_overlap.moe.grouped import grouped_mlp
-from lightning_moe_overlap.moe.layout import ExpertsLayout
+from lightning_moe_overlap.moe.experts_layout import ExpertsLayout
 from lightning_moe_overlap.moe.stages import STAGE_NAMES, ExpertsStage
 from lightning_moe_overlap.overlap.runtime import CommRuntime
 

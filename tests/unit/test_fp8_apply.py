@@ -14,7 +14,7 @@ from lightning_moe_overlap.demo_hf import HFMoECausalLM
 from lightning_moe_overlap.fp8 import RECIPES, Float8ExpertsKernel, apply_fp8, has_fp8_kernel
 from lightning_moe_overlap.config import OverlapConfig
 from lightning_moe_overlap.fp8.dense import HIGH_PRECISION_ATTR
-from lightning_moe_overlap.parallel.apply import apply_fp8_step
+from lightning_moe_overlap.parallelize.steps import apply_fp8_step
 from lightning_moe_overlap.moe import ExpertParallelExperts, Experts, apply_expert_parallel, layout_of
 from lightning_moe_overlap.moe.dispatch import AllToAllDispatcher
 from tests.unit.test_fp8_gemm import FORWARD_DB, sqnr_db

@@ -19,11 +19,11 @@ import pytest
 import torch
 from torch import nn
 
-from lightning_moe_overlap.callbacks import OffloadEngine, _regions
+from lightning_moe_overlap.callbacks import OffloadEngine, _forward_regions
 from lightning_moe_overlap.fp8 import apply_fp8
-from lightning_moe_overlap.fp8.experts import Float8GroupedLinear
-from lightning_moe_overlap.fp8.recipes import RECIPES
-from lightning_moe_overlap.fp8.rows import Float8Rows, pack_rows, quantize_rows, unpack_rows
+from lightning_moe_overlap.fp8.experts_kernel import Float8GroupedLinear
+from lightning_moe_overlap.float8.recipes import RECIPES
+from lightning_moe_overlap.float8.rows import Float8Rows, pack_rows, quantize_rows, unpack_rows
 from lightning_moe_overlap.moe import Experts, apply_expert_parallel
 from lightning_moe_overlap.moe.dispatch.float8 import float8_all_to_all, float8_all_to_all_many, gather_float8_rows
 from lightning_moe_overlap.moe.dispatch.loopback import Loopback
@@ -145,7 +145,7 @@ def test_offload_moves_the_fp8_rows_saved_by_the_fp8_gemm_as_fp8() -> None:
         rows = float8_all_to_all(leaf, recipe, (10,), (10,), None, None)
         if engine is not None:
             engine.open_group()
-        with _regions.region("expert_fc1"):
+        with _forward_regions.region("expert_fc1"):
             y = Float8GroupedLinear.apply(rows, weight, splits, False, recipe, None, ())
         if engine is not None:
             engine.close_group()

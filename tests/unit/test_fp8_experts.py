@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from lightning_moe_overlap.fp8 import RECIPES, Float8ExpertsKernel, apply_fp8
-from lightning_moe_overlap.fp8.experts import Float8GroupedLinear
+from lightning_moe_overlap.fp8.experts_kernel import Float8GroupedLinear
 from lightning_moe_overlap.moe import ExpertParallelExperts, Experts, layout_of
 from lightning_moe_overlap.moe.dispatch import AllToAllDispatcher
 from lightning_moe_overlap.moe.grouped import RowSplits

@@ -18,13 +18,13 @@ from torch import nn
 from lightning_moe_overlap.config import OverlapConfig
 from lightning_moe_overlap.demo import MoEGPT
 from lightning_moe_overlap.fp8 import RECIPES, Float8ExpertsKernel, apply_fp8, fp8_matmul
-from lightning_moe_overlap.fp8.experts import Float8GroupedLinear
-from lightning_moe_overlap.fp8.gemm import fp8_matmul_rows
-from lightning_moe_overlap.fp8.rows import Float8Rows, quantize_rows
-from lightning_moe_overlap.fp8.scaling import dequantize, quantize, quantize_blocks
+from lightning_moe_overlap.fp8.experts_kernel import Float8GroupedLinear
+from lightning_moe_overlap.float8.gemm import fp8_matmul_rows
+from lightning_moe_overlap.float8.rows import Float8Rows, quantize_rows
+from lightning_moe_overlap.float8.scaling import dequantize, quantize, quantize_blocks
 from lightning_moe_overlap.moe import Experts
 from lightning_moe_overlap.moe.grouped import RowSplits
-from lightning_moe_overlap.parallel.tensor import PLANNED_ATTR
+from lightning_moe_overlap.parallel.tp_styles import PLANNED_ATTR
 from lightning_moe_overlap.validation import check_fp8, check_fp8_model
 from tests.unit.test_fp8_dispatch import _run as run_dispatch
 from tests.unit.test_fp8_gemm import FORWARD_DB, sqnr_db

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from lightning_moe_overlap.fp8 import RECIPES, Float8Recipe, fp8_matmul, resolve_recipe
-from lightning_moe_overlap.fp8.scaling import amax_to_scale, dequantize, quantize
+from lightning_moe_overlap.float8.scaling import amax_to_scale, dequantize, quantize
 
 E4M3_MAX, E5M2_MAX = 448.0, 57344.0  # the formats' largest finite values (OCP FP8 spec)
 

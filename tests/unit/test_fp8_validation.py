@@ -49,7 +49,7 @@ def test_the_strategy_raises_the_fp8_errors_and_warns_the_rest() -> None:
         MoEOverlapStrategy(fp8="rowwise", expert_backend="te")
     with pytest.warns(UserWarning, match=r"dispatched in high precision"):
         strategy = MoEOverlapStrategy(fp8="rowwise", dispatcher="allgather")
-    assert strategy.fp8 == "rowwise" and strategy.fp8_report is None  # converted in setup
+    assert strategy.config.fp8 == "rowwise" and strategy.fp8_report is None  # converted in setup
 
 
 def test_machine_rules() -> None:

@@ -19,9 +19,9 @@ from lightning_moe_overlap._compat.transformers import attn_implementation
 from lightning_moe_overlap.hf import HFWeights
 from lightning_moe_overlap.hf.load import as_hf_weights_list
 from lightning_moe_overlap.hf.pretrained import _adopt, meta_from_pretrained
-from lightning_moe_overlap.parallel.apply import apply_pretrained
-from lightning_moe_overlap.parallel.materialize import find_meta_experts, materialize_dense, materialize_experts
-from lightning_moe_overlap.parallel.materialize import meta_init_of
+from lightning_moe_overlap.parallelize.steps import apply_pretrained
+from lightning_moe_overlap.parallelize.materialize import find_meta_experts, materialize_dense, materialize_experts
+from lightning_moe_overlap.parallelize.materialize import meta_init_of
 from tests.helpers.hf_checkpoints import saved, state_equal
 
 transformers = pytest.importorskip("transformers", reason="Requires: transformers>=5")

@@ -28,7 +28,7 @@ from torch import Tensor, nn
 from torch.utils.data import DataLoader
 
 from lightning_moe_overlap.demo import MoEGPT
-from lightning_moe_overlap.pipeline.layout import build_layout
+from lightning_moe_overlap.config.pipeline_layout import build_layout
 from lightning_moe_overlap.pipeline.split import SplitModel, split_model
 from tests.helpers.tolerance import blocks_of, cross_entropy_tols, logit_terms, sgd_drift
 

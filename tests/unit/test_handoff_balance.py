@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from lightning_moe_overlap.moe import MoELayer, apply_expert_parallel
-from lightning_moe_overlap.moe.dispatch.comm import backward_handoff
+from lightning_moe_overlap.overlap.backward_handoff import backward_handoff
 from lightning_moe_overlap.overlap.runtime import CommRuntime
 from tests.unit.test_dispatch_flex import FakeDeepEPBuffer
 

@@ -8,7 +8,7 @@ import torch
 
 from lightning_moe_overlap.hf import HF_FAMILIES, HFFamily, HFKeysError, Piece, Split, register_hf_family
 from lightning_moe_overlap.hf import unregister_hf_family
-from lightning_moe_overlap.hf.checks import covers, group_keys, plan_pieces
+from lightning_moe_overlap.hf.key_match import covers, group_keys, plan_pieces
 from lightning_moe_overlap.hf.families import HUB_EXPERTS, IDENTITY, MIXTRAL, select_family
 from lightning_moe_overlap.hf.files import FileTensor
 

@@ -17,7 +17,7 @@ from torch import Tensor, nn
 from lightning_moe_overlap import loop as loop_module
 from lightning_moe_overlap.loop import MicroBatchLoop, StepHooks, split_batch
 from lightning_moe_overlap.overlap import CommRuntime, OverlapEngine
-from lightning_moe_overlap.processes.exits import SAME_ON_EVERY_RANK
+from lightning_moe_overlap._checks import SAME_ON_EVERY_RANK
 from lightning_moe_overlap.step_logs import MicroBatchLogs, mean_of
 
 

@@ -1,9 +1,9 @@
-"""A model built on the meta device, materialised as the strategy does it (``parallel/materialize.py``), one process.
+"""A model built on the meta device, materialised as the strategy does it (``parallelize/materialize.py``), one process.
 
 Oracle: the same model built with real tensors and ``seeded_init(model, seed, its init hook)`` applied, its state
 (persistent and non-persistent buffers too). Also: one experts layer at a time is full while the experts are
 initialised; with weights to load the experts are allocated and not initialised; ties stay ties; the init hook's
-resolution order; what a rank holds by unsplit name (``parallel/held.py``) at pp = 1 and pp = 2.
+resolution order; what a rank holds by unsplit name (``parallelize/held_tensors.py``) at pp = 1 and pp = 2.
 """
 
 from __future__ import annotations
@@ -17,11 +17,11 @@ from torch import nn
 
 from lightning_moe_overlap.config import OverlapConfig
 from lightning_moe_overlap.demo import MoEGPT
-from lightning_moe_overlap.moe.adapters import apply_expert_parallel
+from lightning_moe_overlap.moe.ep import apply_expert_parallel
 from lightning_moe_overlap.moe.ep import ExpertParallelExperts
 from lightning_moe_overlap.moe.experts import Experts
-from lightning_moe_overlap.parallel.held import global_shapes, held_tensors
-from lightning_moe_overlap.parallel.materialize import (
+from lightning_moe_overlap.parallelize.held_tensors import global_shapes, held_tensors
+from lightning_moe_overlap.parallelize.materialize import (
     MetaInit,
     find_meta_experts,
     init_module_of,
@@ -31,7 +31,7 @@ from lightning_moe_overlap.parallel.materialize import (
 )
 from lightning_moe_overlap.pipeline.pipelined import PipelinedModel
 from lightning_moe_overlap.pipeline.split import reset_module, seeded_init, split_model
-from lightning_moe_overlap.pipeline.layout import build_layout
+from lightning_moe_overlap.config.pipeline_layout import build_layout
 
 SEED = 5
 GPT = dict(vocab_size=16, hidden_size=8, num_layers=4, num_heads=2, num_experts=4, ffn_hidden_size=8,

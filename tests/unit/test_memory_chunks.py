@@ -17,9 +17,9 @@ from torch import nn
 
 from lightning_moe_overlap.callbacks import ActivationOffload, SelectiveRecompute, find_layers
 from lightning_moe_overlap.demo import MoEGPT
-from lightning_moe_overlap.moe.adapters import apply_expert_parallel
+from lightning_moe_overlap.moe.ep import apply_expert_parallel
 from lightning_moe_overlap.overlap.runtime import CommRuntime
-from lightning_moe_overlap.pipeline.layout import build_layout
+from lightning_moe_overlap.config.pipeline_layout import build_layout
 from lightning_moe_overlap.pipeline.split import SplitModel, split_model
 
 VOCAB = 64

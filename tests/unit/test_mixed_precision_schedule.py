@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 from lightning_moe_overlap.demo import MoEGPT
-from lightning_moe_overlap.moe.adapters import apply_expert_parallel
+from lightning_moe_overlap.moe.ep import apply_expert_parallel
 from lightning_moe_overlap.overlap.engine import OverlapEngine
 from lightning_moe_overlap.overlap.runtime import CommRuntime
 

@@ -22,7 +22,7 @@ from lightning_moe_overlap.callbacks import (
     Output,
     SavedActivationMeter,
     SelectiveRecompute,
-    _regions,
+    _forward_regions,
     register_layer_names,
     unregister_layer_names,
 )
@@ -152,7 +152,7 @@ def test_offload_under_the_overlap_engine_is_bitwise_equal():
 def test_hf_qwen3_offload_is_bitwise():
     pytest.importorskip("transformers")
     from lightning_moe_overlap.demo_hf import build_hf_model
-    from lightning_moe_overlap.moe.adapters import apply_expert_parallel
+    from lightning_moe_overlap.moe.ep import apply_expert_parallel
     from lightning_moe_overlap.overlap.runtime import CommRuntime
 
     def model():
@@ -180,7 +180,7 @@ def test_engine_copies_a_storage_once_and_is_bitwise():
         x = base.clone().requires_grad_()
         if engine is not None:
             engine.open_group()
-        with _regions.region("core_attn"):
+        with _forward_regions.region("core_attn"):
             q, k, v = (x * 1.5).unflatten(-1, (3, 6)).unbind(-2)  # three strided views of one storage
             out = (q * k).sum() + (v @ weight).sum()  # saves q, k, v and the parameter
         if engine is not None:
@@ -199,7 +199,7 @@ def test_engine_unpacks_views_with_their_layout():
     x = torch.randn(5, 8, requires_grad=True)
     y = torch.randn(8, 5)[1:4].t()  # a non-contiguous view with an offset
     engine.open_group()
-    with _regions.region("r"):
+    with _forward_regions.region("r"):
         z = x[:, 1:4] * y
     engine.close_group()
     other = z.grad_fn._saved_other  # unpacks: a reloaded copy
@@ -214,7 +214,7 @@ def test_engine_prefetches_the_previous_layer():
     for _ in range(3):
         engine.open_group()
         groups.append(engine._stack()[-1])
-        with _regions.region("r"):
+        with _forward_regions.region("r"):
             h = torch.sin(h)  # saves its input
         engine.close_group()
     loaded = [[ref().loaded is not None for ref in g.entries] for g in groups]
@@ -230,16 +230,16 @@ def test_inside_checkpoint_sees_the_innermost_saved_tensors_hooks():
         f"torch {torch.__version__} has no `torch._C._autograd._top_saved_tensors_default_hooks`; update "
         "`_compat/torch.py::top_saved_tensors_hooks`"
     )
-    assert torch_compat.top_saved_tensors_hooks() is None and not _regions.inside_checkpoint()
+    assert torch_compat.top_saved_tensors_hooks() is None and not _forward_regions.inside_checkpoint()
     seen = []
 
     def segment(x):
-        seen.append(_regions.inside_checkpoint())
+        seen.append(_forward_regions.inside_checkpoint())
         return x.sin()
 
     checkpoint(segment, torch.ones(2, requires_grad=True), use_reentrant=False).sum().backward()
     with torch.autograd.graph.saved_tensors_hooks(_same, _same):
-        assert torch_compat.top_saved_tensors_hooks()[0] is _same and not _regions.inside_checkpoint()
+        assert torch_compat.top_saved_tensors_hooks()[0] is _same and not _forward_regions.inside_checkpoint()
     assert seen == [True, True]  # the forward and the recomputation
 
 

@@ -189,7 +189,7 @@ def test_fraction_without_offload_warns():
     assert "Set `optimizer_cpu_offload=True`, or leave the fraction at 1.0" in problems[0].message
     assert check_offload_settings(False, 1.0) == [] and check_offload_settings(True, 0.5) == []
     with pytest.warns(UserWarning, match=r"`optimizer_offload_fraction=0.5` does nothing without"):
-        assert MoEOverlapStrategy(optimizer_offload_fraction=0.5).optimizer_offload_fraction is None
+        assert MoEOverlapStrategy(optimizer_offload_fraction=0.5).config.offload_fraction is None
 
 
 @pytest.mark.parametrize(

@@ -1,5 +1,5 @@
 """The validation rules of ``overlap_grad_reduce`` / ``overlap_param_gather``, the loop's ``before_last_backward``
-hook and how the layers that become FSDP units are found (``parallel/sharding.py``, ``layer_modules``)."""
+hook and how the layers that become FSDP units are found (``parallelize/sharding.py``, ``layer_modules``)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from torch import nn
 
 from lightning_moe_overlap.config import OverlapConfig
 from lightning_moe_overlap.loop import MicroBatchLoop, StepHooks
-from lightning_moe_overlap.parallel.sharding import layer_modules
+from lightning_moe_overlap.parallelize.sharding import layer_modules
 from lightning_moe_overlap.step_logs import MicroBatchLogs
 from lightning_moe_overlap.validation import check_config, raise_problems
 

@@ -12,7 +12,7 @@ from lightning.pytorch import LightningModule
 from lightning_moe_overlap import MoEOverlapStrategy
 from lightning_moe_overlap.demo import MoEGPT
 from lightning_moe_overlap.hf import HFWeights
-from lightning_moe_overlap.pipeline.layout import build_layout
+from lightning_moe_overlap.config.pipeline_layout import build_layout
 from lightning_moe_overlap.pipeline.split import PipelineChunks, split_model
 
 transformers = pytest.importorskip("transformers", reason="Requires: transformers>=5")

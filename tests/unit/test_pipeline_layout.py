@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from lightning_moe_overlap.pipeline.layout import build_layout, parse_layout, suggest_layout
+from lightning_moe_overlap.config.pipeline_layout import build_layout, parse_layout, suggest_layout
 
 SEED_LAYOUT = "Et*3|(tt|)*29,m|L"  # DeepSeek-V3, 61 layers + 1 MTP layer, pp=16 vpp=2 (the seeds' example)
 MEGATRON_EXAMPLES = [SEED_LAYOUT, "Ettt|(tt|)*29,m|L", "E(t|)*3tL", "Et|(t|t)*2|tL", "Et*2|t*2|t*2|t*2L", "Et||tL"]

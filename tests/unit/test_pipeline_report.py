@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 from lightning_moe_overlap.demo import MoEGPT
-from lightning_moe_overlap.pipeline.layout import build_layout
+from lightning_moe_overlap.config.pipeline_layout import build_layout
 from lightning_moe_overlap.pipeline.report import layout_report, placement_for, rank_parameters
 from lightning_moe_overlap.pipeline.split import PipelineChunks, split_model
 from lightning_moe_overlap.pipeline.splitters import count_layers

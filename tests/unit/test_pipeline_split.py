@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 from lightning_moe_overlap.demo import MoEGPT
-from lightning_moe_overlap.pipeline.layout import build_layout
+from lightning_moe_overlap.config.pipeline_layout import build_layout
 from lightning_moe_overlap.pipeline.split import PipelineChunks, SplitModel, seeded_init, split_model
 
 LAYOUTS = [(2, 1, None), (2, 2, None), (2, 1, "Ettt|tL"), (2, 2, "Et|ttt||L")]  # pp * vpp in {2, 4}; empty chunks

@@ -24,7 +24,7 @@ from lightning_moe_overlap.callbacks import (
     unregister_layer_names,
 )
 from lightning_moe_overlap.demo import MoEDecoderLayer, MoEGPT
-from lightning_moe_overlap.moe.adapters import apply_expert_parallel
+from lightning_moe_overlap.moe.ep import apply_expert_parallel
 from lightning_moe_overlap.moe.layer import MoELayer
 from lightning_moe_overlap.overlap.engine import OverlapEngine
 from lightning_moe_overlap.overlap.runtime import CommRuntime

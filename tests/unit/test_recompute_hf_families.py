@@ -13,7 +13,7 @@ import torch
 from torch import Tensor, nn
 
 from lightning_moe_overlap.callbacks import SelectiveRecompute
-from lightning_moe_overlap.moe.adapters import apply_expert_parallel
+from lightning_moe_overlap.moe.ep import apply_expert_parallel
 from lightning_moe_overlap.moe.bias import correction_bias_balancers
 from lightning_moe_overlap.overlap.engine import OverlapEngine
 from lightning_moe_overlap.overlap.runtime import CommRuntime

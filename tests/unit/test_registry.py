@@ -7,7 +7,7 @@ from dataclasses import dataclass
 import pytest
 from torch import nn
 
-from lightning_moe_overlap.callbacks.names import LAYER_SPECS, register_layer_names
+from lightning_moe_overlap.callbacks.layer_specs import LAYER_SPECS, register_layer_names
 from lightning_moe_overlap.moe.adapters import ADAPTERS, register_experts_adapter, registered_adapters
 from lightning_moe_overlap.registry import Registry
 

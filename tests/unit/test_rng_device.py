@@ -8,7 +8,7 @@ than the forward (recompute regions with comm points): the forward finishes firs
 next micro-batch's forward draws the same masks again.
 
 :class:`FakeDevices` is the emulation: two devices, a generator each, a thread-local current device. It is
-passed to the engine as its ``generators`` (the seam of ``overlap/rng.py``), the context factory makes device 1
+passed to the engine as its ``generators`` (the seam of ``overlap/rng_snapshot.py``), the context factory makes device 1
 current around each task (as ``StreamState.applied`` does on CUDA), and dropout draws from the current device's
 generator.
 """
@@ -24,7 +24,7 @@ import pytest
 import torch
 
 from lightning_moe_overlap.overlap import CommRuntime, OverlapEngine, Task
-from lightning_moe_overlap.overlap.rng import RngSource
+from lightning_moe_overlap.overlap.rng_snapshot import RngSource
 
 STEP_DEVICE = 1
 

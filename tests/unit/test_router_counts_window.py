@@ -20,7 +20,7 @@ from torch import nn
 from lightning_moe_overlap._compat import torch as torch_compat
 from lightning_moe_overlap.callbacks import SelectiveRecompute
 from lightning_moe_overlap.demo import MoEDecoderLayer
-from lightning_moe_overlap.moe.adapters import apply_expert_parallel
+from lightning_moe_overlap.moe.ep import apply_expert_parallel
 from lightning_moe_overlap.moe.layer import MoELayer
 from lightning_moe_overlap.moe.router import not_counted
 from lightning_moe_overlap.moe.stats import RoutingStats

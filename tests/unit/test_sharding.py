@@ -9,7 +9,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from lightning_moe_overlap.parallel import ParallelDims, build_mesh
-from lightning_moe_overlap.parallel.sharding import ShardedModel, replicate_mesh
+from lightning_moe_overlap.parallelize.sharding import ShardedModel, replicate_mesh
 
 
 def _model() -> nn.Module:

@@ -112,7 +112,7 @@ def test_strategy_flag_reaches_the_layers() -> None:
 
     from lightning_moe_overlap.config import OverlapConfig
     from lightning_moe_overlap.demo import MoEGPT
-    from lightning_moe_overlap.moe.handle import MoEModelHandle
+    from lightning_moe_overlap.moe.model_handle import MoEModelHandle
 
     def wrapped(flag: bool) -> MoEGPT:
         model = MoEGPT(vocab_size=32, hidden_size=16, num_layers=2, num_heads=2, num_experts=4,
@@ -127,3 +127,33 @@ def test_strategy_flag_reaches_the_layers() -> None:
     tokens = torch.randint(0, 32, (2, 6))
     assert torch.equal(on(tokens), off(tokens))
     assert on.layers[0].mlp.runtime.events.count("handoff") > 0
+
+
+@pytest.mark.parametrize("make", [qwen2_block, deepseek_block], ids=["qwen2_moe", "deepseek_v3"])
+def test_the_window_replaces_nothing_on_the_shared_experts(make) -> None:  # noqa: ANN001
+    """The window redirects the block's call through the shared module's own hooks: no instance ``forward`` (or any
+    other attribute) is set on it, its hooks run once per block call (on the zero rows the pre-hook hands its
+    forward), and removing the window leaves the module as it was built."""
+    from lightning_moe_overlap.moe.shared import overlap_shared_experts  # noqa: PLC0415 - the unit under test
+
+    torch.manual_seed(0)
+    block, shared_name = make()
+    shared = getattr(block, shared_name)
+    before = dict(shared.__dict__)
+    window = overlap_shared_experts(block, CommRuntime())
+    assert window is not None and "forward" not in shared.__dict__
+    assert {k: v for k, v in shared.__dict__.items() if k not in ("_forward_pre_hooks", "_forward_hooks",
+                                                                 "_forward_pre_hooks_with_kwargs",
+                                                                 "_forward_hooks_with_kwargs")} == {
+        k: v for k, v in before.items() if k not in ("_forward_pre_hooks", "_forward_hooks",
+                                                     "_forward_pre_hooks_with_kwargs", "_forward_hooks_with_kwargs")}
+    seen: list[int] = []
+    shared.register_forward_hook(lambda m, args, out: seen.append(args[0].shape[0]))
+    stage_calls: list[tuple[int, ...]] = []
+    block.shared_stage.register_forward_hook(lambda m, args, out: stage_calls.append(tuple(args[0].shape)))
+    with torch.no_grad():
+        block(torch.randn(2, 5, 16))
+    assert seen == [0]  # the block's one call, on zero rows
+    assert len(stage_calls) == 1 and torch.Size(stage_calls[0]).numel() == 2 * 5 * 16  # the real rows, once
+    window.remove()
+    assert not hasattr(block, "shared_stage") and "forward" not in shared.__dict__

@@ -22,10 +22,10 @@ from lightning_moe_overlap import MoEOverlapStrategy
 from lightning_moe_overlap.config import OverlapConfig
 from lightning_moe_overlap.demo import MoEGPT
 from lightning_moe_overlap.moe import te_backend
-from lightning_moe_overlap.moe.adapters import apply_expert_parallel
+from lightning_moe_overlap.moe.ep import apply_expert_parallel
 from lightning_moe_overlap.moe.experts import Experts
 from lightning_moe_overlap.moe.te_backend import TEProjection, check_te_layout
-from lightning_moe_overlap.moe.layout import ExpertsLayout
+from lightning_moe_overlap.moe.experts_layout import ExpertsLayout
 from lightning_moe_overlap.overlap.engine import OverlapEngine
 from lightning_moe_overlap.overlap.runtime import CommRuntime
 from lightning_moe_overlap.validation import check_config, check_machine, raise_problems

@@ -12,7 +12,7 @@ from torch.distributed.tensor.parallel import ColwiseParallel, PrepareModuleInpu
 
 from lightning_moe_overlap.demo import MoEGPT
 from lightning_moe_overlap.demo_hf import HFMoECausalLM, build_hf_model
-from lightning_moe_overlap.parallel.tensor import TensorParallelPlanError, hf_tensor_parallel_plan, plan_of
+from lightning_moe_overlap.parallelize.tensor_plan import TensorParallelPlanError, hf_tensor_parallel_plan, plan_of
 
 
 def _mesh(size: int) -> SimpleNamespace:

@@ -10,7 +10,7 @@ from types import SimpleNamespace
 import pytest
 
 from lightning_moe_overlap import OverlapTimeline
-from lightning_moe_overlap.callbacks import timeline as timeline_module
+from lightning_moe_overlap.callbacks import timeline_callback as timeline_module
 from lightning_moe_overlap.overlap.runtime import CommRuntime
 
 

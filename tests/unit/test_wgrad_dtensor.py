@@ -9,7 +9,7 @@ from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Shard
 
-from lightning_moe_overlap.moe.adapters import apply_expert_parallel
+from lightning_moe_overlap.moe.ep import apply_expert_parallel
 from lightning_moe_overlap.moe.experts import Experts
 from lightning_moe_overlap.moe.grouped import RowSplits, grouped_projection
 from lightning_moe_overlap.overlap.runtime import CommRuntime

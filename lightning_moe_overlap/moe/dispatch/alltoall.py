@@ -39,7 +39,7 @@ import torch
 from torch import Tensor
 from torch.distributed import ProcessGroup
 
-from lightning_moe_overlap.fp8.recipes import Float8Recipe
+from lightning_moe_overlap.float8.recipes import Float8Recipe
 from lightning_moe_overlap.moe.dispatch.base import DispatcherBase
 from lightning_moe_overlap.moe.dispatch.comm import all_to_all, communicator_of, exchange_counts
 from lightning_moe_overlap.moe.dispatch.dedup import (
@@ -155,7 +155,7 @@ class AllToAllDispatcher(DispatcherBase):
 
         ``splits``: the rows of each local expert, sorted by local expert or, on CPU with more than one rank, in the
         receive layout's segments (see the module docstring). ``fp8``: send the rows in FP8, quantised for this
-        recipe's experts (``x_RD`` is then a :class:`~lightning_moe_overlap.fp8.rows.Float8Rows`, ``float8.py``), on
+        recipe's experts (``x_RD`` is then a :class:`~lightning_moe_overlap.float8.rows.Float8Rows`, ``float8.py``), on
         the deduplicated path too (each unique row quantised once, ``dedup.py``).
         """
         if self.dedup and self._worth_deduplicating(indices_TK.shape[-1]):

@@ -39,8 +39,8 @@ from torch import Tensor
 from torch.distributed import ProcessGroup
 
 from lightning_moe_overlap._checks import divisors, is_positive_int
-from lightning_moe_overlap.moe.dispatch.comm import backward_handoff
-from lightning_moe_overlap.moe.dispatch.communicator import group_rank, group_size
+from lightning_moe_overlap.overlap.backward_handoff import backward_handoff
+from lightning_moe_overlap.overlap.communicator import group_rank, group_size
 from lightning_moe_overlap.overlap.runtime import CommRuntime
 
 if TYPE_CHECKING:  # grouped.py imports this package: a runtime import would be circular

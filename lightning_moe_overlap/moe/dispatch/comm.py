@@ -14,7 +14,7 @@ Rules that keep ranks in lockstep:
   for other ranks: ``Communicator.exchanges``), but ``runtime.handoff()`` is still called exactly once, so the
   sequence of hand-overs is the same for every ``ep``.
 
-:func:`backward_handoff` is a hand-over with nothing in flight, in the backward only: the experts place one
+``overlap/backward_handoff.py`` is a hand-over with nothing in flight, in the backward only: the experts place one
 where the forward has a comm point without a backward twin (the token-count exchange), so that both passes of a
 layer hand over equally often (see ``docs/overlap.md``, "Balanced hand-overs").
 
@@ -30,7 +30,7 @@ import torch
 from torch import Tensor
 from torch.distributed import ProcessGroup
 
-from lightning_moe_overlap.moe.dispatch.communicator import TORCH, Communicator, group_size
+from lightning_moe_overlap.overlap.communicator import TORCH, Communicator, group_size
 from lightning_moe_overlap.moe.dispatch.host import host_ints
 from lightning_moe_overlap.overlap.observers import Waitable
 from lightning_moe_overlap.overlap.runtime import CommRuntime
@@ -245,30 +245,6 @@ class _ReduceScatter(torch.autograd.Function):
     @staticmethod
     def backward(ctx, g_ND: Tensor) -> tuple[Tensor, None, None, None]:  # type: ignore[override]
         return all_gather_raw(g_ND, ctx.group, ctx.runtime), None, None, None
-
-
-class _BackwardHandoff(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x: Tensor, runtime: CommRuntime, count: int) -> Tensor:  # type: ignore[override]
-        ctx.runtime, ctx.count = runtime, count
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx, g: Tensor) -> tuple[Tensor, None, None]:  # type: ignore[override]
-        for _ in range(ctx.count):
-            ctx.runtime.handoff()
-        return g, None, None
-
-
-def backward_handoff(x: Tensor, runtime: CommRuntime | None, count: int = 1) -> Tensor:
-    """``x`` unchanged; when the gradient passes back through it, hand over ``count`` times, nothing in flight.
-
-    Forward: no hand-over. No-op (``x`` itself) without a runtime, with ``count == 0`` or when ``x`` needs no
-    gradient.
-    """
-    if runtime is None or count == 0 or not (torch.is_grad_enabled() and x.requires_grad):
-        return x
-    return _BackwardHandoff.apply(x, runtime, count)
 
 
 def all_to_all(

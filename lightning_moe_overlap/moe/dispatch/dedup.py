@@ -18,7 +18,7 @@ every run and on CPU and CUDA alike.
 FP8 dispatch (``docs/fp8.md``) works here as on the plain path: each unique row is quantised once (e4m3 and a
 float32 scale per row, ``D + 4`` bytes) and sent with its routing data at the same comm point
 (:func:`exchange_rows`); the destination repeats the bytes and scales per (row, local expert) (:func:`expand_rows`),
-so the experts get the :class:`~lightning_moe_overlap.fp8.rows.Float8Rows` the plain path gives them. The combine and
+so the experts get the :class:`~lightning_moe_overlap.float8.rows.Float8Rows` the plain path gives them. The combine and
 every backward exchange stay in high precision.
 
 Shape legend:
@@ -35,8 +35,8 @@ import torch
 from torch import Tensor
 from torch.distributed import ProcessGroup
 
-from lightning_moe_overlap.fp8.recipes import Float8Recipe
-from lightning_moe_overlap.fp8.rows import Float8Rows
+from lightning_moe_overlap.float8.recipes import Float8Recipe
+from lightning_moe_overlap.float8.rows import Float8Rows
 from lightning_moe_overlap.moe.dispatch.comm import all_to_all_many
 from lightning_moe_overlap.moe.dispatch.float8 import float8_all_to_all_many, gather_float8_rows
 from lightning_moe_overlap.moe.permute import count_per_expert, gather_rows, sum_rows, take_rows
@@ -123,7 +123,7 @@ def exchange_rows(
 ) -> tuple[Tensor, ...]:
     """Comm point: the unique rows and their routing data (:func:`pack_choices`) in one exchange,
     ``(x_MD, *choices_M)``. ``fp8``: the rows go in FP8 (``x_MD`` is a
-    :class:`~lightning_moe_overlap.fp8.rows.Float8Rows`, ``float8.py``); the gradients come back in high precision."""
+    :class:`~lightning_moe_overlap.float8.rows.Float8Rows`, ``float8.py``); the gradients come back in high precision."""
     if fp8 is None:
         return all_to_all_many((x_UD, *choices), output_splits, input_splits, group, runtime)
     return float8_all_to_all_many(x_UD, choices, fp8, tuple(output_splits), tuple(input_splits), group, runtime)

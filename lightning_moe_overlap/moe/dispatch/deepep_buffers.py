@@ -3,7 +3,7 @@
 A ``deep_ep.Buffer`` holds hundreds of MB of NVLink (and RDMA) memory, registered with every peer of its group
 when it is built (a collective). Megatron keeps one per process (a module-level cache in ``fused_a2a.py``) and
 rebuilds it only when a layer needs more room. Here the same cache has an explicit owner:
-:func:`~lightning_moe_overlap.moe.adapters.apply_expert_parallel` creates one ``DeepEPBuffers`` and hands it to
+:func:`~lightning_moe_overlap.moe.ep.apply_expert_parallel` creates one ``DeepEPBuffers`` and hands it to
 the flex dispatcher of every MoE layer it wraps, so a model of N MoE layers builds one buffer, not N.
 
 - One buffer per process group (the ep group; a model uses one).

@@ -2,9 +2,9 @@
 
 :func:`float8_all_to_all` is the token dispatch of the all-to-all dispatcher when the experts run in FP8
 (``docs/fp8.md``, "FP8 dispatch"). Forward, one comm point as the plain exchange: each row to e4m3 with one float32
-scale (rowwise, :func:`~lightning_moe_overlap.fp8.rows.quantize_rows`), the bytes and the scales packed in one
+scale (rowwise, :func:`~lightning_moe_overlap.float8.rows.quantize_rows`), the bytes and the scales packed in one
 ``[N, D + 4]`` uint8 tensor and exchanged in one uneven all-to-all, then (on the receiving rank) regrouped by local
-expert when a permutation is given; the result is a :class:`~lightning_moe_overlap.fp8.rows.Float8Rows`, which the
+expert when a permutation is given; the result is a :class:`~lightning_moe_overlap.float8.rows.Float8Rows`, which the
 experts' FP8 kernel reads without dequantising. Backward, one comm point: the high-precision gradient of the rows,
 un-permuted and sent back by the reverse all-to-all, as the plain dispatch's backward does. Nothing is kept on the
 dispatcher: the splits and the permutation live in the autograd context of the call.
@@ -25,8 +25,8 @@ import torch
 from torch import Tensor
 from torch.distributed import ProcessGroup
 
-from lightning_moe_overlap.fp8.recipes import Float8Recipe
-from lightning_moe_overlap.fp8.rows import Float8Rows, pack_rows, quantize_rows, row_recipe, unpack_rows
+from lightning_moe_overlap.float8.recipes import Float8Recipe
+from lightning_moe_overlap.float8.rows import Float8Rows, pack_rows, quantize_rows, row_recipe, unpack_rows
 from lightning_moe_overlap.moe.dispatch.comm import all_to_all_raw_many
 from lightning_moe_overlap.moe.permute import sum_rows
 from lightning_moe_overlap.overlap.runtime import CommRuntime

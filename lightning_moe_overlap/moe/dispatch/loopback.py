@@ -28,7 +28,7 @@ from torch import Tensor
 from torch.distributed import ProcessGroup
 
 from lightning_moe_overlap._compat import torch as torch_compat
-from lightning_moe_overlap.moe.dispatch.communicator import TorchCommunicator, group_size
+from lightning_moe_overlap.overlap.communicator import TorchCommunicator, group_size
 
 
 class ThreadLoopbackWork:
