@@ -86,7 +86,7 @@ class MoEOverlapStrategy(ParallelStrategy):
 
     Args:
         ep: Expert-parallel size: experts are sharded over ``ep`` ranks and tokens exchanged by all-to-all.
-            Must divide ``dp * cp`` and every MoE block's number of experts.
+            Must divide ``dp * cp * tp`` (the ranks of a pipeline stage) and every MoE block's number of experts.
         tp: Tensor-parallel size: the attention and dense layers are sharded over ``tp`` ranks by a plan
             (``parallelize_module``; the model's ``tensor_parallel_plan`` hook, or the plan a Hugging Face model
             carries) with sequence parallelism between them; the experts stay whole and ep folds over the tp ranks
@@ -232,7 +232,7 @@ class MoEOverlapStrategy(ParallelStrategy):
             checkpoint_io=checkpoint_io,
             precision_plugin=precision_plugin,
         )
-        self.config = OverlapConfig(
+        self._config = OverlapConfig(
             ep=ep,
             tp=tp,
             pp=pp,
@@ -280,6 +280,11 @@ class MoEOverlapStrategy(ParallelStrategy):
         self.token_scope = TokenScope()  # the step's token count, for `step_tokens` (loss/tokens.py)
         self._accumulation: Accumulation | None = None  # while fitting: the accumulation windows of the batches
 
+    @property
+    def config(self) -> OverlapConfig:
+        """Every setting the strategy was built with, as one frozen value (``config/settings.py``)."""
+        return self._config
+
     # -- sizes and groups ------------------------------------------------------------------------------------
     @property
     def num_nodes(self) -> int:
@@ -302,6 +307,8 @@ class MoEOverlapStrategy(ParallelStrategy):
 
     @property
     def parallel_groups(self) -> ParallelGroups:
+        """This rank's process group of each kind (dp, ep, edp, tp, cp, pp and their folds), read off the mesh; the
+        prepared model's once set up. From ``configure_model`` on."""
         if self._prepared is not None:  # the groups its layers were built with
             return self._prepared.groups
         if self._groups is None:
@@ -360,7 +367,7 @@ class MoEOverlapStrategy(ParallelStrategy):
 
     @checkpoint_format.setter
     def checkpoint_format(self, checkpoint_format: CheckpointFormat) -> None:
-        self.config = self.config.with_run_setting(checkpoint_format=checkpointer.check_format(checkpoint_format))
+        self._config = self._config.with_run_setting(checkpoint_format=checkpointer.check_format(checkpoint_format))
 
     @property
     def _timeout(self) -> timedelta:

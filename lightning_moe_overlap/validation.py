@@ -166,9 +166,10 @@ def rule_shared_expert_overlap(cfg: OverlapConfig) -> list[Problem]:
     return _when(
         cfg.shared_expert_overlap and cfg.overlap,
         "shared-expert-overlap",
-        "`shared_expert_overlap=True` conflicts with `overlap=True`: the dispatch overlap already hides each "
-        "all-to-all behind the other micro-batch's compute. Set `shared_expert_overlap=False` (or `overlap=False` "
-        "to hide the dispatch behind the shared experts only).",
+        "`shared_expert_overlap=True` conflicts with `overlap=True`"
+        + ("" if cfg.overlap_requested else f" (on by default with num_microbatches={cfg.num_microbatches})")
+        + ": the dispatch overlap already hides each all-to-all behind the other micro-batch's compute. Set "
+        "`shared_expert_overlap=False` (or `overlap=False` to hide the dispatch behind the shared experts only).",
     )
 
 

@@ -110,11 +110,12 @@ def check_same_layout(prepared: PreparedModel, config: OverlapConfig, dims: Para
         if f.name not in per_run and getattr(config, f.name) != getattr(prepared.config, f.name)
     ]
     if dims != prepared.dims:
-        changed.append(f"the world {dims.describe()} (prepared on {prepared.dims.describe()})")
+        changed.append(f"{dims.describe()} (prepared on {prepared.dims.describe()})")
     if changed:
         raise NotImplementedError(
-            f"{owner}: the model was already made expert-parallel in place by an earlier run's strategy, and this "
-            f"run asks for another layout: {', '.join(changed)}. A model is prepared once, so a later `fit`, "
+            f"{owner} (rule `prepared-layout`, docs/validation.md): the model was already made expert-parallel in "
+            f"place by an earlier run's strategy, and this run asks for another layout: {'; '.join(changed)}. A "
+            "model is prepared once, so a later `fit`, "
             "`validate`, `test` or `predict` must use the same settings. Use the earlier settings, or build a new "
             "model and load the trained weights into it from a checkpoint (`trainer.save_checkpoint(path)`, then "
             "`ckpt_path=path`; checkpoints load at any layout)."

@@ -37,6 +37,8 @@ def _raise(problems):
         ({"deepep_num_sms": 7}, ValueError, r"`deepep_num_sms=7` must be a positive even integer"),
         ({"flex_backend": "deepep"}, ValueError, r"`flex_backend='deepep'` does nothing with `dispatcher='alltoall'`"),
         ({"shared_expert_overlap": True}, ValueError, r"`shared_expert_overlap=True` conflicts with `overlap=True`"),
+        ({"shared_expert_overlap": True, "overlap": None, "num_microbatches": 2}, ValueError,
+         r"conflicts with `overlap=True` \(on by default with num_microbatches=2\): the dispatch overlap"),
         ({"pp": 2}, ValueError, r"'1f1b'` needs at least one micro-batch per stage.*Use num_microbatches >= 2"),
         ({"pp": 2, "num_microbatches": 2}, NotImplementedError, r"Overlap at pp=2 with vpp=1.*Set vpp >= 2"),
         (
