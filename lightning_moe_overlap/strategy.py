@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 import os
 from collections.abc import Callable, Generator, Mapping
-from contextlib import AbstractContextManager, contextmanager, nullcontext
+from contextlib import contextmanager
 from datetime import timedelta
 from typing import Any
 
@@ -46,7 +46,7 @@ from lightning_moe_overlap.fp8.dense import precompute_float8_scales
 from lightning_moe_overlap.hf.load import HFLoadReport
 from lightning_moe_overlap.loop import LoopPath, MicroBatchLoop, StepHooks, StepPath
 from lightning_moe_overlap.loss.tokens import TokenScope
-from lightning_moe_overlap.loss.vocab_parallel import loss_parallel_scope, plain_step_output
+from lightning_moe_overlap.loss.vocab_parallel import plain_step_output
 from lightning_moe_overlap.optim.host_offload import describe_offload, offload_optimizers
 from lightning_moe_overlap.overlap.engine import OverlapEngine
 from lightning_moe_overlap.overlap.failures import default_nccl_error_handling, safety_nets
@@ -598,7 +598,7 @@ class MoEOverlapStrategy(ParallelStrategy):
 
         def forward(micro_batch: Any, batch_idx: int, *rest: Any) -> Any:
             # on the thread that runs it (an engine lane, with overlap): this thread's attention through the ring
-            with self._cp_thread_context(), self.precision_plugin.train_step_context():
+            with self._built.thread_ring(), self.precision_plugin.train_step_context():
                 return plain_step_output(module.training_step(micro_batch, batch_idx, *rest))
 
         def backward(loss: Tensor) -> None:
@@ -610,32 +610,10 @@ class MoEOverlapStrategy(ParallelStrategy):
             backward=backward,
             sync_gradients=self.sync_gradients,
             capture_logs=lambda: MicroBatchLogs(module),
-            aux_loss_scale=self._scale_aux_loss,
+            aux_loss_scale=self._built.scale_aux_loss,
             before_last_backward=lambda: self._built.sharded.before_last_backward(),
             token_loss=lambda batch, token_sum: self._accumulation.batch_loss(batch, token_sum),
         )
-
-    def _scale_aux_loss(self, scale: float) -> None:
-        """The loop's auxiliary-loss weight of the next forwards, times ``cp`` (``apply.aux_loss_scale``)."""
-        self._built.ep_model.set_aux_loss_scale(scale * self.dims.cp)
-
-    def _cp_enabled(self) -> AbstractContextManager[Any]:
-        """At cp > 1, torch's process-wide ring handlers, entered on the main thread around a step's forwards and
-        backwards (``ContextParallelAttention.enabled``); nothing at cp = 1."""
-        cp = self._built.cp
-        return nullcontext() if cp is None else cp.attention.enabled()
-
-    def _loss_parallel(self) -> AbstractContextManager[Any]:
-        """At tp > 1, torch's ``loss_parallel``: its cross-entropy handlers for vocabulary-sharded logits are
-        process-wide (``DTensor``'s op dispatcher, not thread-local), so entered on the main thread around a step's
-        forwards and backwards they cover the engine's lanes; not re-entrant, left when a step fails
-        (``loss_parallel_scope``). Nothing at tp = 1."""
-        return nullcontext() if self.dims.tp == 1 else loss_parallel_scope()
-
-    def _cp_thread_context(self) -> AbstractContextManager[Any]:
-        """At cp > 1, the ring for the SDPA calls of the calling thread (``thread_context``); nothing at cp = 1."""
-        cp = self._built.cp
-        return nullcontext() if cp is None else cp.attention.thread_context()
 
     @override
     def optimizer_step(
@@ -671,40 +649,37 @@ class MoEOverlapStrategy(ParallelStrategy):
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
         if self._loop_trainer is None:  # not in fit: Lightning's own step
-            with self._loss_parallel():
+            with self._built.loss_scope():
                 return super().training_step(*args, **kwargs)
         assert self._accumulation is not None
         batch_idx = args[1] if len(args) > 1 else kwargs.get("batch_idx", 0)
         window = self._accumulation.window(self._loop_trainer, args[0], batch_idx)
-        with self._cp_enabled(), self._loss_parallel():
+        with self._built.step_scope():
             return self._step_path().train(*args, window=window, **kwargs)
 
     @override
     def validation_step(self, *args: Any, **kwargs: Any) -> Any:
-        user_step = self._cp_step(super().validation_step)
-        with self._loss_parallel():
-            return self._step_path().evaluate(user_step, self.precision_plugin.val_step_context, *args, **kwargs)
+        return self._evaluate(super().validation_step, self.precision_plugin.val_step_context, *args, **kwargs)
 
     @override
     def test_step(self, *args: Any, **kwargs: Any) -> Any:
-        user_step = self._cp_step(super().test_step)
-        with self._loss_parallel():
-            return self._step_path().evaluate(user_step, self.precision_plugin.test_step_context, *args, **kwargs)
+        return self._evaluate(super().test_step, self.precision_plugin.test_step_context, *args, **kwargs)
 
     @override
     def predict_step(self, *args: Any, **kwargs: Any) -> Any:
         return self._step_path().predict(super().predict_step, *args, **kwargs)
 
-    def _cp_step(self, user_step: Callable[..., Any]) -> Callable[..., Any]:
-        """An evaluation step (the module shards its batch as in training) run with the ring at cp > 1."""
-        if self._built.cp is None:
-            return user_step
+    def _evaluate(self, user_step: Callable[..., Any], context: Callable[[], Any], *args: Any, **kwargs: Any) -> Any:
+        """An evaluation step through the step path; the module shards its batch as in training, so the step runs in
+        the ring at cp > 1 and under ``loss_parallel`` at tp > 1 (``PreparedModel.step_scope``)."""
+        prepared = self._built
 
-        def step(*args: Any, **kwargs: Any) -> Any:
-            with self._cp_enabled(), self._cp_thread_context():
-                return user_step(*args, **kwargs)
+        def step(*step_args: Any, **step_kwargs: Any) -> Any:
+            with prepared.thread_ring():
+                return user_step(*step_args, **step_kwargs)
 
-        return step
+        with prepared.step_scope():
+            return self._step_path().evaluate(step, context, *args, **kwargs)
 
     def _step_path(self) -> StepPath:
         assert self._path is not None, "a step before MoEOverlapStrategy.setup"

@@ -18,12 +18,14 @@ its ``state_dict``), read and written only here.
 
 from __future__ import annotations
 
+from contextlib import AbstractContextManager, ExitStack, nullcontext
 from dataclasses import dataclass, fields
 from typing import TYPE_CHECKING
 
 from torch import nn
 
 from lightning_moe_overlap.config import OverlapConfig
+from lightning_moe_overlap.loss.vocab_parallel import loss_parallel_scope
 from lightning_moe_overlap.moe.adapters import expert_parallel_modules
 from lightning_moe_overlap.overlap.runtime import CommRuntime
 from lightning_moe_overlap.parallel import ParallelDims, ParallelGroups
@@ -66,6 +68,33 @@ class PreparedModel:
     cp: ContextParallel | None = None
     fp8: Float8Report | None = None
     loaded: HFLoadReport | None = None
+
+    # -- what a step enters, and the routers' balancing-loss weight ---------------------------------------------
+    def loss_scope(self) -> AbstractContextManager[None]:
+        """At ``tp > 1``, torch's ``loss_parallel``: its cross-entropy handlers for vocabulary-sharded logits are
+        process-wide (``DTensor``'s op dispatcher, not thread-local), so entered on the main thread around a step's
+        forwards and backwards they cover the engine's lanes; not re-entrant, left when a step fails
+        (``loss_parallel_scope``). Nothing at ``tp = 1``."""
+        return nullcontext() if self.dims.tp == 1 else loss_parallel_scope()
+
+    def step_scope(self) -> AbstractContextManager[None]:
+        """Entered on the main thread around a step's forwards and backwards: :meth:`loss_scope`, and at ``cp > 1``
+        torch's process-wide ring handlers (``ContextParallelAttention.enabled``)."""
+        stack = ExitStack()
+        if self.cp is not None:
+            stack.enter_context(self.cp.attention.enabled())
+        stack.enter_context(self.loss_scope())
+        return stack
+
+    def thread_ring(self) -> AbstractContextManager[None]:
+        """At ``cp > 1``, the ring for the SDPA calls of the calling thread (an engine lane runs each micro-batch on
+        its own; ``thread_context``); nothing at ``cp = 1``."""
+        return nullcontext() if self.cp is None else self.cp.attention.thread_context()
+
+    def scale_aux_loss(self, scale: float) -> None:
+        """The routers' auxiliary-loss weight of the next forwards: ``scale`` (the loop's ``1 / M``) times ``cp``
+        (``parallelize/steps.py``'s ``aux_loss_scale``)."""
+        self.ep_model.set_aux_loss_scale(scale * self.dims.cp)
 
 
 def record(model: nn.Module, prepared: PreparedModel) -> None:
