@@ -173,7 +173,8 @@ class MoEOverlapStrategy(ParallelStrategy):
             unit (the experts' over edp too) as soon as its gradients are final in the step's last backward, so the
             reduction runs under the rest of that backward instead of after it (Megatron's ``--overlap-grad-reduce``;
             docs/sharding.md). The same reductions of the same gradients, issued earlier. Without a sharded mode: a
-            warning, no effect; not with ``tp > 1``.
+            warning, no effect. At ``tp > 1`` each unit's tensor-parallel replicas are summed over tp just before its
+            reduction (on a communicator of their own).
         token_mean_over_dp: For a loss divided by ``step_tokens`` (the built-in Hugging Face modules' default,
             ``loss/tokens.py``; docs/overlap.md, "Which mean a step's loss is"): the per-token mean over the tokens
             of every dp rank's batches (one all-reduce of the count per step; Hugging Face's
@@ -690,10 +691,10 @@ class MoEOverlapStrategy(ParallelStrategy):
         all-reduce (``"none"``, plus the experts' over edp, ``parallel/grads.py``) or reduce-scatter
         (``parallelize/sharding.py``).
         """
-        prepared = self._built
-        if prepared.tp_grads is not None:  # before FSDP reduces over dp x cp: the replicas' sum over their tp shards
-            prepared.tp_grads.reduce(self.model)
-        prepared.sharded.end_step()
+        prepared, tp_grads = self._built, self._built.tp_grads
+        # before FSDP reduces over dp x cp: the replicas' sum over their tp shards (with `overlap_grad_reduce`, of
+        # those whose unit was not reduced during the backward)
+        prepared.sharded.end_step(before_rest=None if tp_grads is None else lambda: tp_grads.reduce(self.model))
         if not prepared.sharded.sharded:
             prepared.ep_model.sync_expert_gradients(prepared.groups)
 

@@ -337,14 +337,6 @@ def rule_overlap_grad_reduce(cfg: OverlapConfig) -> list[Problem]:
             None,
         ),
         *_when(
-            cfg.overlap_grad_reduce is True and sharded and is_positive_int(cfg.tp) and cfg.tp > 1,
-            "overlap-grad-reduce-tp",
-            f"`overlap_grad_reduce=True` with `tp={cfg.tp}`: the tensor-parallel replicas' gradients are summed over "
-            "tp after the last backward, and a unit's reduction over dp x cp must come after that sum; reducing "
-            "during the backward is not implemented with it. Set `overlap_grad_reduce=False`, or `tp=1`.",
-            NotImplementedError,
-        ),
-        *_when(
             cfg.overlap_param_gather is True,
             "overlap-param-gather-no-op",
             f"`overlap_param_gather=True` with `shard={cfg.shard!r}` has no effect: "

@@ -23,6 +23,9 @@ step's LAST backward, so that its reduce-scatter runs while the backward of the 
   produced the gradients.
 - ``finish`` (the step's ``end_step``, on the calling thread) waits for the lane and removes the hooks; the unit
   reductions left over and FSDP's end-of-backward callback then run as without the flag.
+- ``before_reduce(params)``, when given, runs on the lane just before each unit's reduce-scatter, with the unit's
+  gathered parameters: at ``tp > 1`` the sum of the tensor-parallel replicas' gradients over tp, which must precede
+  the reduction over dp x cp (``parallelize/tensor_plan.py``, ``TensorParallelGrads``).
 """
 
 from __future__ import annotations
@@ -39,6 +42,7 @@ from torch import nn
 from lightning_moe_overlap._compat import torch as torch_compat
 
 Observer = Callable[[str, str], None]  # (event, unit name): "ready", "issue", "reduced"
+BeforeReduce = Callable[[list[torch.Tensor]], None]  # a unit's gathered parameters, before its reduction
 
 
 @dataclass
@@ -96,11 +100,15 @@ class EarlyReduction:
     unit's gradients are final, on autograd's thread), ``"issue"`` (handed to the lane) and ``"reduced"`` (its
     ``post_backward`` returned, on the lane)."""
 
-    def __init__(self, units: Sequence[tuple[str, nn.Module]], observer: Observer | None = None) -> None:
+    def __init__(
+        self, units: Sequence[tuple[str, nn.Module]], observer: Observer | None = None,
+        before_reduce: BeforeReduce | None = None,
+    ) -> None:
         # The reverse of the model's order: the order in which a backward finishes the units.
         self.order = [_Unit(name, torch_compat.fsdp_module_groups(m)) for name, m in reversed(list(units))]
         self.order = [unit for unit in self.order if unit.groups]
         self.observer = observer
+        self.before_reduce = before_reduce
         self._lock = threading.Lock()  # hooks may run on more than one autograd thread (one per device)
         self._cursor = 0
         self._handles: list[Any] = []
@@ -179,6 +187,9 @@ class EarlyReduction:
         def reduce() -> None:
             if event is not None:  # the gradients were produced on another thread's stream
                 torch.cuda.current_stream().wait_event(event)
+            if self.before_reduce is not None:
+                params = [p for g in unit.groups for p in torch_compat.fsdp_group_unsharded_params(g)]
+                self.before_reduce(params)
             for group in unit.groups:
                 torch_compat.fsdp_reduce_group(group)
             self._tell("reduced", unit.name)

@@ -168,6 +168,22 @@ class ParallelMesh:
         """This rank's :class:`ParallelGroups`, read off the views (no new communicator)."""
         return ParallelGroups(dims=self.dims, rank=rank, **{kind: self.group(kind) for kind in GROUP_KINDS})
 
+    def side_group(self, kind: GroupKind, rank: int) -> ProcessGroup:
+        """A second communicator over this rank's group of ``kind`` (the same members in the same order), for
+        collectives another thread issues while the step's own thread may issue its own on ``kind`` (a group's
+        collectives pair up by their order of issue, and two threads would interleave them differently on each
+        rank). Collective: every rank calls it, for the same kinds in the same order; made with the default group's
+        backend and timeout."""
+        rank_lists = sorted({tuple(self.dims.group_of(kind, r)) for r in range(self.dims.world_size)})
+        mine, _ = dist.new_subgroups_by_enumeration([list(ranks) for ranks in rank_lists])
+        assert list(ranks_of(mine)) == self.dims.group_of(kind, rank), "side group members"
+        return mine
+
+
+def ranks_of(group: ProcessGroup) -> list[int]:
+    """The global ranks of ``group``, in its order."""
+    return dist.get_process_group_ranks(group)
+
 
 def build_mesh(
     dims: ParallelDims, device_type: str, *, backend: str | None = None, timeout: timedelta | None = None

@@ -35,7 +35,7 @@ gradients are final in the last backward, which runs alone, after every overlapp
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 
 import torch.distributed as dist
 from torch import nn
@@ -44,7 +44,7 @@ from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
 from lightning_moe_overlap._compat import torch as torch_compat
 from lightning_moe_overlap.config import ShardMode
-from lightning_moe_overlap.parallel.grad_reduce import EarlyReduction, Observer
+from lightning_moe_overlap.parallel.grad_reduce import BeforeReduce, EarlyReduction, Observer
 from lightning_moe_overlap.parallel.mesh import ParallelMesh
 
 
@@ -59,7 +59,8 @@ class ShardedModel:
     ``pp > 1``) and the per-step calls that keep FSDP's communication out of the overlapped pairs."""
 
     def __init__(
-        self, roots: Sequence[FSDPModule], mode: ShardMode = "none", *, overlap_grad_reduce: bool = False
+        self, roots: Sequence[FSDPModule], mode: ShardMode = "none", *, overlap_grad_reduce: bool = False,
+        before_reduce: BeforeReduce | None = None,
     ) -> None:
         self.roots = list(roots)
         self.mode = mode
@@ -71,7 +72,7 @@ class ShardedModel:
         # Each unit reduced as soon as its gradients are final in the last backward (sharded modes only).
         self.early: EarlyReduction | None = None
         if overlap_grad_reduce and self.sharded:
-            self.early = EarlyReduction(self.named_units())
+            self.early = EarlyReduction(self.named_units(), before_reduce=before_reduce)
 
     @classmethod
     def replicate(cls, roots: Sequence[nn.Module], ignored: Iterable[nn.Parameter], mesh: DeviceMesh) -> ShardedModel:
@@ -93,13 +94,15 @@ class ShardedModel:
         *,
         mp_policy: MixedPrecisionPolicy | None = None,
         overlap_grad_reduce: bool = False,
+        before_reduce: BeforeReduce | None = None,
     ) -> ShardedModel:
         """``fully_shard`` each of ``experts`` over ``mesh["edp"]``, then ``model`` over ``mesh["dp_cp"]``
         (``mode``: ``"optimizer"`` or ``"full"``). Call once the replicas are equal and before the optimizer is
         created. FSDP's forward hooks never reshard (``reshard_after_forward=False``): the step does.
 
         ``overlap_grad_reduce``: also each of the model's layers (:func:`layer_modules`) over ``mesh["dp_cp"]``,
-        between the experts and the root, so that each layer's dense gradients are a unit reduced on its own."""
+        between the experts and the root, so that each layer's dense gradients are a unit reduced on its own;
+        ``before_reduce`` runs on each unit's gathered parameters just before its early reduction (``grad_reduce.py``)."""
         divide = float(mesh.dims.dp * mesh.dims.cp)
         kwargs = {"reshard_after_forward": False, "mp_policy": mp_policy or MixedPrecisionPolicy()}
         modules = [fully_shard(m, mesh=mesh["edp"], **kwargs) for m in experts]  # type: ignore[arg-type]
@@ -111,7 +114,7 @@ class ShardedModel:
             module.set_gradient_divide_factor(divide)
             # Not over one rank: torch then divides both while copying and after the (skipped) reduce-scatter
             module.set_force_sum_reduction_for_comms(gloo and mesh[kind].size() > 1)
-        return cls([root], mode=mode, overlap_grad_reduce=overlap_grad_reduce)
+        return cls([root], mode=mode, overlap_grad_reduce=overlap_grad_reduce, before_reduce=before_reduce)
 
     @property
     def sharded(self) -> bool:
@@ -164,12 +167,15 @@ class ShardedModel:
             root.set_requires_gradient_sync(True)
         self.early.arm()
 
-    def end_step(self) -> None:
+    def end_step(self, before_rest: Callable[[], None] | None = None) -> None:
         """After the last micro-batch's backward: reduce the accumulated gradients (reduce-scatter in the sharded
         modes; with ``overlap_grad_reduce`` only the units not reduced during the backward, after waiting for
-        those) and reshard; FSDP's hooks are active again afterwards."""
+        those) and reshard; FSDP's hooks are active again afterwards. ``before_rest`` runs before the reductions
+        left (all of them without ``overlap_grad_reduce``), once the early ones are done."""
         if self.early is not None:
             self.early.finish()
+        if before_rest is not None:
+            before_rest()
         for root in self.roots:
             root.set_is_last_backward(True)
             root.set_requires_gradient_sync(True)

@@ -59,6 +59,7 @@ from lightning_moe_overlap.parallel.context_attention import ContextParallelAtte
 from lightning_moe_overlap.parallel.context_module import ATTR as CP_ATTR
 from lightning_moe_overlap.parallel.context_module import ContextParallel
 from lightning_moe_overlap.parallel.dims import ParallelDims
+from lightning_moe_overlap.parallel.grad_reduce import BeforeReduce
 from lightning_moe_overlap.parallel.groups import ParallelGroups
 from lightning_moe_overlap.parallel.mesh import ParallelMesh
 from lightning_moe_overlap.parallel.tp_styles import apply_tensor_parallel
@@ -103,7 +104,11 @@ def parallelize_model(
     convert_precision(module)
     place_model(module, pipeline, device)
     ep_model.broadcast_replicas(groups)
-    sharded = apply_fsdp(module, ep_model, config, mesh, pipeline, mp_policy=config.fsdp_mp_policy)
+    early_tp = tp_grads is not None and config.overlap_grad_reduce and config.shard != "none"
+    # the early sums run on the reduction lane while the backward issues its own tp collectives: their own group
+    before_reduce = tp_grads.unit_reducer(module, mesh.side_group("tp", groups.rank)) if early_tp else None
+    sharded = apply_fsdp(module, ep_model, config, mesh, pipeline, mp_policy=config.fsdp_mp_policy,
+                         before_reduce=before_reduce)  # fmt: skip
     loaded = apply_pretrained(module, pipeline)
     return PreparedModel(config, mesh.dims, groups, mesh, runtime, ep_model, pipeline, sharded, tp_grads, cp, fp8,
                          loaded)  # fmt: skip
@@ -246,17 +251,19 @@ def apply_fsdp(
     pipeline: PipelinedModel | None,
     *,
     mp_policy: MixedPrecisionPolicy | None = None,
+    before_reduce: BeforeReduce | None = None,
 ) -> ShardedModel:
     """``fully_shard`` the model (``parallelize/sharding.py``): at ``shard="none"`` the dense parameters of ``model``
     (of each held chunk at ``pp > 1``) become replicas over ``dp x cp``, the experts left alone; otherwise the
     experts are sharded over ``edp`` and the dense parameters over ``dp x cp`` (each layer a unit of its own with
-    ``overlap_grad_reduce``)."""
+    ``overlap_grad_reduce``; ``before_reduce``: what runs before each unit's early reduction, the tp replicas' sum at
+    ``tp > 1``)."""
     if config.shard == "none":
         roots = [model] if pipeline is None else pipeline.held_chunks
         return ShardedModel.replicate(roots, ep_model.expert_parameters(), replicate_mesh(mesh))
     mode: ShardMode = config.shard  # type: ignore[assignment]
     return ShardedModel.shard(model, ep_model.expert_modules(), mesh, mode, mp_policy=mp_policy,
-                              overlap_grad_reduce=config.overlap_grad_reduce)  # fmt: skip
+                              overlap_grad_reduce=config.overlap_grad_reduce, before_reduce=before_reduce)  # fmt: skip
 
 
 def apply_pretrained(module: LightningModule, pipeline: PipelinedModel | None) -> HFLoadReport | None:

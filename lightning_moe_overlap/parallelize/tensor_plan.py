@@ -27,9 +27,10 @@ MLP entries; the MoE entries are left out), see :func:`hf_tensor_parallel_plan`.
 from __future__ import annotations
 
 import fnmatch
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
 
-from torch import nn
+from torch import Tensor, nn
 from torch.distributed import ProcessGroup
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
@@ -209,10 +210,14 @@ class TensorParallelGrads:
     """The dense parameters the plan left whole (by name in the model), whose gradients are summed over ``group``.
 
     Names, not tensors: ``fully_shard`` replaces the parameters after the plan is applied, and during a step the
-    module holds the gathered ones, whose gradients are the ones to sum (before FSDP reduces over dp x cp)."""
+    module holds the gathered ones, whose gradients are the ones to sum (before FSDP reduces over dp x cp).
+
+    With ``overlap_grad_reduce`` each FSDP unit's replicas are summed just before the unit's early reduction
+    (:meth:`reduce_unit`, on the reduction lane); :meth:`reduce` then sums the ones left, at the end of the step."""
 
     names: tuple[str, ...]
     group: ProcessGroup
+    _summed: set[int] = field(default_factory=set, compare=False, repr=False)  # ids summed early in this step
 
     @classmethod
     def of(cls, model: nn.Module, group: ProcessGroup) -> TensorParallelGrads:
@@ -226,7 +231,26 @@ class TensorParallelGrads:
         return cls(names, group)
 
     def reduce(self, model: nn.Module) -> None:
-        """Sum the gradients of :attr:`names` over the tp group (collective; a missing gradient counts as zeros, so
-        every rank reduces the same buffers): ``parallel/grads.py``'s bucketed all-reduce, divided by 1."""
-        params = [model.get_parameter(name) for name in self.names]
-        allreduce_mean(materialised_grads(params), self.group, 1)
+        """Sum the gradients of :attr:`names` over the tp group, those :meth:`reduce_unit` summed in this step
+        excepted (collective; a missing gradient counts as zeros, so every rank reduces the same buffers):
+        ``parallel/grads.py``'s bucketed all-reduce, divided by 1."""
+        params = [p for p in (model.get_parameter(name) for name in self.names) if id(p) not in self._summed]
+        self._summed.clear()
+        if params:
+            allreduce_mean(materialised_grads(params), self.group, 1)
+
+    def unit_reducer(self, model: nn.Module, group: ProcessGroup) -> Callable[[list[Tensor]], None]:
+        """The ``before_reduce`` of ``overlap_grad_reduce``'s early reductions (``parallel/grad_reduce.py``): sums
+        the replicas among an FSDP unit's gathered parameters over ``group`` (the tp ranks, a communicator of its
+        own: the lane issues these sums while the backward issues the plan's tp collectives on :attr:`group`),
+        before the unit's reduction over dp x cp. Every rank of the tp group reduces the same units in the same
+        order (the lane's), so the collectives pair up."""
+
+        def reduce_unit(params: list[Tensor]) -> None:
+            replicas = {id(model.get_parameter(name)) for name in self.names}
+            mine = [p for p in params if id(p) in replicas]
+            if mine:
+                allreduce_mean(materialised_grads(mine), group, 1)
+                self._summed.update(id(p) for p in mine)
+
+        return reduce_unit

@@ -23,11 +23,6 @@ def _check(**kwargs) -> None:
     [
         ({"overlap_grad_reduce": 1, "shard": "full"}, TypeError, r"`overlap_grad_reduce=1` must be a bool"),
         ({"overlap_param_gather": "yes"}, TypeError, r"`overlap_param_gather='yes'` must be a bool"),
-        (
-            {"overlap_grad_reduce": True, "shard": "full", "tp": 2},
-            NotImplementedError,
-            r"`overlap_grad_reduce=True` with `tp=2`.*summed over tp.*Set `overlap_grad_reduce=False`, or `tp=1`",
-        ),
     ],
 )
 def test_overlap_flag_errors(kwargs, error, match):
@@ -114,3 +109,9 @@ def test_layers_are_the_elements_of_a_module_list_holding_experts():
     experts = [model.layers[0].experts, model.layers[2].experts]
     assert layer_modules(model, experts) == [model.layers[0], model.layers[2]]
     assert layer_modules(model, []) == []
+
+
+def test_overlap_grad_reduce_composes_with_tensor_parallelism():
+    """Each unit's tp replicas are summed just before its early reduction (``TensorParallelGrads.unit_reducer``)."""
+    _check(overlap_grad_reduce=True, shard="full", tp=2)
+    _check(overlap_grad_reduce=True, shard="optimizer", tp=2)
