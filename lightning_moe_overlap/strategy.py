@@ -522,7 +522,8 @@ class MoEOverlapStrategy(ParallelStrategy):
     def _prepare(self) -> None:
         """Parallelise the model (``parallelize_model``, every step in ``parallelize/steps.py``'s order) and leave the
         record with it, or take the record an earlier ``setup`` left (``parallelize/prepared_model.py``): ``fit`` ->
-        ``validate`` / ``test`` / ``predict`` / ``fit`` set the strategy up again, with the same Trainer or a new one."""
+        ``validate`` / ``test`` / ``predict`` / ``fit`` set the strategy up again, with the same Trainer or a new
+        one."""
         assert self.model is not None
         earlier = adopt(self.model, self.config, self.dims, owner=f"`{type(self).__name__}`")
         if earlier is None:
@@ -717,7 +718,8 @@ class MoEOverlapStrategy(ParallelStrategy):
 
     def held_tensors(self) -> dict[str, Tensor]:
         """``{unsplit name: tensor}`` of every parameter and persistent buffer this rank holds, from ``setup`` on
-        (plain or ``DTensor``; at ``pp > 1`` its own chunks'): what a checkpoint loader fills (``parallelize/held_tensors.py``)."""
+        (plain or ``DTensor``; at ``pp > 1`` its own chunks'): what a checkpoint loader fills
+        (``parallelize/held_tensors.py``)."""
         return held_tensors(self.lightning_module, self._built.pipeline)
 
     def global_shapes(self) -> dict[str, tuple[int, ...]]:

@@ -20,8 +20,8 @@ absolute maximum (amax) at the moment it is cast, so no amax history is kept bet
 
 ``tensorwise`` and ``rowwise`` are torchao's ``Float8LinearConfig`` recipes of the same names, and ``mxfp8`` is
 torchao's MXFP8 training recipe (``RCEIL`` scales), so dense linears (torchao) and the experts
-(``fp8/experts_kernel.py``) quantise alike. One more name is known and refused with the rule: ``delayed`` (scales from an amax history,
-Transformer Engine's default), which needs Transformer Engine on a CUDA GPU and is not wired here yet.
+(``fp8/experts_kernel.py``) quantise alike. One more name is known and refused with the rule: ``delayed`` (scales
+from an amax history, Transformer Engine's default), which needs Transformer Engine on a CUDA GPU and is not wired here yet.
 """
 
 from __future__ import annotations

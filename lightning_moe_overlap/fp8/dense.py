@@ -14,8 +14,8 @@ default filter (:func:`default_linear_filter`) leaves out the output head and th
 more than their share of the FLOPs (torchtitan leaves its output layer out by default too). Every linear left out
 is reported with the reason.
 
-Under a tensor-parallel plan (``tp > 1``, ``parallelize/tensor_plan.py``), which the strategy applies before this conversion:
-each planned linear holds its ``DTensor`` shard, and its ``Float8Linear`` holds the same one and gets the same
+Under a tensor-parallel plan (``tp > 1``, ``parallelize/tensor_plan.py``), which the strategy applies before this
+conversion: each planned linear holds its ``DTensor`` shard, and its ``Float8Linear`` holds the same one and gets the same
 style again (:class:`~lightning_moe_overlap.parallel.tp_styles.PlannedLinear`): the GEMMs run in FP8 on each rank's
 shard, and the plan's collectives stay in the training dtype (torchao's FP8 parallel styles, which all-gather in
 FP8, are not used: docs/fp8.md). A linear whose weight its model uses outside the linear's forward says so with

@@ -15,6 +15,9 @@ experts -> ``dispatcher.combine``. On each rank the result equals the unsharded 
 The expert MLP runs as named stage modules (``local``: ``fc1`` -> ``act`` -> ``fc2``; :mod:`.stages`), which hooks,
 checkpoints and the memory callbacks attach to; the parameters stay on this module.
 
+:func:`apply_expert_parallel` makes them: it finds a model's experts modules (``adapters.py``) and replaces each with
+its ``ExpertParallelExperts`` in place.
+
 Shape legend:
     T: tokens on this rank   K: top-k   D: hidden size   R: rows for local experts   e: local experts
 """
@@ -302,7 +305,7 @@ def _check_mesh(ep_mesh: DeviceMesh | None, dispatcher: DispatcherBase) -> None:
         )
 
 
-# -- making a model's experts expert-parallel --------------------------------------------------------------------------------------------------
+# -- making a model's experts expert-parallel --------------------------------------------------------------------------
 def _ep_group_of(groups_or_ep_group: Any) -> ProcessGroup | None:
     if groups_or_ep_group is None or isinstance(groups_or_ep_group, ProcessGroup):
         return groups_or_ep_group

@@ -102,7 +102,8 @@ class ShardedModel:
 
         ``overlap_grad_reduce``: also each of the model's layers (:func:`layer_modules`) over ``mesh["dp_cp"]``,
         between the experts and the root, so that each layer's dense gradients are a unit reduced on its own;
-        ``before_reduce`` runs on each unit's gathered parameters just before its early reduction (``grad_reduce.py``)."""
+        ``before_reduce`` runs on each unit's gathered parameters just before its early reduction
+        (``grad_reduce.py``)."""
         divide = float(mesh.dims.dp * mesh.dims.cp)
         kwargs = {"reshard_after_forward": False, "mp_policy": mp_policy or MixedPrecisionPolicy()}
         modules = [fully_shard(m, mesh=mesh["edp"], **kwargs) for m in experts]  # type: ignore[arg-type]

@@ -10,8 +10,8 @@ each rank then allocates only what it holds (``parallelize/materialize.py``):
 2. :func:`apply_materialize`: the held dense tensors built on meta are allocated (whole: steps 3 and 7 shard them)
    and given their seeded init (the values of the unsplit model, whatever the layout); the experts wait for step 4.
 3. :func:`apply_tp` (``tp > 1``): tensor and sequence parallelism of the dense layers (``parallelize_module`` over
-   ``mesh["tp"]`` with the model's plan, ``parallelize/tensor_plan.py``), each tp rank keeping its shard of the tensors it
-   initialised; the routers learn their sequence group. The experts are left whole: ep folds over the tp ranks.
+   ``mesh["tp"]`` with the model's plan, ``parallelize/tensor_plan.py``), each tp rank keeping its shard of the
+   tensors it initialised; the routers learn their sequence group. The experts are left whole: ep folds over the tp ranks.
 3b. :func:`apply_cp` (``cp > 1``): the LightningModule gets its ``context_parallel`` handle (it shards its
    micro-batches' sequences, ``parallel/context_module.py``) and the routers the cp group as their sequence group.
 4. :func:`apply_ep`: every experts module becomes expert-parallel over ``mesh["ep"]`` (``DTensor`` experts), its
@@ -32,8 +32,8 @@ each rank then allocates only what it holds (``parallelize/materialize.py``):
 8. :func:`apply_pretrained`: a LightningModule that declares ``hf_weights`` (a published Hugging Face checkpoint, or
    one per HF model; declared by the strategy for a ``from_pretrained`` in ``configure_model``, ``hf/pretrained.py``)
    gets them read into the sharded model (``torch.distributed.checkpoint``'s HF reader, ``hf/load.py``), after the
-   parameters have their final placement and before the optimizers are built: ``parallelize/held_tensors.py`` gives what this
-   rank holds and the whole model's shapes, by the unsplit model's names; each rank reads only its part, and the
+   parameters have their final placement and before the optimizers are built: ``parallelize/held_tensors.py`` gives
+   what this rank holds and the whole model's shapes, by the unsplit model's names; each rank reads only its part, and the
    load fails before the first step unless every tensor under the prefix was written.
 
 The groups every step uses come from the one mesh (:meth:`ParallelMesh.process_groups`).

@@ -1,5 +1,6 @@
-"""The package's import graph, read from the sources with ``ast`` (nothing is imported): every ``import`` and ``from ... import`` of a
-``lightning_moe_overlap`` module counts, at module level, inside functions and under ``if TYPE_CHECKING:``.
+"""The package's import graph, read from the sources with ``ast`` (nothing is imported): every ``import`` and
+``from ... import`` of a ``lightning_moe_overlap`` module counts, at module level, inside functions and under
+``if TYPE_CHECKING:``.
 
 How an import becomes an edge:
 

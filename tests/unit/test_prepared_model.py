@@ -34,7 +34,8 @@ def test_a_run_may_change_only_its_own_settings():
 def test_fp8_and_the_fsdp_policy_are_part_of_the_layout_and_the_run_settings_are_not():
     bf16 = MixedPrecisionPolicy(param_dtype=torch.bfloat16)
     prepared = _prepared(OverlapConfig(ep=2, shard="full", fp8="rowwise", fsdp_mp_policy=bf16))
-    same = OverlapConfig(ep=2, shard="full", fp8="rowwise", fsdp_mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16),
+    same = OverlapConfig(ep=2, shard="full", fp8="rowwise",
+                         fsdp_mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16),
                          checkpoint_format="consolidated", timeout=60, optimizer_cpu_offload=True)  # fmt: skip
     check_same_layout(prepared, same, DIMS, "`S`")
     with pytest.raises(NotImplementedError, match=r"fp8=None \(prepared with 'rowwise'\)"):

@@ -123,7 +123,8 @@ def exchange_rows(
 ) -> tuple[Tensor, ...]:
     """Comm point: the unique rows and their routing data (:func:`pack_choices`) in one exchange,
     ``(x_MD, *choices_M)``. ``fp8``: the rows go in FP8 (``x_MD`` is a
-    :class:`~lightning_moe_overlap.float8.rows.Float8Rows`, ``float8.py``); the gradients come back in high precision."""
+    :class:`~lightning_moe_overlap.float8.rows.Float8Rows`, ``float8.py``); the gradients come back in high
+    precision."""
     if fp8 is None:
         return all_to_all_many((x_UD, *choices), output_splits, input_splits, group, runtime)
     return float8_all_to_all_many(x_UD, choices, fp8, tuple(output_splits), tuple(input_splits), group, runtime)
