@@ -146,6 +146,7 @@ class ParallelMesh:
     layout: MeshLayout
     device_mesh: DeviceMesh
     views: Mapping[GroupKind, DeviceMesh]
+    timeout: timedelta | None = None  # of every group made for it (None: torch's default)
 
     def __getitem__(self, kind: GroupKind) -> DeviceMesh:
         """The 1-D mesh of ``kind`` that this rank belongs to."""
@@ -173,9 +174,9 @@ class ParallelMesh:
         collectives another thread issues while the step's own thread may issue its own on ``kind`` (a group's
         collectives pair up by their order of issue, and two threads would interleave them differently on each
         rank). Collective: every rank calls it, for the same kinds in the same order; made with the default group's
-        backend and timeout."""
+        backend and the mesh's timeout."""
         rank_lists = sorted({tuple(self.dims.group_of(kind, r)) for r in range(self.dims.world_size)})
-        mine, _ = dist.new_subgroups_by_enumeration([list(ranks) for ranks in rank_lists])
+        mine, _ = dist.new_subgroups_by_enumeration([list(ranks) for ranks in rank_lists], timeout=self.timeout)
         assert list(ranks_of(mine)) == self.dims.group_of(kind, rank), "side group members"
         return mine
 
@@ -224,7 +225,7 @@ def build_mesh(
         else:
             config = _backend_config(resolved, kind, timeout)
             views[kind] = torch_compat.flatten_mesh(device_mesh[parts], kind, backend_override=config)
-    return ParallelMesh(dims=dims, layout=layout, device_mesh=device_mesh, views=views)
+    return ParallelMesh(dims=dims, layout=layout, device_mesh=device_mesh, views=views, timeout=timeout)
 
 
 def _backend_config(backend: str, kind: str, timeout: timedelta | None) -> tuple[str, Any]:
