@@ -18,7 +18,8 @@ its ``state_dict``), read and written only here.
 
 from __future__ import annotations
 
-from contextlib import AbstractContextManager, ExitStack, nullcontext
+from collections.abc import Iterator
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import dataclass, fields
 from typing import TYPE_CHECKING
 
@@ -77,14 +78,12 @@ class PreparedModel:
         (``loss_parallel_scope``). Nothing at ``tp = 1``."""
         return nullcontext() if self.dims.tp == 1 else loss_parallel_scope()
 
-    def step_scope(self) -> AbstractContextManager[None]:
+    @contextmanager
+    def step_scope(self) -> Iterator[None]:
         """Entered on the main thread around a step's forwards and backwards: :meth:`loss_scope`, and at ``cp > 1``
         torch's process-wide ring handlers (``ContextParallelAttention.enabled``)."""
-        stack = ExitStack()
-        if self.cp is not None:
-            stack.enter_context(self.cp.attention.enabled())
-        stack.enter_context(self.loss_scope())
-        return stack
+        with nullcontext() if self.cp is None else self.cp.attention.enabled(), self.loss_scope():
+            yield
 
     def thread_ring(self) -> AbstractContextManager[None]:
         """At ``cp > 1``, the ring for the SDPA calls of the calling thread (an engine lane runs each micro-batch on
