@@ -1,9 +1,10 @@
 """How a model becomes the parallel model: ordered steps over one mesh.
 
-``MoEOverlapStrategy.setup`` runs them in this order (torchtitan's: pipeline cut, TP, EP, activation checkpointing,
-FSDP), each a function of the module and the mesh that can be called and tested alone. ``configure_model`` runs under
-the meta device at every pp (``MoEOverlapStrategy.model_sharded_context``), so the model may arrive without memory;
-each rank then allocates only what it holds (``parallelize/materialize.py``):
+:func:`parallelize_model` (called once per model by ``MoEOverlapStrategy.setup``) runs them in this order
+(torchtitan's: pipeline cut, TP, EP, activation checkpointing, FSDP) and returns the record of what it built
+(``parallelize/prepared_model.py``); each step is a function of the module and the mesh that can be called and tested
+alone. ``configure_model`` runs under the meta device at every pp (``parallelize/meta_build.py``), so the model may
+arrive without memory; each rank then allocates only what it holds (``parallelize/materialize.py``):
 
 1. :func:`apply_pipeline` (``pp > 1``): cut the model into ``pp * vpp`` chunks; the other pp ranks' chunks go to the
    meta device, this rank's stay where they are (on its device, or on meta until the next steps).
