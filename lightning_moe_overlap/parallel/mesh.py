@@ -177,13 +177,8 @@ class ParallelMesh:
         backend and the mesh's timeout."""
         rank_lists = sorted({tuple(self.dims.group_of(kind, r)) for r in range(self.dims.world_size)})
         mine, _ = dist.new_subgroups_by_enumeration([list(ranks) for ranks in rank_lists], timeout=self.timeout)
-        assert list(ranks_of(mine)) == self.dims.group_of(kind, rank), "side group members"
+        assert dist.get_process_group_ranks(mine) == self.dims.group_of(kind, rank), "side group members"
         return mine
-
-
-def ranks_of(group: ProcessGroup) -> list[int]:
-    """The global ranks of ``group``, in its order."""
-    return dist.get_process_group_ranks(group)
 
 
 def build_mesh(

@@ -19,6 +19,7 @@ from torch import Tensor
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from lightning_moe_overlap.loss import fused_linear_cross_entropy
+from tests.helpers.data import head_inputs
 from tests.helpers.tolerance import assert_within, low_precision_cross_entropy_bounds
 
 T, D, V = 45, 16, 101
@@ -26,13 +27,7 @@ GEMMS = {"aten.mm.default", "aten.addmm.default", "aten.bmm.default", "aten.badd
 
 
 def _inputs(dtype: torch.dtype, *, bias: bool = True, seed: int = 0) -> tuple[Tensor, ...]:
-    g = torch.Generator().manual_seed(seed)
-    h = torch.randn(T, D, generator=g).to(dtype).requires_grad_()
-    w = (torch.randn(V, D, generator=g) * 0.5).to(dtype).requires_grad_()
-    b = (torch.randn(V, generator=g) * 0.1).to(dtype).requires_grad_() if bias else None
-    target = torch.randint(0, V, (T,), generator=g)
-    target[::4] = -100
-    return h, w, b, target
+    return head_inputs(dtype, tokens=T, hidden=D, rows=V, bias=bias, seed=seed)
 
 
 def _float64_reference(h: Tensor, w: Tensor, b: Tensor | None, target: Tensor, reduction: str) -> list[Tensor]:

@@ -1,19 +1,7 @@
 """The package's module graph has no cycle.
 
-Read from the sources with ``ast`` (nothing is imported): every ``import`` and ``from ... import`` of a
-``lightning_moe_overlap`` module counts, at module level, inside functions and under ``if TYPE_CHECKING:``.
-
-How an import becomes an edge:
-
-- ``import lightning_moe_overlap.a.b`` and ``from lightning_moe_overlap.a.b import name`` are edges to ``a/b.py``
-  (or ``a/b/__init__.py`` when ``a.b`` is a package).
-- ``from lightning_moe_overlap.a import b`` where ``b`` is a submodule is an edge to ``a/b.py``; where ``b`` is a
-  name that ``a/__init__.py`` defines or re-exports, it is an edge to ``a/__init__.py``.
-- The parent packages that Python runs on the way to a submodule are not edges: a submodule is imported from
-  inside its package's ``__init__`` while that ``__init__`` is already in ``sys.modules``. A module that names
-  its own package (``from lightning_moe_overlap.a import name`` inside ``a/x.py``) is an edge to
-  ``a/__init__.py``, and it is a cycle when that ``__init__`` imports ``a/x.py`` back: a real one, since which
-  of the two runs first decides whether ``name`` exists yet.
+Read from the sources by ``tests/helpers/import_graph.py``, whose docstring says which imports count and how an
+import becomes an edge.
 """
 
 from __future__ import annotations
