@@ -19,8 +19,12 @@ The formula, from the unsharded model's shapes with ``D`` the dense and ``X`` th
 (``optimizer`` keeps the gathered compute copy and the optimizer's shard.) The AdamW ``step`` scalars are in the
 measurement, not in the formula.
 
-Usage: ``python benchmarks/sharding_memory.py [--ranks 4] [--ep 2] [--vocab 2048] [--hidden 128] [--layers 4]
-[--experts 8] [--ffn 256] [--json]``
+With ``--pp 2`` (interleaved, two chunks per rank) ``D`` and ``X`` are those of the chunks the rank holds (its
+stage's share: the first stage holds the embedding, the last the head) and ``dp = ranks / pp``: each stage's
+chunks are sharded over its own dp ranks.
+
+Usage: ``python benchmarks/sharding_memory.py [--ranks 4] [--ep 2] [--pp 1] [--vocab 2048] [--hidden 128]
+[--layers 4] [--experts 8] [--ffn 256] [--json]``
 """
 
 from __future__ import annotations
@@ -75,9 +79,15 @@ def build_model(shape: Shape):
 
 def model_bytes(shape: Shape) -> tuple[int, int]:
     """(dense, expert) bytes of the unsharded model."""
-    model = build_model(shape)
-    expert = sum(p.numel() * p.element_size() for n, p in model.named_parameters() if ".experts." in n)
-    return sum(p.numel() * p.element_size() for p in model.parameters()) - expert, expert
+    return held_model_bytes(build_model(shape))
+
+
+def held_model_bytes(model: torch.nn.Module) -> tuple[int, int]:
+    """(dense, expert) bytes of the parameters of ``model`` this rank holds, at their unsharded (global) shapes:
+    the whole model at ``pp = 1``, the rank's chunks at ``pp > 1`` (the others are on meta)."""
+    sizes = [(".experts." in n, p.numel() * p.element_size()) for n, p in model.named_parameters() if not p.is_meta]
+    expert = sum(size for is_expert, size in sizes if is_expert)
+    return sum(size for _, size in sizes) - expert, expert
 
 
 def formula(mode: str, dense: int, expert: int, *, ep: int, dp: int) -> tuple[int, int, int]:
@@ -110,16 +120,19 @@ def held_bytes(tensors: list[Tensor], seen: set[int]) -> int:
 def measure(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> tuple[int, int, int]:
     """(params, grads, optim) bytes this rank holds: distinct storages of the module's and the optimizer's
     parameters, their gradients, and the optimizer's state tensors."""
-    owned = [p for group in optimizer.param_groups for p in group["params"]]
-    params = [*model.parameters(), *owned]
+    owned = [p for group in optimizer.param_groups for p in group["params"] if not p.is_meta]
+    params = [*(p for p in model.parameters() if not p.is_meta), *owned]
     grads = [p.grad for p in params if p.grad is not None]
     state = [v for s in optimizer.state.values() for v in s.values() if isinstance(v, Tensor)]
     seen: set[int] = set()
     return held_bytes(params, seen), held_bytes(grads, seen), held_bytes(state, seen)
 
 
-def run_mode(mode: str, shape: Shape, *, ranks: int, ep: int) -> tuple[int, int, int]:
-    """Train one step in ``mode`` (inside an initialised process group of ``ranks`` ranks); this rank's bytes."""
+def run_mode(
+    mode: str, shape: Shape, *, ranks: int, ep: int, pp: int = 1
+) -> tuple[tuple[int, int, int], tuple[int, int]]:
+    """Train one step in ``mode`` (inside an initialised process group of ``ranks`` ranks): this rank's bytes, and
+    the (dense, expert) bytes of what it holds at unsharded shapes (:func:`held_model_bytes`)."""
     from lightning.pytorch import Callback, Trainer
     from torch.utils.data import DataLoader
 
@@ -133,22 +146,22 @@ def run_mode(mode: str, shape: Shape, *, ranks: int, ep: int) -> tuple[int, int,
 
     model = build_model(shape)
     tokens = torch.randint(0, shape.vocab, (4 * ranks, 16), generator=torch.Generator().manual_seed(0))
-    model.train_dataloader = lambda: DataLoader(tokens, batch_size=2)
+    model.train_dataloader = lambda: DataLoader(tokens, batch_size=2 * pp)
+    layout = {"pp": pp, "vpp": 2, "num_microbatches": 2 * pp} if pp > 1 else {"num_microbatches": 2}
     trainer = Trainer(
         accelerator="cpu", devices=ranks, max_steps=1, logger=False, enable_checkpointing=False,
-        enable_progress_bar=False, enable_model_summary=False, callbacks=[Measure()],
-        strategy=MoEOverlapStrategy(ep=ep, num_microbatches=2, shard=mode),
+        enable_progress_bar=False, enable_model_summary=False, callbacks=[Measure()], limit_val_batches=0,
+        strategy=MoEOverlapStrategy(ep=ep, shard=mode, **layout),
     )  # fmt: skip
     trainer.fit(model)
-    return measured[-1]
+    return measured[-1], held_model_bytes(model)
 
 
-def worker(rank: int, world: int, shape: Shape, ep: int) -> list[Row]:
-    dense, expert = model_bytes(shape)
+def worker(rank: int, world: int, shape: Shape, ep: int, pp: int = 1) -> list[Row]:
     rows = []
     for mode in MODES:
-        got = run_mode(mode, shape, ranks=world, ep=ep)
-        rows.append(Row(mode, *got, *formula(mode, dense, expert, ep=ep, dp=world)))
+        got, (dense, expert) = run_mode(mode, shape, ranks=world, ep=ep, pp=pp)
+        rows.append(Row(mode, *got, *formula(mode, dense, expert, ep=ep, dp=world // pp)))
     return rows
 
 
@@ -170,6 +183,7 @@ def main(argv: list[str] | None = None) -> list[list[Row]]:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--ranks", type=int, default=4)
     parser.add_argument("--ep", type=int, default=2)
+    parser.add_argument("--pp", type=int, default=1)
     for name, default in asdict(Shape()).items():
         parser.add_argument(f"--{name}", type=int, default=default)
     parser.add_argument("--json", action="store_true")
@@ -178,14 +192,16 @@ def main(argv: list[str] | None = None) -> list[list[Row]]:
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
     from tests.helpers.distributed import run_distributed
 
-    per_rank = run_distributed(worker, args.ranks, shape, args.ep, timeout_s=300)
+    per_rank = run_distributed(worker, args.ranks, shape, args.ep, args.pp, timeout_s=300)
     dense, expert = model_bytes(shape)
     if args.json:
         print(json.dumps([[asdict(r) for r in rows] for rows in per_rank]))
     else:
         print(f"MoE GPT {shape}: dense {dense / 2**20:.2f} MiB, experts {expert / 2**20:.2f} MiB (all ranks), "
-              f"{args.ranks} ranks, ep={args.ep}; rank 0:")  # fmt: skip
-        print(table(per_rank[0]))
+              f"{args.ranks} ranks, ep={args.ep}, pp={args.pp}; per rank:")  # fmt: skip
+        for rank, rows in enumerate(per_rank):
+            print(f"rank {rank}:")
+            print(table(rows))
     return per_rank
 
 

@@ -567,7 +567,10 @@ class MoEOverlapStrategy(ParallelStrategy):
             return LoopPath(prepared.sharded.gather, loop)
         if engine is not None:
             accumulate = self._accumulation.batches if self._accumulation is not None else 1
-            prepared.pipeline.build_schedule(engine, self.root_device, self.token_scope, accumulate=accumulate)
+            early = prepared.sharded.before_last_backward if prepared.sharded.early is not None else None
+            prepared.pipeline.build_schedule(engine, self.root_device, self.token_scope, accumulate=accumulate,
+                                             before_last_backward=early)  # fmt: skip
+            prepared.sharded.divide_gradients(prepared.pipeline.grad_divisor)
             self._set_pipeline_aux_scale(accumulate)
         return PipelinePath(prepared.pipeline, self.lightning_module, self.root_device, hooks,
                             self.precision_plugin.train_step_context, self.token_scope)  # fmt: skip

@@ -304,14 +304,6 @@ def rule_shard(cfg: OverlapConfig) -> list[Problem]:
             f"and gathered ones, so the views would compute on stale storage. {fix}",
             NotImplementedError,
         ),
-        *_when(
-            is_positive_int(cfg.pp) and cfg.pp > 1,
-            "shard-pipeline",
-            f"`shard={cfg.shard!r}` with `pp={cfg.pp}`: the pipeline chunks are built on the meta device and placed "
-            "per pp rank, and sharding them is not implemented in this version. Use `pp=1` with sharding, or "
-            "`shard='none'` with pipeline parallelism.",
-            NotImplementedError,
-        ),
     ]
 
 

@@ -254,8 +254,11 @@ def _wait(event: torch.cuda.Event | None) -> None:
 
 
 def describe_offload(optimizers: Sequence[torch.optim.Optimizer]) -> str:
-    """One line: how many parameters (and elements) of this rank have their optimizer state and update on the host."""
-    params = [p for optimizer in optimizers for group in optimizer.param_groups for p in group["params"]]
+    """One line: how many parameters (and elements) of this rank have their optimizer state and update on the host,
+    of those it holds (at ``pp > 1`` the optimizer also lists the other stages' parameters, on meta)."""
+    params = [
+        p for optimizer in optimizers for group in optimizer.param_groups for p in group["params"] if not p.is_meta
+    ]
     moved = {k for optimizer in optimizers if isinstance(optimizer, OffloadedOptimizer) for k in optimizer.copies}
     host = [p for p in params if id(p) in moved]
     total, on_host = sum(_numel(p) for p in params), sum(_numel(p) for p in host)

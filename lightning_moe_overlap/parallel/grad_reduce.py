@@ -8,6 +8,10 @@ step's LAST backward, so that its reduce-scatter runs while the backward of the 
 
 - The last backward runs alone (``F0, (F1|B0), ..., B[M-1]``: the schedule's cooldown phase), so nothing here runs
   inside an overlapped pair. :meth:`arm` is called just before it (``loop.py``, ``StepHooks.before_last_backward``).
+  At ``pp > 1`` each held chunk (an FSDP root) has its own last backward, the last micro-batch's full backward of
+  its stage, which comes after every forward of the rank (its forward precedes it in the chain of stages) and so
+  runs alone too: :meth:`arm` takes the units of that root only, just before it (``pipeline/schedules.py``, the
+  stages' ``before_last_backward``). The rank's later chunk finishes first, so the order below holds across them.
 - When a unit's gradients are final is read from autograd: a post-accumulate-grad hook on each gathered parameter
   of the unit (hand-written: FSDP registers its own post-backward trigger in its pre-forward hook, which is kept
   idle while two contexts share the modules). A unit is final once every parameter that requires a gradient got
@@ -47,12 +51,14 @@ BeforeReduce = Callable[[list[torch.Tensor]], None]  # a unit's gathered paramet
 
 @dataclass
 class _Unit:
-    """One FSDP unit: its name in the model, its param groups and, while armed, the parameters still without a
-    gradient in this backward (ids)."""
+    """One FSDP unit: its name in the model, its module, its param groups and, once armed in this step, the
+    parameters still without a gradient in the armed backward (ids)."""
 
     name: str
+    module: nn.Module
     groups: list[Any]
     pending: set[int] = field(default_factory=set)
+    armed: bool = False
     issued: bool = False
 
 
@@ -98,17 +104,27 @@ class EarlyReduction:
     """Reduces each FSDP unit of ``units`` (``(name, module)`` in the model's order) as soon as its gradients are
     final in the armed backward (module docstring). ``observer(event, unit)`` is told of each ``"ready"`` (the
     unit's gradients are final, on autograd's thread), ``"issue"`` (handed to the lane) and ``"reduced"`` (its
-    ``post_backward`` returned, on the lane)."""
+    ``post_backward`` returned, on the lane). The units of ``held_back`` (experts whose weight gradients are
+    deferred, ``delay_wgrad``) are left out of the order (the same on every rank): they are reduced after
+    :meth:`finish`, the other units as usual."""
 
     def __init__(
-        self, units: Sequence[tuple[str, nn.Module]], observer: Observer | None = None,
+        self,
+        units: Sequence[tuple[str, nn.Module]],
+        observer: Observer | None = None,
         before_reduce: BeforeReduce | None = None,
+        held_back: Sequence[nn.Module] = (),
     ) -> None:
         # The reverse of the model's order: the order in which a backward finishes the units.
-        self.order = [_Unit(name, torch_compat.fsdp_module_groups(m)) for name, m in reversed(list(units))]
-        self.order = [unit for unit in self.order if unit.groups]
+        self.order = [_Unit(name, m, torch_compat.fsdp_module_groups(m)) for name, m in reversed(list(units))]
+        # Left out of the order: their gradients land outside autograd (deferred expert weight gradients), after
+        # the parameters' hooks fired (autograd calls them with no gradient), so they are reduced after `finish`.
+        held = {id(m) for m in held_back}
+        self.held_back = [unit for unit in self.order if unit.groups and id(unit.module) in held]
+        self.order = [unit for unit in self.order if unit.groups and id(unit.module) not in held]
         self.observer = observer
         self.before_reduce = before_reduce
+        self.grad_divisor: int | None = None  # see :meth:`_divide`
         self._lock = threading.Lock()  # hooks may run on more than one autograd thread (one per device)
         self._cursor = 0
         self._handles: list[Any] = []
@@ -118,13 +134,19 @@ class EarlyReduction:
     def armed(self) -> bool:
         return self._lane is not None
 
-    def arm(self) -> None:
-        """Before the last backward (nothing else running): hook every gathered parameter, start the lane. The
-        units' gradient sync must be on (``set_requires_gradient_sync(True)``)."""
-        self.reset()
+    def arm(self, root: nn.Module | None = None) -> None:
+        """Before a last backward (nothing else running): hook every gathered parameter of the units under ``root``
+        (None: every unit), and start the lane at the step's first arm. The units' gradient sync must be on
+        (``set_requires_gradient_sync(True)``). A unit not armed yet holds the ones after it back."""
+        inside = None if root is None else {id(m) for m in root.modules()}
+        chosen = [
+            (i, u) for i, u in enumerate(self.order) if not u.armed and (inside is None or id(u.module) in inside)
+        ]
+        if self._lane is None:
+            self.reset()
         device = None
-        for index, unit in enumerate(self.order):
-            unit.issued = False
+        for index, unit in chosen:
+            unit.armed, unit.issued = True, False
             for group in unit.groups:
                 for param in torch_compat.fsdp_group_unsharded_params(group):
                     if not param.requires_grad:
@@ -132,18 +154,35 @@ class EarlyReduction:
                     device = device or param.device
                     unit.pending.add(id(param))
                     self._handles.append(param.register_post_accumulate_grad_hook(self._hook(index)))
-        self._cursor = 0
-        self._lane = ReductionLane(device or torch.device("cpu"))
+        if self._lane is None:
+            self._cursor = 0
+            self._lane = ReductionLane(device or torch.device("cpu"))
         with self._lock:
             self._issue_ready()  # units without a parameter that takes a gradient
 
     def finish(self) -> None:
         """After the last backward: wait for the reductions issued, remove the hooks. Raises the lane's first
-        error. The units not issued are left to FSDP's end of step (``ShardedModel.end_step``), in model order."""
+        error. The units not issued are left to FSDP's end of step (``ShardedModel.end_step``), in model order, their
+        gradients divided first (:meth:`_divide`)."""
         lane, self._lane = self._lane, None
         self._remove_hooks()
         if lane is not None:
             lane.drain()
+        for unit in [*self.order, *self.held_back]:
+            if not unit.issued:
+                self._divide(_unsharded_params(unit))
+            unit.issued = False
+
+    def _divide(self, params: list[torch.Tensor]) -> None:
+        """At ``pp > 1`` torch's schedule divides every gradient by the micro-batch count after its last backward
+        (``scale_grads``), which would come after (or, on another thread, during) these reductions; with
+        ``grad_divisor`` set the strategy turns torch's division off and each unit's gradients get the same
+        ``div_`` here, just before its reduction (``pipeline/pipelined.py``)."""
+        if self.grad_divisor is None or self.grad_divisor == 1:
+            return
+        for param in params:
+            if param.grad is not None:
+                param.grad.div_(self.grad_divisor)
 
     def reset(self) -> None:
         """Drop what a failed step left armed, without waiting for it (that step has raised its error)."""
@@ -153,6 +192,7 @@ class EarlyReduction:
             lane.abandon()
         for unit in self.order:
             unit.pending.clear()
+            unit.armed = unit.issued = False
 
     # -- on autograd's thread ------------------------------------------------------------------------------------
     def _hook(self, index: int) -> Callable[[torch.Tensor], None]:
@@ -176,7 +216,9 @@ class EarlyReduction:
     def _issue_ready(self) -> None:
         """Issue, in order, every unit from the cursor on whose gradients are final (lock held)."""
         assert self._lane is not None
-        while self._cursor < len(self.order) and not self.order[self._cursor].pending:
+        while (
+            self._cursor < len(self.order) and self.order[self._cursor].armed and not self.order[self._cursor].pending
+        ):
             unit = self.order[self._cursor]
             unit.issued = True
             self._cursor += 1
@@ -187,8 +229,9 @@ class EarlyReduction:
         def reduce() -> None:
             if event is not None:  # the gradients were produced on another thread's stream
                 torch.cuda.current_stream().wait_event(event)
+            params = _unsharded_params(unit)
+            self._divide(params)
             if self.before_reduce is not None:
-                params = [p for g in unit.groups for p in torch_compat.fsdp_group_unsharded_params(g)]
                 self.before_reduce(params)
             for group in unit.groups:
                 torch_compat.fsdp_reduce_group(group)
@@ -204,6 +247,10 @@ class EarlyReduction:
         for handle in self._handles:
             handle.remove()
         self._handles.clear()
+
+
+def _unsharded_params(unit: _Unit) -> list[torch.Tensor]:
+    return [p for group in unit.groups for p in torch_compat.fsdp_group_unsharded_params(group)]
 
 
 def _ready_event(unit: _Unit) -> Any:

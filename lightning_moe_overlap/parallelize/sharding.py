@@ -30,7 +30,12 @@ flip under each other (a forward ending while the other thread's backward set th
 ``overlap_grad_reduce`` (sharded modes): every element of a ``nn.ModuleList`` that holds an experts module (the
 model's layers) becomes an FSDP unit of its own over ``dp_cp``, and :meth:`ShardedModel.before_last_backward` arms
 an :class:`~lightning_moe_overlap.parallel.grad_reduce.EarlyReduction`: each unit is reduced as soon as its
-gradients are final in the last backward, which runs alone, after every overlapped pair (``grad_reduce.py``).
+gradients are final in the last backward, which runs alone, after every overlapped pair (``grad_reduce.py``); at
+``pp > 1`` each held chunk is armed before its own last backward.
+
+At ``pp > 1`` the roots are this rank's chunks, each sharded over its stage's ``dp_cp`` ranks (experts over
+``edp``); the step's calls are the same, made around torch's schedule (``pipeline/path.py``). The stages wrap the
+chunks (``pipeline/pipelined.py``), so torch's own FSDP handling in its stages sees no FSDP module and stays out.
 """
 
 from __future__ import annotations
@@ -59,20 +64,27 @@ class ShardedModel:
     ``pp > 1``) and the per-step calls that keep FSDP's communication out of the overlapped pairs."""
 
     def __init__(
-        self, roots: Sequence[FSDPModule], mode: ShardMode = "none", *, overlap_grad_reduce: bool = False,
+        self,
+        roots: Sequence[FSDPModule],
+        mode: ShardMode = "none",
+        *,
+        overlap_grad_reduce: bool = False,
         before_reduce: BeforeReduce | None = None,
+        held_back: Sequence[nn.Module] = (),
     ) -> None:
         self.roots = list(roots)
         self.mode = mode
         # The parameters as the optimizer holds them (sharded DTensors), taken while the modules hold them.
         self.parameters: list[nn.Parameter] = [
-            p for root in self.roots for p in root.parameters()  # type: ignore[attr-defined]
+            p
+            for root in self.roots
+            for p in root.parameters()  # type: ignore[attr-defined]
         ]
         self._fresh = False  # gathered right after an optimizer step: the next step needs no new gather
         # Each unit reduced as soon as its gradients are final in the last backward (sharded modes only).
         self.early: EarlyReduction | None = None
         if overlap_grad_reduce and self.sharded:
-            self.early = EarlyReduction(self.named_units(), before_reduce=before_reduce)
+            self.early = EarlyReduction(self.named_units(), before_reduce=before_reduce, held_back=held_back)
 
     @classmethod
     def replicate(cls, roots: Sequence[nn.Module], ignored: Iterable[nn.Parameter], mesh: DeviceMesh) -> ShardedModel:
@@ -87,7 +99,7 @@ class ShardedModel:
     @classmethod
     def shard(
         cls,
-        model: nn.Module,
+        roots: nn.Module | Sequence[nn.Module],
         experts: Sequence[nn.Module],
         mesh: ParallelMesh,
         mode: ShardMode,
@@ -95,27 +107,33 @@ class ShardedModel:
         mp_policy: MixedPrecisionPolicy | None = None,
         overlap_grad_reduce: bool = False,
         before_reduce: BeforeReduce | None = None,
+        held_back: Sequence[nn.Module] = (),
     ) -> ShardedModel:
-        """``fully_shard`` each of ``experts`` over ``mesh["edp"]``, then ``model`` over ``mesh["dp_cp"]``
-        (``mode``: ``"optimizer"`` or ``"full"``). Call once the replicas are equal and before the optimizer is
-        created. FSDP's forward hooks never reshard (``reshard_after_forward=False``): the step does.
+        """``fully_shard`` each of ``experts`` over ``mesh["edp"]``, then each of ``roots`` (the model at ``pp = 1``,
+        this rank's chunks at ``pp > 1``) over ``mesh["dp_cp"]`` (``mode``: ``"optimizer"`` or ``"full"``). Call once
+        the replicas are equal and before the optimizer is created. FSDP's forward hooks never reshard
+        (``reshard_after_forward=False``): the step does.
 
-        ``overlap_grad_reduce``: also each of the model's layers (:func:`layer_modules`) over ``mesh["dp_cp"]``,
+        ``overlap_grad_reduce``: also each of the roots' layers (:func:`layer_modules`) over ``mesh["dp_cp"]``,
         between the experts and the root, so that each layer's dense gradients are a unit reduced on its own;
-        ``before_reduce`` runs on each unit's gathered parameters just before its early reduction
+        ``before_reduce`` runs on each unit's gathered parameters just before its early reduction, and the units of
+        ``held_back`` (experts whose weight gradients are deferred) are left to the end of the step
         (``grad_reduce.py``)."""
+        roots = [roots] if isinstance(roots, nn.Module) else list(roots)
         divide = float(mesh.dims.dp * mesh.dims.cp)
         kwargs = {"reshard_after_forward": False, "mp_policy": mp_policy or MixedPrecisionPolicy()}
         modules = [fully_shard(m, mesh=mesh["edp"], **kwargs) for m in experts]  # type: ignore[arg-type]
-        layers = layer_modules(model, experts) if overlap_grad_reduce else []
+        layers = [m for root in roots for m in layer_modules(root, experts)] if overlap_grad_reduce else []
         layers = [fully_shard(m, mesh=mesh["dp_cp"], **kwargs) for m in layers]  # type: ignore[arg-type]
-        root = fully_shard(model, mesh=mesh["dp_cp"], **kwargs)  # type: ignore[arg-type]
+        roots = [fully_shard(root, mesh=mesh["dp_cp"], **kwargs) for root in roots]  # type: ignore[misc]
         gloo = dist.get_backend(mesh.group("dp_cp")) == "gloo"  # no pre-multiplied sum: divide afterwards
-        for module, kind in [*((m, "edp") for m in modules), *((m, "dp_cp") for m in layers), (root, "dp_cp")]:
+        units = [*((m, "edp") for m in modules), *((m, "dp_cp") for m in layers), *((r, "dp_cp") for r in roots)]
+        for module, kind in units:
             module.set_gradient_divide_factor(divide)
             # Not over one rank: torch then divides both while copying and after the (skipped) reduce-scatter
             module.set_force_sum_reduction_for_comms(gloo and mesh[kind].size() > 1)
-        return cls([root], mode=mode, overlap_grad_reduce=overlap_grad_reduce, before_reduce=before_reduce)
+        return cls(roots, mode=mode, overlap_grad_reduce=overlap_grad_reduce, before_reduce=before_reduce,
+                   held_back=held_back)  # fmt: skip
 
     @property
     def sharded(self) -> bool:
@@ -157,16 +175,24 @@ class ShardedModel:
             for root in self.roots:
                 torch_compat.fsdp_set_hooks_idle(root, True)
 
-    def before_last_backward(self) -> None:
-        """Just before the step's last backward, which runs alone: with ``overlap_grad_reduce``, gradient sync on
-        and each unit's reduction issued as soon as its gradients are final (``grad_reduce.py``); resharding stays
-        off until :meth:`end_step`. Otherwise nothing."""
+    def before_last_backward(self, root: nn.Module | None = None) -> None:
+        """Just before a last backward that runs alone (the step's, or at ``pp > 1`` that of the held chunk
+        ``root``): with ``overlap_grad_reduce``, gradient sync on for those units and each one's reduction issued as
+        soon as its gradients are final (``grad_reduce.py``); resharding stays off until :meth:`end_step`.
+        Otherwise nothing."""
         if self.early is None:
             return
-        for root in self.roots:
-            root.set_is_last_backward(True)
-            root.set_requires_gradient_sync(True)
-        self.early.arm()
+        for module in self.roots if root is None else [root]:
+            module.set_is_last_backward(True)
+            module.set_requires_gradient_sync(True)
+        self.early.arm(root)
+
+    def divide_gradients(self, divisor: int | None) -> None:
+        """With ``overlap_grad_reduce`` at ``pp > 1``: divide every unit's gradients by ``divisor`` just before its
+        reduction, in place of torch's schedule, whose division after the last backward would come after the early
+        reductions (the strategy builds the schedule without it; ``EarlyReduction._divide``). None: nothing."""
+        if self.early is not None:
+            self.early.grad_divisor = divisor
 
     def end_step(self, before_rest: Callable[[], None] | None = None) -> None:
         """After the last micro-batch's backward: reduce the accumulated gradients (reduce-scatter in the sharded
@@ -211,15 +237,16 @@ class ShardedModel:
 
 
 def layer_modules(model: nn.Module, experts: Sequence[nn.Module]) -> list[nn.Module]:
-    """The model's layers: every element of a ``nn.ModuleList`` that holds one of ``experts`` (``model.layers[i]``
-    of ``MoEGPT`` and HF models), outermost lists first; an element inside another layer is not one."""
+    """The model's layers: every element of a ``nn.ModuleList`` or ``nn.ModuleDict`` that holds one of ``experts``
+    (``model.layers[i]`` of ``MoEGPT`` and HF models; a pipeline chunk's layers, kept in a ``ModuleDict`` under their
+    unsplit indices), outermost containers first; an element inside another layer is not one."""
     expert_ids = {id(m) for m in experts}
     layers: list[nn.Module] = []
     taken: set[int] = set()
     for module in model.modules():
-        if not isinstance(module, nn.ModuleList) or id(module) in taken:
+        if not isinstance(module, nn.ModuleList | nn.ModuleDict) or id(module) in taken:
             continue
-        for element in module:
+        for element in module.values() if isinstance(module, nn.ModuleDict) else module:
             inside = {id(m) for m in element.modules()}
             if inside & expert_ids and id(element) not in taken:
                 layers.append(element)

@@ -79,6 +79,7 @@ from lightning_moe_overlap.parallelize.tensor_plan import TensorParallelGrads, p
 from lightning_moe_overlap.pipeline.pipelined import PipelinedModel
 from lightning_moe_overlap.validation import check_model, raise_problems
 
+
 def parallelize_model(
     module: LightningModule,
     config: OverlapConfig,
@@ -263,8 +264,10 @@ def apply_fsdp(
         roots = [model] if pipeline is None else pipeline.held_chunks
         return ShardedModel.replicate(roots, ep_model.expert_parameters(), replicate_mesh(mesh))
     mode: ShardMode = config.shard  # type: ignore[assignment]
-    return ShardedModel.shard(model, ep_model.expert_modules(), mesh, mode, mp_policy=mp_policy,
-                              overlap_grad_reduce=config.overlap_grad_reduce, before_reduce=before_reduce)  # fmt: skip
+    roots = [model] if pipeline is None else pipeline.held_chunks
+    return ShardedModel.shard(roots, ep_model.expert_modules(), mesh, mode, mp_policy=mp_policy,
+                              overlap_grad_reduce=config.overlap_grad_reduce, before_reduce=before_reduce,
+                              held_back=ep_model.expert_modules() if config.delay_wgrad else ())  # fmt: skip
 
 
 def apply_pretrained(module: LightningModule, pipeline: PipelinedModel | None) -> HFLoadReport | None:

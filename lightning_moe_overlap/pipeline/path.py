@@ -51,7 +51,7 @@ class PipelinePath:
         token_loss = None if hooks.token_loss is None else partial(hooks.token_loss, batch)
         with self.tokens.step(window.tokens, window.missing):
             result = self.pipeline.train_step(batch, logs, self.train_context, tokens=window.tokens,
-                                              token_loss=token_loss)  # fmt: skip
+                                              token_loss=token_loss, ends_step=window.last)  # fmt: skip
         if window.last:
             hooks.sync_gradients()
         logs.replay(result.logs)

@@ -27,12 +27,12 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from lightning_moe_overlap.config import OverlapConfig
+from lightning_moe_overlap.config.pipeline_layout import PipelineLayout, build_layout
 from lightning_moe_overlap.loop import split_batch
 from lightning_moe_overlap.loss.tokens import StepTokens, TokenScope
 from lightning_moe_overlap.overlap.engine import OverlapEngine
 from lightning_moe_overlap.parallel import ParallelGroups
 from lightning_moe_overlap.pipeline.executor import PipelineExecutor
-from lightning_moe_overlap.config.pipeline_layout import PipelineLayout, build_layout
 from lightning_moe_overlap.pipeline.report import placement_for
 from lightning_moe_overlap.pipeline.schedules import build_schedule, build_stages
 from lightning_moe_overlap.pipeline.split import SplitModel, split_model
@@ -41,6 +41,7 @@ from lightning_moe_overlap.pipeline.step_loss import StepLoss
 from lightning_moe_overlap.step_logs import MicroBatchLogs
 
 ContextFactory = Callable[[], AbstractContextManager]
+LastBackward = Callable[[nn.Module], None]  # (held chunk): just before its last full backward of an optimizer step
 
 
 class _InContext(nn.Module):
@@ -71,6 +72,9 @@ class PipelinedModel:
         self._train: PipelineExecutor | None = None
         self._train_loss: StepLoss | None = None  # the training schedule's loss function
         self._eval: Any = None  # a plain schedule over separate stage objects, built at the first eval step
+        self._before_last_backward: LastBackward | None = None
+        self.grad_divisor: int | None = None  # with before_last_backward: M where torch would divide, else None
+        self._ends_step = True  # whether the running train_step's batch is the optimizer step's last
 
     @classmethod
     def cut(cls, module: nn.Module, config: OverlapConfig, groups: ParallelGroups) -> PipelinedModel:
@@ -124,38 +128,55 @@ class PipelinedModel:
 
     # -- schedules ---------------------------------------------------------------------------------------------------
     def build_schedule(
-        self, engine: OverlapEngine | None, device: torch.device, tokens: TokenScope, *, accumulate: int = 1
-    ) -> None:
+        self, engine: OverlapEngine | None, device: torch.device, tokens: TokenScope, *, accumulate: int = 1,
+        before_last_backward: LastBackward | None = None,
+    ) -> None:  # fmt: skip
         """torch stages over this rank's chunks and the training schedule (pairs run by ``engine`` when it overlaps),
         for ``accumulate`` batches per optimizer step: torch divides the gradients by the micro-batch count after the
         step only when that is all (micro-batch means, no accumulation); otherwise each loss is weighted
-        (``step_loss.py``)."""
+        (``step_loss.py``). ``before_last_backward(chunk)`` runs just before each held chunk's last full backward of
+        an optimizer step (the sharded modes' early reduction), in the batch :meth:`train_step` is told ends it; its
+        reductions would come before torch's division of the gradients after the step, so torch's is then off and
+        :attr:`grad_divisor` says what the caller divides each gradient by before its reduction."""
+        self._before_last_backward = before_last_backward
         overlap = engine is not None and engine.overlap
         scale = not self.split.token_loss and accumulate == 1
         mean_weight = 1.0 / (self.config.num_microbatches * accumulate)
         weight = None if scale else (1.0 if self.split.token_loss else mean_weight)
         self._train_loss = StepLoss(self.split.loss_fn, tokens, token_loss=self.split.token_loss, weight=weight)
-        schedule = self._schedule(device, overlap=overlap, loss_fn=self._train_loss, scale_grads=scale)
+        early = before_last_backward is not None
+        self.grad_divisor = self.config.num_microbatches if scale and early else None
+        schedule = self._schedule(device, overlap=overlap, loss_fn=self._train_loss, scale_grads=scale and not early,
+                                  train=True)  # fmt: skip
         self._train = PipelineExecutor(schedule, engine)
 
-    def _schedule(self, device: torch.device, *, overlap: bool, loss_fn: Any, scale_grads: bool = True) -> Any:
-        stages = build_stages(self._wrapped, self.held, self.layout.num_chunks, self.groups.pp, device)
+    def _schedule(
+        self, device: torch.device, *, overlap: bool, loss_fn: Any, scale_grads: bool = True, train: bool = False
+    ) -> Any:
+        hook = self._last_backward if train and self._before_last_backward is not None else None
+        stages = build_stages(self._wrapped, self.held, self.layout.num_chunks, self.groups.pp, device, hook)
         return build_schedule(
             self.schedule_name, stages, self.config.num_microbatches, loss_fn, overlap=overlap, scale_grads=scale_grads
         )
 
+    def _last_backward(self, stage_index: int) -> None:
+        if self._ends_step and self._before_last_backward is not None:
+            self._before_last_backward(self.split.chunks[stage_index])
+
     # -- steps -------------------------------------------------------------------------------------------------------
     def train_step(
         self, batch: Any, logs: MicroBatchLogs, context: ContextFactory, *,
-        tokens: StepTokens | None = None, token_loss: Callable[[Tensor], Tensor] | None = None,
+        tokens: StepTokens | None = None, token_loss: Callable[[Tensor], Tensor] | None = None, ends_step: bool = True,
     ) -> StepResult:  # fmt: skip
         """One batch's forwards and backwards: its loss and what the last stage logged, the same on every rank of the
         pipeline. The loss is the mean over the micro-batches, or with a token loss (``tokens``, the window's count)
-        ``token_loss(the batch's token sum on this rank)``."""
+        ``token_loss(the batch's token sum on this rank)``. ``ends_step``: the batch is the optimizer step's last
+        (of an accumulation window), whose last backwards are the step's."""
         if self._train is None or self._train_loss is None:
             raise RuntimeError("PipelinedModel.train_step before build_schedule(); the strategy builds it in setup.")
         args, target, kwargs = self._inputs(batch)
         self._train_loss.losses = []
+        self._ends_step = ends_step
         with _forward_context(self._wrapped, context), logs:
             self._train.step(*args, target=target, **kwargs)
         losses = self._train_loss.losses
@@ -199,7 +220,7 @@ class PipelinedModel:
             dist.broadcast_object_list(holder, src=dist.get_global_rank(pp_group, self.layout.chunks[-1].rank),
                                        group=pp_group)  # fmt: skip
             payload = holder[0].to(self.device)
-        assert payload is not None  # noqa: S101 - the last stage's rank sent it
+        assert payload is not None
         return payload
 
 

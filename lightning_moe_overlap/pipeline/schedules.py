@@ -144,23 +144,57 @@ def stage_indices(name: str, *, pp: int, vpp: int, pp_rank: int) -> list[int]:
     return [pp_rank + k * pp for k in range(vpp)]
 
 
+LastBackwardHook = Callable[[int], None]  # (stage index): just before the stage's last full backward of the step
+
+
+class _Stage(PipelineStage):
+    """torch's ``PipelineStage``, telling ``before_last_backward(stage_index)`` just before the step's last full
+    backward of the stage (torch's schedules and the overlapped pairs both pass ``last_backward``): the sharded
+    modes' early gradient reduction arms the chunk's units there (``parallelize/sharding.py``). A split backward
+    (zero-bubble's input half) is never the last one: its weight half lands later, in a separate action."""
+
+    def __init__(self, *args: Any, before_last_backward: LastBackwardHook, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.before_last_backward = before_last_backward
+
+    def backward_one_chunk(
+        self, bwd_chunk_id: int, loss: Any = None, full_backward: bool = True, last_backward: bool = False
+    ) -> None:
+        if last_backward and full_backward:
+            self.before_last_backward(self.stage_index)
+        return super().backward_one_chunk(bwd_chunk_id, loss=loss, full_backward=full_backward,
+                                          last_backward=last_backward)  # fmt: skip
+
+
 def build_stages(
-    chunks: Sequence[nn.Module], indices: Sequence[int], num_stages: int, group: ProcessGroup, device: Any
-) -> list[PipelineStage]:
-    """One ``PipelineStage`` per local chunk (``chunks[k]`` is stage ``indices[k]``), on the pp ``group``."""
+    chunks: Sequence[nn.Module], indices: Sequence[int], num_stages: int, group: ProcessGroup, device: Any,
+    before_last_backward: LastBackwardHook | None = None,
+) -> list[PipelineStage]:  # fmt: skip
+    """One ``PipelineStage`` per local chunk (``chunks[k]`` is stage ``indices[k]``), on the pp ``group``;
+    ``before_last_backward(stage_index)``, when given, runs just before each stage's last full backward of a step."""
     if len(chunks) != len(indices):
         raise ValueError(
             f"`build_stages`: {len(chunks)} chunks for stages {list(indices)}. Pass one chunk per stage this rank "
             "holds (see `stage_indices`)."
         )
+    if before_last_backward is None:
+        return [
+            PipelineStage(chunk, index, num_stages, device, group=group)
+            for chunk, index in zip(chunks, indices, strict=True)
+        ]
     return [
-        PipelineStage(chunk, index, num_stages, device, group=group)
+        _Stage(chunk, index, num_stages, device, group=group, before_last_backward=before_last_backward)
         for chunk, index in zip(chunks, indices, strict=True)
     ]
 
 
 def build_schedule(
-    name: str, stages: Sequence[PipelineStage], num_microbatches: int, loss_fn: LossFn, *, overlap: bool,
+    name: str,
+    stages: Sequence[PipelineStage],
+    num_microbatches: int,
+    loss_fn: LossFn,
+    *,
+    overlap: bool,
     scale_grads: bool = True,
 ) -> Any:
     """torch's schedule ``name`` over this rank's ``stages``; with ``overlap``, interleaved 1F1B's order rewritten
@@ -246,9 +280,7 @@ def render_order(order: dict[int, list[Any]], ranks: Sequence[int] | None = None
     ranks = sorted(order) if ranks is None else list(ranks)
     cells = {rank: [_cell(a) for a in order[rank]] for rank in ranks}
     width = max((len(c) for row in cells.values() for c in row), default=1)
-    return "\n".join(
-        f"rank {rank}: " + " ".join(c.ljust(width) for c in cells[rank]).rstrip() for rank in ranks
-    )
+    return "\n".join(f"rank {rank}: " + " ".join(c.ljust(width) for c in cells[rank]).rstrip() for rank in ranks)
 
 
 def _cell(action: Any) -> str:

@@ -20,6 +20,7 @@ from torch.utils.data import DataLoader, Subset
 from lightning_moe_overlap import MoEMonitor, MoEOverlapStrategy
 from lightning_moe_overlap.demo import MoEGPT
 from lightning_moe_overlap.moe.router import TopKRouter
+from tests.helpers import sgd
 from tests.helpers.distributed import run_distributed
 
 WORLD, EP, STEPS, G, S, E, VOCAB, LR, RATE = 4, 2, 2, 8, 8, 4, 32, 0.5, 1e-3
@@ -36,39 +37,11 @@ def tokens() -> torch.Tensor:
     return torch.randint(0, VOCAB, (STEPS * G, S), generator=torch.Generator().manual_seed(3))
 
 
-def deepseek_model() -> torch.nn.Module:
-    from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
-
-    config = DeepseekV3Config(
-        hidden_size=16, intermediate_size=32, moe_intermediate_size=8, num_hidden_layers=4, num_attention_heads=2,
-        num_key_value_heads=2, n_routed_experts=E, num_experts_per_tok=2, n_group=1, topk_group=1,
-        n_shared_experts=1, first_k_dense_replace=0, kv_lora_rank=8, q_lora_rank=8, qk_rope_head_dim=4,
-        qk_nope_head_dim=4, v_head_dim=4, vocab_size=VOCAB, routed_scaling_factor=1.0,
-    )  # fmt: skip
-    config._experts_implementation = "eager"
-    torch.manual_seed(0)
-    model = DeepseekV3ForCausalLM(config)
-    with torch.no_grad():
-        for layer in model.model.layers:  # routers away from zero (HF zero-initialises them): uneven routing
-            layer.mlp.gate.weight.normal_(0.0, 0.5)
-    return model
-
-
-class DeepSeekLM(LightningModule):
-    """HF DeepSeek-V3, next-token loss, SGD."""
+class DeepSeekLM(sgd.SGDDeepSeek):
+    """HF DeepSeek-V3, next-token loss, SGD (at this file's sizes)."""
 
     def __init__(self) -> None:
-        super().__init__()
-        self.model = deepseek_model()
-
-    def loss(self, tokens_BS: torch.Tensor) -> torch.Tensor:
-        return self.model(input_ids=tokens_BS, labels=tokens_BS).loss
-
-    def training_step(self, batch: torch.Tensor, batch_idx: int) -> torch.Tensor:
-        return self.loss(batch)
-
-    def configure_optimizers(self) -> torch.optim.Optimizer:
-        return torch.optim.SGD(self.parameters(), lr=LR)
+        super().__init__(vocab=VOCAB, experts=E)
 
 
 class BiasGPT(MoEGPT):

@@ -8,8 +8,8 @@ first-step loss equals HF's forward of that rank's batch (mean over the micro-ba
 
 Runs: ep=2 on 2 ranks (every family at ``shard="none"``, Qwen3-MoE also at ``"optimizer"`` and ``"full"``, whose
 dense shards read only their rows; also a folder with one expert's keys removed, which fails before the first step
-naming them) and pp=2 x ep=2 on 4 ranks (the same families; ``long``: `python -m pytest -m long`, except
-Qwen3-MoE, which runs by default).
+naming them) and pp=2 x ep=2 on 4 ranks (the same families, Qwen3-MoE also at ``"full"``: each stage's chunks
+sharded over its two dp ranks; ``long``: `python -m pytest -m long`, except Qwen3-MoE, which runs by default).
 """
 
 from __future__ import annotations
@@ -68,12 +68,13 @@ def _fit(folder: str, pp: int, shard: str = "none") -> dict:
     return {"state": seen.state, "batch": seen.batch, "loss": seen.loss}
 
 
-def _worker(rank: int, world: int, folders: dict[str, str], pp: int, broken: str | None) -> dict:
+def _worker(
+    rank: int, world: int, folders: dict[str, str], pp: int, broken: str | None, shards: tuple[str, ...]
+) -> dict:
     torch.set_num_threads(1)
     out: dict = {name: _fit(folder, pp) for name, folder in folders.items()}
-    if broken is not None:  # the other shard modes: dense shards read only their rows
-        for shard in ("optimizer", "full"):
-            out[f"qwen3_moe:{shard}"] = _fit(folders["qwen3_moe"], pp, shard)
+    for shard in shards:  # the other shard modes: dense shards read only their rows
+        out[f"qwen3_moe:{shard}"] = _fit(folders["qwen3_moe"], pp, shard)
     if broken is not None:
         with pytest.raises(ValueError) as failure:
             _fit(broken, pp)
@@ -121,12 +122,12 @@ def test_every_family_loads_at_ep2_and_matches_hf_and_a_missing_expert_is_named(
     folders = _folders(tmp_path, FAMILIES)
     removed = _without_expert(tmp_path / "qwen3_moe", tmp_path / "broken", expert=5)
     assert removed  # gate, up and down of expert 5
-    results = run_distributed(_worker, 2, folders, 1, str(tmp_path / "broken"), timeout_s=600)
+    results = run_distributed(_worker, 2, folders, 1, str(tmp_path / "broken"), ("optimizer", "full"), timeout_s=600)
     shards = {f"qwen3_moe:{shard}": folders["qwen3_moe"] for shard in ("optimizer", "full")}
     _check(results, {**folders, **shards})
     for run in results:  # every rank refuses, before the first step, naming the expert's keys
         for key in ("gate_proj", "up_proj", "down_proj"):
-            assert f"missing keys (3;" in run["broken"] and f"layers.1.mlp.experts.{{5}}.{key}" in run["broken"]
+            assert "missing keys (3;" in run["broken"] and f"layers.1.mlp.experts.{{5}}.{key}" in run["broken"]
 
 
 @pytest.mark.parametrize(
@@ -136,6 +137,7 @@ def test_every_family_loads_at_ep2_and_matches_hf_and_a_missing_expert_is_named(
 )
 def test_families_load_at_pp2_ep2_and_match_hf(tmp_path, families):
     folders = _folders(tmp_path, families)
-    results = run_distributed(_worker, 4, folders, 2, None, timeout_s=600)
-    _check(results, folders)
+    shards = ("full",) if "qwen3_moe" in families else ()  # each stage's chunks sharded over its 2 dp ranks
+    results = run_distributed(_worker, 4, folders, 2, None, shards, timeout_s=600)
+    _check(results, {**folders, **{f"qwen3_moe:{shard}": folders["qwen3_moe"] for shard in shards}})
     assert json.loads((tmp_path / families[0] / "config.json").read_text())["model_type"] == families[0]

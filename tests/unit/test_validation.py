@@ -69,11 +69,6 @@ def _raise(problems):
             r"`shard='full'` with `expert_backend='te'`.*Set `shard='none'`",
         ),
         (
-            {"shard": "full", "pp": 2, "vpp": 2, "num_microbatches": 4},
-            NotImplementedError,
-            r"`shard='full'` with `pp=2`.*Use `pp=1` with sharding, or `shard='none'`",
-        ),
-        (
             {"pp": 2, "vpp": 2, "cp": 2, "num_microbatches": 4},
             NotImplementedError,
             r"`cp=2` with `pp=2`.*Use `pp=1` with context parallelism, or `cp=1`",
@@ -84,6 +79,15 @@ def _raise(problems):
 def test_validation_config_rules(kwargs, error, match):
     with pytest.raises(error, match=match):
         _raise(check_config(OverlapConfig(**kwargs)))
+
+
+@pytest.mark.parametrize("shard", ["optimizer", "full"])
+def test_sharding_at_pp2_is_accepted_with_what_composes_with_it(shard):
+    """Sharded pipeline chunks (docs/sharding.md, "With pipeline parallelism"), with the early reduction, optimizer
+    offload and FP8: no rule refuses or warns."""
+    config = OverlapConfig(pp=2, vpp=2, num_microbatches=4, shard=shard, overlap_grad_reduce=True,
+                           optimizer_cpu_offload=True, fp8="tensorwise")  # fmt: skip
+    assert check_config(config) == []
 
 
 def test_validation_lists_every_problem_at_once():
