@@ -256,14 +256,6 @@ def rule_context_parallel(cfg: OverlapConfig) -> list[Problem]:
             "Use `pp=1` with context parallelism, or `cp=1` with pipeline parallelism.",
             NotImplementedError,
         ),
-        *_when(
-            is_positive_int(cfg.tp) and cfg.tp > 1,
-            "cp-tensor-parallel",
-            f"`cp={cfg.cp}` with `tp={cfg.tp}`: the routers' balancing loss would need a group over cp x tp and the "
-            "attention's heads would be tensor-parallel inside the ring; not implemented in this version. Use `tp=1` "
-            "with context parallelism, or `cp=1` with tensor parallelism.",
-            NotImplementedError,
-        ),
     ]
 
 

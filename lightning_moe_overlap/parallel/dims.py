@@ -22,8 +22,8 @@ from typing import Literal
 
 from lightning_moe_overlap._checks import divisors, is_positive_int
 
-GroupKind = Literal["dp", "cp", "dp_cp", "tp", "dp_cp_tp", "pp", "ep", "edp"]
-GROUP_KINDS: tuple[GroupKind, ...] = ("dp", "cp", "dp_cp", "tp", "dp_cp_tp", "pp", "ep", "edp")
+GroupKind = Literal["dp", "cp", "dp_cp", "tp", "cp_tp", "dp_cp_tp", "pp", "ep", "edp"]
+GROUP_KINDS: tuple[GroupKind, ...] = ("dp", "cp", "dp_cp", "tp", "cp_tp", "dp_cp_tp", "pp", "ep", "edp")
 
 
 class ParallelDimsError(ValueError):
@@ -130,6 +130,7 @@ class ParallelDims:
                 "cp": (c.pp, c.dp, c.tp),
                 "dp_cp": (c.pp, c.tp),
                 "tp": (c.pp, c.dp, c.cp),
+                "cp_tp": (c.pp, c.dp),
                 "dp_cp_tp": (c.pp,),
                 "pp": (c.dp, c.cp, c.tp),
                 "ep": (c.pp, c.edp),

@@ -109,12 +109,9 @@ class EarlyReduction:
     :meth:`finish`, the other units as usual."""
 
     def __init__(
-        self,
-        units: Sequence[tuple[str, nn.Module]],
-        observer: Observer | None = None,
-        before_reduce: BeforeReduce | None = None,
-        held_back: Sequence[nn.Module] = (),
-    ) -> None:
+        self, units: Sequence[tuple[str, nn.Module]], observer: Observer | None = None,
+        before_reduce: BeforeReduce | None = None, held_back: Sequence[nn.Module] = (),
+    ) -> None:  # fmt: skip
         # The reverse of the model's order: the order in which a backward finishes the units.
         self.order = [_Unit(name, m, torch_compat.fsdp_module_groups(m)) for name, m in reversed(list(units))]
         # Left out of the order: their gradients land outside autograd (deferred expert weight gradients), after
@@ -138,12 +135,12 @@ class EarlyReduction:
         """Before a last backward (nothing else running): hook every gathered parameter of the units under ``root``
         (None: every unit), and start the lane at the step's first arm. The units' gradient sync must be on
         (``set_requires_gradient_sync(True)``). A unit not armed yet holds the ones after it back."""
+        if self._lane is None:  # the step's first arm
+            self.reset()
         inside = None if root is None else {id(m) for m in root.modules()}
         chosen = [
             (i, u) for i, u in enumerate(self.order) if not u.armed and (inside is None or id(u.module) in inside)
         ]
-        if self._lane is None:
-            self.reset()
         device = None
         for index, unit in chosen:
             unit.armed, unit.issued = True, False
@@ -190,7 +187,7 @@ class EarlyReduction:
         self._remove_hooks()
         if lane is not None:
             lane.abandon()
-        for unit in self.order:
+        for unit in [*self.order, *self.held_back]:
             unit.pending.clear()
             unit.armed = unit.issued = False
 
@@ -216,14 +213,16 @@ class EarlyReduction:
     def _issue_ready(self) -> None:
         """Issue, in order, every unit from the cursor on whose gradients are final (lock held)."""
         assert self._lane is not None
-        while (
-            self._cursor < len(self.order) and self.order[self._cursor].armed and not self.order[self._cursor].pending
-        ):
+        while self._cursor < len(self.order) and self._final(self.order[self._cursor]):
             unit = self.order[self._cursor]
             unit.issued = True
             self._cursor += 1
             self._tell("issue", unit.name)
             self._lane.submit(self._reduction(unit, _ready_event(unit)))
+
+    @staticmethod
+    def _final(unit: _Unit) -> bool:
+        return unit.armed and not unit.pending
 
     def _reduction(self, unit: _Unit, event: Any) -> Callable[[], None]:
         def reduce() -> None:

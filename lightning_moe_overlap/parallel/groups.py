@@ -19,7 +19,8 @@ class ParallelGroups:
 
     ``dp_cp`` is the group dense gradients are averaged over; ``edp`` the one expert gradients are averaged over;
     ``ep`` the one tokens are exchanged in; ``dp_cp_tp`` (a pipeline stage) the one whose ranks see distinct tokens
-    (with tensor parallelism each tp rank holds its own sequence shard), over which token counts are summed. They
+    (with tensor parallelism each tp rank holds its own sequence shard), over which token counts are summed;
+    ``cp_tp`` the ranks holding the parts of the same sequences (the routers' balancing loss counts over it). They
     are read off the one mesh of a run (``build_mesh(dims, device_type).process_groups(rank)``: each kind is its
     view's group).
     """
@@ -30,6 +31,7 @@ class ParallelGroups:
     cp: ProcessGroup
     dp_cp: ProcessGroup
     tp: ProcessGroup
+    cp_tp: ProcessGroup
     dp_cp_tp: ProcessGroup
     pp: ProcessGroup
     ep: ProcessGroup

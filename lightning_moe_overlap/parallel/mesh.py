@@ -82,6 +82,7 @@ def mesh_layout(dims: ParallelDims) -> MeshLayout:
         "dp": view("dp"),
         "cp": view("cp"),
         "tp": view("tp"),
+        "cp_tp": view("cp", "tp"),
         "dp_cp": view("dp", "cp"),
         "dp_cp_tp": view("dp", "cp", "tp"),
         "ep": tuple(name for name, _, kind in block if kind == "ep"),
@@ -217,6 +218,8 @@ def build_mesh(
             views[kind] = device_mesh[parts[0]]
         elif kind == "dp_cp_tp" and dims.tp == 1:  # the dp_cp ranks: its view, no second communicator
             views[kind] = views["dp_cp"]
+        elif kind == "cp_tp" and (dims.cp == 1 or dims.tp == 1):  # the tp (or cp) ranks: that view
+            views[kind] = views["tp" if dims.cp == 1 else "cp"]
         else:
             config = _backend_config(resolved, kind, timeout)
             views[kind] = torch_compat.flatten_mesh(device_mesh[parts], kind, backend_override=config)

@@ -64,22 +64,15 @@ class ShardedModel:
     ``pp > 1``) and the per-step calls that keep FSDP's communication out of the overlapped pairs."""
 
     def __init__(
-        self,
-        roots: Sequence[FSDPModule],
-        mode: ShardMode = "none",
-        *,
-        overlap_grad_reduce: bool = False,
-        before_reduce: BeforeReduce | None = None,
-        held_back: Sequence[nn.Module] = (),
-    ) -> None:
+        self, roots: Sequence[FSDPModule], mode: ShardMode = "none", *, overlap_grad_reduce: bool = False,
+        before_reduce: BeforeReduce | None = None, held_back: Sequence[nn.Module] = (),
+    ) -> None:  # fmt: skip
         self.roots = list(roots)
         self.mode = mode
         # The parameters as the optimizer holds them (sharded DTensors), taken while the modules hold them.
         self.parameters: list[nn.Parameter] = [
-            p
-            for root in self.roots
-            for p in root.parameters()  # type: ignore[attr-defined]
-        ]
+            p for root in self.roots for p in root.parameters()  # type: ignore[attr-defined]
+        ]  # fmt: skip
         self._fresh = False  # gathered right after an optimizer step: the next step needs no new gather
         # Each unit reduced as soon as its gradients are final in the last backward (sharded modes only).
         self.early: EarlyReduction | None = None

@@ -14,7 +14,8 @@ arrive without memory; each rank then allocates only what it holds (``paralleliz
    ``mesh["tp"]`` with the model's plan, ``parallelize/tensor_plan.py``), each tp rank keeping its shard of the
    tensors it initialised; the routers learn their sequence group. The experts are left whole: ep folds over the tp ranks.
 3b. :func:`apply_cp` (``cp > 1``): the LightningModule gets its ``context_parallel`` handle (it shards its
-   micro-batches' sequences, ``parallel/context_module.py``) and the routers the cp group as their sequence group.
+   micro-batches' sequences, ``parallel/context_module.py``) and the routers the ``cp x tp`` group as their
+   sequence group.
 4. :func:`apply_ep`: every experts module becomes expert-parallel over ``mesh["ep"]`` (``DTensor`` experts), its
    routers' auxiliary losses scaled like the main loss. Experts built on meta get only this rank's slice: one layer
    at a time the full experts are initialised, the slice kept and the rest freed (left uninitialised when a
@@ -29,7 +30,7 @@ arrive without memory; each rank then allocates only what it holds (``paralleliz
 6. the precision plugin converts the module, and it moves to the device; replicas are made equal
    (``MoEModelHandle.broadcast_replicas``, ``DTensor``-aware).
 7. :func:`apply_fsdp`: ``fully_shard`` the dense parameters (replicas at ``shard="none"``, shards otherwise) and,
-   when sharded, the experts over ``mesh["edp"]``.
+   when sharded, the experts over ``mesh["edp"]``; at ``pp > 1`` each held chunk is a root of its own.
 8. :func:`apply_pretrained`: a LightningModule that declares ``hf_weights`` (a published Hugging Face checkpoint, or
    one per HF model; declared by the strategy for a ``from_pretrained`` in ``configure_model``, ``hf/pretrained.py``)
    gets them read into the sharded model (``torch.distributed.checkpoint``'s HF reader, ``hf/load.py``), after the
@@ -155,14 +156,18 @@ def apply_tp(module: LightningModule, mesh: ParallelMesh) -> None:
 
 def apply_cp(module: LightningModule, mesh: ParallelMesh) -> ContextParallel | None:
     """At ``cp > 1``: set ``module.context_parallel`` to this rank's :class:`ContextParallel` (the module shards its
-    micro-batches with it) and give every ``TopKRouter`` the cp group as its sequence group (its balancing loss counts
-    the whole sequence's tokens). Returns the handle; ``None`` at ``cp = 1`` (the attribute, if declared, stays).
+    micro-batches with it) and give every ``TopKRouter`` the ``cp x tp`` group as its sequence group (its balancing
+    loss counts the whole sequence's tokens: at ``tp > 1`` sequence parallelism splits each cp rank's part again over
+    tp). Returns the handle; ``None`` at ``cp = 1`` (the attribute, if declared, stays).
 
     Raises:
         NotImplementedError: the LightningModule does not declare ``context_parallel`` (rule ``cp-model``): the
-            strategy cannot know which of its tensors are sequences, nor how it shifts its targets."""
+            strategy cannot know which of its tensors are sequences, nor how it shifts its targets. At ``tp > 1``, a
+            Hugging Face model computes its router balancing loss (``output_router_logits``; rule
+            ``cp-tp-hf-balancing-loss``)."""
     if mesh.dims.cp == 1:
         return None
+    _check_balancing_loss_at_cp_tp(module, mesh.dims)
     if not hasattr(module, CP_ATTR):
         raise NotImplementedError(
             f"`MoEOverlapStrategy(cp={mesh.dims.cp})` (rule `cp-model`, docs/validation.md): "
@@ -175,8 +180,25 @@ def apply_cp(module: LightningModule, mesh: ParallelMesh) -> ContextParallel | N
     cp_mesh = mesh["cp"]
     handle = ContextParallel(cp_mesh.size(), cp_mesh.get_local_rank(), ContextParallelAttention(cp_mesh))
     setattr(module, CP_ATTR, handle)
-    set_sequence_group(module, mesh.group("cp"))
+    set_sequence_group(module, mesh.group("cp_tp"))
     return handle
+
+
+def _check_balancing_loss_at_cp_tp(module: nn.Module, dims: ParallelDims) -> None:
+    """At ``cp > 1`` with ``tp > 1``: refuse a Hugging Face model whose loss adds its router balancing loss."""
+    if dims.tp == 1:
+        return
+    named = [name or type(module).__name__ for name, m in module.named_modules()
+             if getattr(getattr(m, "config", None), "output_router_logits", False) is True]  # fmt: skip
+    if named:
+        raise NotImplementedError(
+            f"`MoEOverlapStrategy(cp={dims.cp}, tp={dims.tp})` (rule `cp-tp-hf-balancing-loss`, docs/validation.md): "
+            f"the Hugging Face model `{named[0]}` has config.output_router_logits=True. Rule: at cp > 1 its balancing "
+            "loss is counted over the cp ranks from each rank's router logits (`hf.context`), and at tp > 1 those "
+            "hold only the rank's sequence-parallel rows, whose share of the loss is not built yet. Fix: "
+            "config.output_router_logits=False (the run is then the unsplit model's without that loss), tp=1, or "
+            "cp=1; this package's `MoELayer` routers count their balancing loss over cp x tp."
+        )
 
 
 def aux_loss_scale(num_microbatches: int, dims: ParallelDims, *, pipelined: bool) -> float:
@@ -257,14 +279,14 @@ def apply_fsdp(
 ) -> ShardedModel:
     """``fully_shard`` the model (``parallelize/sharding.py``): at ``shard="none"`` the dense parameters of ``model``
     (of each held chunk at ``pp > 1``) become replicas over ``dp x cp``, the experts left alone; otherwise the
-    experts are sharded over ``edp`` and the dense parameters over ``dp x cp`` (each layer a unit of its own with
-    ``overlap_grad_reduce``; ``before_reduce``: what runs before each unit's early reduction, the tp replicas' sum at
-    ``tp > 1``)."""
+    experts are sharded over ``edp`` and the dense parameters over ``dp x cp``, of ``model`` at ``pp = 1`` and of each
+    held chunk at ``pp > 1`` (each layer a unit of its own with ``overlap_grad_reduce``; ``before_reduce``: what runs
+    before each unit's early reduction, the tp replicas' sum at ``tp > 1``; with ``delay_wgrad`` the experts units
+    are reduced at the end of the step)."""
+    roots = [model] if pipeline is None else pipeline.held_chunks
     if config.shard == "none":
-        roots = [model] if pipeline is None else pipeline.held_chunks
         return ShardedModel.replicate(roots, ep_model.expert_parameters(), replicate_mesh(mesh))
     mode: ShardMode = config.shard  # type: ignore[assignment]
-    roots = [model] if pipeline is None else pipeline.held_chunks
     return ShardedModel.shard(roots, ep_model.expert_modules(), mesh, mode, mp_policy=mp_policy,
                               overlap_grad_reduce=config.overlap_grad_reduce, before_reduce=before_reduce,
                               held_back=ep_model.expert_modules() if config.delay_wgrad else ())  # fmt: skip

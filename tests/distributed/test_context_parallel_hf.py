@@ -1,5 +1,6 @@
-"""``HFMoECausalLM`` (HF Qwen3-MoE) under MoEOverlapStrategy(cp=2, ep=2): on 2 gloo ranks (dp=1), and on 4 (dp=2;
-ep folds over dp x cp) under the ``long`` marker.
+"""``HFMoECausalLM`` (HF Qwen3-MoE) under MoEOverlapStrategy(cp=2, ep=2): on 2 gloo ranks (dp=1), on 4 with
+tensor parallelism (cp=2 x tp=2, dp=1: the attention's heads split over tp inside the ring; HF's own balancing loss
+refused there, rule ``cp-tp-hf-balancing-loss``), and on 4 (dp=2; ep folds over dp x cp) under the ``long`` marker.
 
 Oracles: a single process training the unsplit HF model on the same global batches, whole sequences, with HF's own
 ``model(input_ids, labels).loss`` (its shift, its mean, its router balancing loss); at cp=2 the overlapped schedule
@@ -75,6 +76,20 @@ def results2() -> list[dict]:
     return run_distributed(_worker, 2, timeout_s=300)
 
 
+def _worker_tp(rank: int, world: int) -> dict:
+    torch.set_num_threads(1)
+    out = {"plain": _fit(world, overlap=False, tp=2), "plain_overlap": _fit(world, overlap=True, tp=2)}
+    with pytest.raises(NotImplementedError) as refused:  # HF's balancing loss at cp x tp: before the first step
+        _fit(world, AUX, tp=2)
+    out["refused"] = str(refused.value)
+    return out
+
+
+@pytest.fixture(scope="module")
+def results_tp() -> list[dict]:
+    return run_distributed(_worker_tp, 4, timeout_s=300)
+
+
 @pytest.fixture(scope="module")
 def results4() -> list[dict]:
     return run_distributed(_worker, 4, timeout_s=300)
@@ -99,12 +114,12 @@ def _reference(config_overrides: dict, seen_per_dp: list[list[int]]) -> tuple[li
     return losses, {f"model.{n}": p.detach() for n, p in model.named_parameters()}
 
 
-def _check_follows_one_process(runs: list[dict], config_overrides: dict) -> tuple[float, float]:
+def _check_follows_one_process(runs: list[dict], config_overrides: dict, peers: int = CP) -> tuple[float, float]:
     """Per-step loss (the mean over the ranks' shares) and final parameters within 1e-4; returns the largest
-    relative loss difference and the largest parameter difference."""
-    dp_ranks = runs[::CP]  # ranks 2d and 2d + 1 are the cp peers of dp rank d
-    for d, run in enumerate(dp_ranks):  # cp peers share samples, dp ranks do not
-        assert all(peer["seen"] == run["seen"] for peer in runs[d * CP : (d + 1) * CP])
+    relative loss difference and the largest parameter difference. ``peers``: the ranks of one dp index (cp x tp)."""
+    dp_ranks = runs[::peers]  # ranks peers * d to peers * (d + 1) - 1 hold the parts of dp rank d's sequences
+    for d, run in enumerate(dp_ranks):  # cp (and tp) peers share samples, dp ranks do not
+        assert all(peer["seen"] == run["seen"] for peer in runs[d * peers : (d + 1) * peers])
     ref_losses, ref_state = _reference(config_overrides, [run["seen"] for run in dp_ranks])
     dist_losses = [sum(run["losses"][s] for run in runs) / len(runs) for s in range(STEPS)]
     torch.testing.assert_close(torch.tensor(dist_losses), torch.tensor(ref_losses), rtol=1e-4, atol=0)
@@ -176,3 +191,14 @@ def test_a_padded_attention_mask_is_refused_at_cp2():
     assert errors, "the run did not fail"
     for rank, text in errors.items():
         assert "rule `cp-hf-batch`" in text and "cp=2: the batch's attention_mask [2, 16] marks 6 padding" in text, text
+
+
+def test_hf_qwen3_moe_at_cp2_tp2_follows_one_process_and_overlap_is_bitwise(results_tp):
+    loss_err, worst = _check_follows_one_process([r["plain"] for r in results_tp], {}, peers=4)
+    print(f"cp=2 x tp=2: loss rel. diff {loss_err:.1e}, largest parameter diff {worst:.1e}")
+    _bitwise(results_tp)
+
+
+def test_hf_balancing_loss_at_cp2_tp2_is_refused_naming_the_rule_and_the_fix(results_tp):
+    for r in results_tp:
+        assert "rule `cp-tp-hf-balancing-loss`" in r["refused"] and "output_router_logits=False" in r["refused"]

@@ -27,6 +27,8 @@ def _worker_groups(rank: int, world: int, shapes: list[tuple[int, int, int, int]
         groups = mesh.process_groups(rank)  # as the strategy gets them
         if tp == 1:
             assert groups.dp_cp_tp is groups.dp_cp, dims  # the same ranks: the mesh makes no second communicator
+        if cp == 1 or tp == 1:
+            assert groups.cp_tp is (groups.tp if cp == 1 else groups.cp), dims  # likewise
         for kind in GROUP_KINDS:
             group = getattr(groups, kind)
             expected = dims.group_of(kind, rank)
@@ -52,11 +54,10 @@ def _check_mesh(dims: ParallelDims, rank: int, mesh: ParallelMesh) -> int:
         assert members == dims.group_of(kind, rank), (kind, rank, dims, members)
         assert view.mesh.tolist() == members, (kind, rank, view)
         block = coords.dp * dims.cp + coords.cp
-        by_kind = {"dp_cp": block, "dp_cp_tp": block * dims.tp + coords.tp}
-        expected = by_kind.get(kind) if kind.startswith("dp_") else None
-        expected = getattr(coords, kind) if expected is None else expected
+        by_kind = {"dp_cp": block, "dp_cp_tp": block * dims.tp + coords.tp, "cp_tp": coords.cp * dims.tp + coords.tp}
+        expected = by_kind[kind] if kind in by_kind else getattr(coords, kind)
         assert view.get_local_rank() == expected, (kind, rank, dims)
-    for kind in ("dp_cp", "dp_cp_tp", "ep", "edp"):  # the views the sharding and the token counts use
+    for kind in ("dp_cp", "cp_tp", "dp_cp_tp", "ep", "edp"):  # the views the sharding, routers and token counts use
         total = torch.tensor([float(rank)])
         dist.all_reduce(total, group=mesh.group(kind))
         assert total.item() == float(sum(dims.group_of(kind, rank))), (kind, rank, dims)

@@ -125,22 +125,23 @@ class Reductions(Callback):
         self.events.append(("step", batch_idx))
 
 
-def _trainer(strategy: MoEOverlapStrategy, callbacks: list, **kwargs) -> Trainer:
+def _trainer(strategy: MoEOverlapStrategy, callbacks: list, world: int = WORLD, **kwargs) -> Trainer:
     return Trainer(
-        accelerator="cpu", devices=WORLD, strategy=strategy, logger=False, limit_val_batches=0,
+        accelerator="cpu", devices=world, strategy=strategy, logger=False, limit_val_batches=0,
         use_distributed_sampler=False, enable_progress_bar=False, enable_model_summary=False, callbacks=callbacks,
         **kwargs,
     )  # fmt: skip
 
 
-def fit(kind: str, shard: str, overlap: bool, settings: dict) -> dict:
+def fit(kind: str, shard: str, overlap: bool, settings: dict, world: int = WORLD, micro: int = M) -> dict:
     model = build(kind)
     strategy = MoEOverlapStrategy(
-        ep=EP, pp=PP, vpp=VPP, shard=shard, overlap=overlap, num_microbatches=M, timeout=120, **settings
+        ep=EP, pp=PP, vpp=VPP, shard=shard, overlap=overlap, num_microbatches=micro, timeout=120, **settings
     )
     losses, reductions = Losses(), Reductions()
     early = [reductions] if settings.get("overlap_grad_reduce") else []
-    trainer = _trainer(strategy, [losses, *early], max_steps=STEPS, gradient_clip_val=CLIP, enable_checkpointing=False)
+    trainer = _trainer(strategy, [losses, *early], world, max_steps=STEPS, gradient_clip_val=CLIP,
+                       enable_checkpointing=False)  # fmt: skip
     coords = strategy.dims.coords(trainer.global_rank)
     trainer.fit(model, train_dataloaders=loader(coords.dp, strategy.dims.dp, STEPS))
     held = [(n, p) for n, p in model.named_parameters() if not p.is_meta]
@@ -194,11 +195,11 @@ def results(tmp_path_factory: pytest.TempPathFactory) -> list[dict]:
     return run_distributed(worker, WORLD, tmp_path_factory.mktemp("pipeline_sharded"), timeout_s=400)
 
 
-def reference(kind: str) -> tuple[list[list[float]], dict[str, torch.Tensor]]:
-    """The unsplit model in one process: per step, each dp rank's M micro-batches backpropagate ``loss / (DP * M)``,
-    the gradients are clipped to ``CLIP`` by their global norm, SGD steps; DeepSeek-V3's correction biases then move
-    by ``BIAS_RATE * sign(mean - count)`` from the step's routed counts (taken by a hook here). Returns each dp
-    rank's per-step loss (the mean over its micro-batches) and the final state."""
+def reference(kind: str, dp: int = DP, micro: int = M) -> tuple[list[list[float]], dict[str, torch.Tensor]]:
+    """The unsplit model in one process: per step, each of ``dp`` ranks' ``micro`` micro-batches backpropagates
+    ``loss / (dp * micro)``, the gradients are clipped to ``CLIP`` by their global norm, SGD steps; DeepSeek-V3's
+    correction biases then move by ``BIAS_RATE * sign(mean - count)`` from the step's routed counts (taken by a hook
+    here). Returns each dp rank's per-step loss (the mean over its micro-batches) and the final state."""
     torch.use_deterministic_algorithms(True)
     model = build(kind)
     opt = model.configure_optimizers()
@@ -214,17 +215,17 @@ def reference(kind: str) -> tuple[list[list[float]], dict[str, torch.Tensor]]:
     for gate, count in zip(gates, counts):
         gate.register_forward_hook(counter(count))
     data = tokens(STEPS)
-    losses: list[list[float]] = [[] for _ in range(DP)]
+    losses: list[list[float]] = [[] for _ in range(dp)]
     for step in range(STEPS):
         opt.zero_grad()
-        for d in range(DP):
-            per = G // DP
+        for d in range(dp):
+            per = G // dp
             batch = data[step * G + d * per : step * G + (d + 1) * per]
             total = 0.0
-            for micro in batch.chunk(M):
-                loss = model._loss(micro)
-                (loss / (DP * M)).backward()
-                total += float(loss.detach()) / M
+            for part in batch.chunk(micro):
+                loss = model._loss(part)
+                (loss / (dp * micro)).backward()
+                total += float(loss.detach()) / micro
             losses[d].append(total)
         torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)
         opt.step()

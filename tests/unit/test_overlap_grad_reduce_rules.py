@@ -111,6 +111,34 @@ def test_layers_are_the_elements_of_a_module_list_holding_experts():
     assert layer_modules(model, []) == []
 
 
+def test_a_pipeline_chunks_layers_in_a_module_dict_are_layers_too():
+    """A pipeline chunk keeps its layers in an ``nn.ModuleDict`` under their unsplit indices (the splitters)."""
+    chunk = nn.Module()
+    chunk.layers = nn.ModuleDict({"2": _Layer(True), "3": _Layer(False)})
+    assert layer_modules(chunk, [chunk.layers["2"].experts]) == [chunk.layers["2"]]
+
+
+def test_autograd_calls_the_hook_of_a_parameter_whose_weight_gradient_is_deferred():
+    """Why the early reduction leaves deferred-wgrad experts out of its order (``grad_reduce.py``): a backward that
+    returns no gradient for a weight (the deferred path) still calls its post-accumulate hook, before the deferred
+    gradient lands; armed like the others, such a unit would look final too early."""
+
+    class Deferred(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x, w):
+            return x * 2
+
+        @staticmethod
+        def backward(ctx, g):
+            return g * 2, None
+
+    weight = nn.Parameter(torch.ones(3))
+    seen: list[object] = []
+    weight.register_post_accumulate_grad_hook(lambda p: seen.append(p.grad))
+    Deferred.apply(torch.ones(3, requires_grad=True), weight.view(3)).sum().backward()
+    assert seen == [None]
+
+
 def test_overlap_grad_reduce_composes_with_tensor_parallelism():
     """Each unit's tp replicas are summed just before its early reduction (``TensorParallelGrads.unit_reducer``)."""
     _check(overlap_grad_reduce=True, shard="full", tp=2)

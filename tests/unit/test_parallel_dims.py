@@ -28,14 +28,14 @@ def test_dims_groups_partition_world_and_vary_one_dimension(world, tp, pp, cp, e
     dims = ParallelDims.from_world_size(world, tp=tp, pp=pp, cp=cp, ep=ep)
     assert dims.dp * dims.tp * dims.pp * dims.cp == world
     assert dims.ep * dims.edp == dims.dp * dims.cp * dims.tp
-    expected_size = {"dp": dims.dp, "cp": cp, "dp_cp": dims.dp * cp, "tp": tp, "dp_cp_tp": dims.dp * cp * tp, "pp": pp, "ep": ep, "edp": dims.edp}
+    expected_size = {"dp": dims.dp, "cp": cp, "dp_cp": dims.dp * cp, "tp": tp, "cp_tp": cp * tp, "dp_cp_tp": dims.dp * cp * tp, "pp": pp, "ep": ep, "edp": dims.edp}
     for kind in GROUP_KINDS:
         groups = dims.group_ranks(kind)
         assert sorted(r for g in groups for r in g) == list(range(world)), kind
         assert all(len(g) == expected_size[kind] for g in groups), kind
     # Oracle: two ranks share a group of a kind iff they agree on every coordinate outside that kind's axes.
     fixed = {
-        "dp": ("pp", "cp", "tp"), "cp": ("pp", "dp", "tp"), "dp_cp": ("pp", "tp"), "tp": ("pp", "dp", "cp"), "dp_cp_tp": ("pp",),
+        "dp": ("pp", "cp", "tp"), "cp": ("pp", "dp", "tp"), "dp_cp": ("pp", "tp"), "tp": ("pp", "dp", "cp"), "cp_tp": ("pp", "dp"), "dp_cp_tp": ("pp",),
         "pp": ("dp", "cp", "tp"), "ep": ("pp", "edp"), "edp": ("pp", "ep"),
     }
     for a, b in itertools.combinations(range(world), 2):

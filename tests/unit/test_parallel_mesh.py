@@ -59,6 +59,8 @@ def _coordinate(dims: ParallelDims, kind: str, rank: int) -> int:
         return c.dp * dims.cp + c.cp
     if kind == "dp_cp_tp":
         return (c.dp * dims.cp + c.cp) * dims.tp + c.tp
+    if kind == "cp_tp":
+        return c.cp * dims.tp + c.tp
     return getattr(c, kind)
 
 

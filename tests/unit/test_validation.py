@@ -73,7 +73,6 @@ def _raise(problems):
             NotImplementedError,
             r"`cp=2` with `pp=2`.*Use `pp=1` with context parallelism, or `cp=1`",
         ),
-        ({"cp": 2, "tp": 2}, NotImplementedError, r"`cp=2` with `tp=2`.*Use `tp=1` with context parallelism"),
     ],
 )
 def test_validation_config_rules(kwargs, error, match):
