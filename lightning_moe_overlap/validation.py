@@ -247,16 +247,14 @@ def rule_context_parallel(cfg: OverlapConfig) -> list[Problem]:
     """What context parallelism (``cp > 1``) does not run with in this version (docs/context_parallel.md)."""
     if not (is_positive_int(cfg.cp) and cfg.cp > 1):
         return []
-    return [
-        *_when(
-            is_positive_int(cfg.pp) and cfg.pp > 1,
-            "cp-pipeline",
-            f"`cp={cfg.cp}` with `pp={cfg.pp}`: the pipeline's chunks pass whole sequences between stages and its "
-            "schedule runs the micro-batches without the per-thread ring attention; not implemented in this version. "
-            "Use `pp=1` with context parallelism, or `cp=1` with pipeline parallelism.",
-            NotImplementedError,
-        ),
-    ]
+    return _when(
+        is_positive_int(cfg.pp) and cfg.pp > 1,
+        "cp-pipeline",
+        f"`cp={cfg.cp}` with `pp={cfg.pp}`: the pipeline's chunks pass whole sequences between stages and its "
+        "schedule runs the micro-batches without the per-thread ring attention; not implemented in this version. "
+        "Use `pp=1` with context parallelism, or `cp=1` with pipeline parallelism.",
+        NotImplementedError,
+    )
 
 
 def rule_tensor_parallel(cfg: OverlapConfig) -> list[Problem]:

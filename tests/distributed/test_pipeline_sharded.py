@@ -1,12 +1,15 @@
 """``MoEOverlapStrategy(pp=2, vpp=2, ep=2, shard="full" | "optimizer")`` on 4 gloo ranks (dp=2 per stage): each
-rank's chunks sharded with FSDP2 (dense parameters over the stage's dp ranks, experts over edp), under interleaved
-1F1B with and without the overlap.
+rank's chunks sharded with FSDP2 (dense parameters over the stage's dp ranks; the experts' edp is 1 here, the
+8-process test shards them too), under interleaved 1F1B with and without the overlap.
 
 Oracles, from one spawn:
 - one process training the unsplit model on the same global batches (plain SGD, the gradients clipped by their
   global norm; no strategy code): the per-step losses within 1e-5 and every parameter of the consolidated state
   within 1e-5 after the steps, for ``MoEGPT``, HF Qwen3-MoE and HF DeepSeek-V3 (its correction bias);
 - the overlapped schedule against the sequential one at ``shard="full"``: the consolidated states equal bitwise;
+  and bitwise the same training whatever else is set: ``shard="none"``, optimizer CPU offload (AdamW), FP8 with the
+  float8 all-gather (against FP8 at ``"none"``), ``overlap_grad_reduce`` in both sharded modes, whose record of
+  events shows the later chunk's layer reduced while the earlier chunk's last backward still runs;
 - per rank, what it holds: its chunks' dense parameters ``Shard(0)`` over its stage's 2 dp ranks (at rest in
   ``"full"``; in the optimizer in ``"optimizer"``, the module holding the gathered ones), the other stage's
   chunks on meta, and its dense bytes half those of ``shard="none"``;
@@ -33,6 +36,7 @@ from lightning_moe_overlap.demo import MoEGPT
 from lightning_moe_overlap.optim.host_offload import describe_offload
 from tests.helpers.distributed import run_distributed
 from tests.helpers.sgd import SGDGPT, SGDDeepSeek, SGDQwen3
+from tests.helpers.unsplit import train_unsplit
 
 WORLD, PP, VPP, EP, DP, M, G, S, VOCAB, STEPS, CLIP = 4, 2, 2, 2, 2, 4, 8, 6, 32, 2, 0.5
 GPT = {"vocab_size": VOCAB, "hidden_size": 16, "num_layers": 4, "num_heads": 2, "num_experts": 4, "top_k": 2,
@@ -214,27 +218,18 @@ def reference(kind: str, dp: int = DP, micro: int = M) -> tuple[list[list[float]
 
     for gate, count in zip(gates, counts):
         gate.register_forward_hook(counter(count))
-    data = tokens(STEPS)
-    losses: list[list[float]] = [[] for _ in range(dp)]
-    for step in range(STEPS):
-        opt.zero_grad()
-        for d in range(dp):
-            per = G // dp
-            batch = data[step * G + d * per : step * G + (d + 1) * per]
-            total = 0.0
-            for part in batch.chunk(micro):
-                loss = model._loss(part)
-                (loss / (dp * micro)).backward()
-                total += float(loss.detach()) / micro
-            losses[d].append(total)
-        torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)
-        opt.step()
+    data, per = tokens(STEPS), G // dp
+    batches = [[data[s * G + d * per : s * G + (d + 1) * per] for d in range(dp)] for s in range(STEPS)]
+
+    def update_biases() -> None:
         with torch.no_grad():
             for gate, count in zip(gates, counts):
                 gate.e_score_correction_bias.add_(
                     torch.sign(count.double().mean() - count.double()).float() * BIAS_RATE
                 )
                 count.zero_()
+
+    losses = train_unsplit(model, opt, batches, micro, CLIP, after_step=update_biases)
     return losses, {k: v.detach() for k, v in model.state_dict().items()}
 
 

@@ -28,10 +28,11 @@ from lightning.pytorch import Callback, Trainer, seed_everything
 
 from lightning_moe_overlap import MoEOverlapStrategy, SelectiveRecompute
 from lightning_moe_overlap.demo import MoEGPT, SyntheticTokens, gpt_init_module
-from lightning_moe_overlap.pipeline.split import seeded_init
 from lightning_moe_overlap.parallel.dtensors import local
+from lightning_moe_overlap.pipeline.split import seeded_init
 from tests.helpers.distributed import run_distributed
 from tests.helpers.sgd import SGDGPT, SGDQwen3
+from tests.helpers.unsplit import train_unsplit
 
 WORLD, PP, EP, DP, M, B, STEPS, CLIP, SEED = 4, 2, 2, 2, 4, 4, 2, 0.5, 0
 MODEL = dict(vocab_size=32, hidden_size=16, num_layers=4, num_heads=2, num_experts=4, top_k=2, ffn_hidden_size=8,
@@ -164,18 +165,8 @@ def reference(
     if kind == "gpt-meta":  # the values each rank's chunks got: per module, seeded by the run's seed and its name
         seeded_init(model, SEED, gpt_init_module)
     opt = model.configure_optimizers()
-    losses: list[list[float]] = [[] for _ in range(DP)]
-    for step in range(STEPS):
-        opt.zero_grad()
-        for d in range(DP):
-            total = 0.0
-            for micro in batches[d * STEPS + step].chunk(M):
-                loss = model._loss(micro)
-                (loss / (DP * M)).backward()
-                total += float(loss.detach()) / M
-            losses[d].append(total)
-        torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)
-        opt.step()
+    steps = [[batches[d * STEPS + step] for d in range(DP)] for step in range(STEPS)]
+    losses = train_unsplit(model, opt, steps, M, CLIP)
     with torch.no_grad():
         val = sum(float(model._loss(micro)) for vb in val_batches for micro in vb.chunk(M)) / max(1, len(val_batches) * M)
     return losses, {n: p.detach() for n, p in model.named_parameters()}, val
