@@ -167,7 +167,6 @@ def apply_cp(module: LightningModule, mesh: ParallelMesh) -> ContextParallel | N
             ``cp-tp-hf-balancing-loss``)."""
     if mesh.dims.cp == 1:
         return None
-    _check_balancing_loss_at_cp_tp(module, mesh.dims)
     if not hasattr(module, CP_ATTR):
         raise NotImplementedError(
             f"`MoEOverlapStrategy(cp={mesh.dims.cp})` (rule `cp-model`, docs/validation.md): "
@@ -177,6 +176,7 @@ def apply_cp(module: LightningModule, mesh: ParallelMesh) -> ContextParallel | N
             f"`{CP_ATTR} = None` on the LightningModule and shard with it in the loss (docs/context_parallel.md; "
             "for a Hugging Face model, `lightning_moe_overlap.hf.context.context_parallel_loss`)."
         )
+    _check_balancing_loss_at_cp_tp(module, mesh.dims)
     cp_mesh = mesh["cp"]
     handle = ContextParallel(cp_mesh.size(), cp_mesh.get_local_rank(), ContextParallelAttention(cp_mesh))
     setattr(module, CP_ATTR, handle)
