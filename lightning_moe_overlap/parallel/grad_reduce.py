@@ -144,13 +144,12 @@ class EarlyReduction:
         device = None
         for index, unit in chosen:
             unit.armed, unit.issued = True, False
-            for group in unit.groups:
-                for param in torch_compat.fsdp_group_unsharded_params(group):
-                    if not param.requires_grad:
-                        continue
-                    device = device or param.device
-                    unit.pending.add(id(param))
-                    self._handles.append(param.register_post_accumulate_grad_hook(self._hook(index)))
+            for param in _unsharded_params(unit):
+                if not param.requires_grad:
+                    continue
+                device = device or param.device
+                unit.pending.add(id(param))
+                self._handles.append(param.register_post_accumulate_grad_hook(self._hook(index)))
         if self._lane is None:
             self._cursor = 0
             self._lane = ReductionLane(device or torch.device("cpu"))
@@ -255,9 +254,7 @@ def _unsharded_params(unit: _Unit) -> list[torch.Tensor]:
 def _ready_event(unit: _Unit) -> Any:
     """On CUDA, an event on this thread's current stream (where autograd just accumulated the unit's last
     gradient); None elsewhere."""
-    for group in unit.groups:
-        for param in torch_compat.fsdp_group_unsharded_params(group):
-            if param.device.type == "cuda":
-                return torch.cuda.current_stream(param.device).record_event()
-            return None
+    params = _unsharded_params(unit)
+    if params and params[0].device.type == "cuda":
+        return torch.cuda.current_stream(params[0].device).record_event()
     return None

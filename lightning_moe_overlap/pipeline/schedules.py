@@ -177,13 +177,10 @@ def build_stages(
             f"`build_stages`: {len(chunks)} chunks for stages {list(indices)}. Pass one chunk per stage this rank "
             "holds (see `stage_indices`)."
         )
-    if before_last_backward is None:
-        return [
-            PipelineStage(chunk, index, num_stages, device, group=group)
-            for chunk, index in zip(chunks, indices, strict=True)
-        ]
+    stage, hook = (PipelineStage, {}) if before_last_backward is None else (
+        _Stage, {"before_last_backward": before_last_backward})  # fmt: skip
     return [
-        _Stage(chunk, index, num_stages, device, group=group, before_last_backward=before_last_backward)
+        stage(chunk, index, num_stages, device, group=group, **hook)
         for chunk, index in zip(chunks, indices, strict=True)
     ]
 
