@@ -269,14 +269,6 @@ def rule_tensor_parallel(cfg: OverlapConfig) -> list[Problem]:
             "and route them tp times (Megatron refuses the same: MoE with tensor parallelism needs sequence "
             "parallelism). Set `sequence_parallel=True` (the default), or `tp=1`.",
         ),
-        *_when(
-            is_positive_int(cfg.pp) and cfg.pp > 1,
-            "tp-pipeline",
-            f"`tp={cfg.tp}` with `pp={cfg.pp}`: the pipeline chunks are cut before the tensor-parallel plan would "
-            "apply, and a chunk's boundary activations would have to carry the sequence-parallel layout; not "
-            "implemented in this version. Use `pp=1` with tensor parallelism, or `tp=1` with pipeline parallelism.",
-            NotImplementedError,
-        ),
     ]
 
 

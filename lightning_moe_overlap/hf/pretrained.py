@@ -64,6 +64,12 @@ _UNHONOURED_DEFAULTS: dict[str, Any] = {
 }  # fmt: skip
 
 
+def _at_default(name: str, value: Any) -> bool:
+    """Whether ``value`` is the "not used" value of ``name`` (the auto classes pass some on, e.g. ``subfolder=''``)."""
+    default = _UNHONOURED_DEFAULTS.get(name, ...)
+    return value is default or (type(value) is type(default) and isinstance(value, (str, bool)) and value == default)
+
+
 @dataclass(frozen=True)
 class Call:
     """One ``from_pretrained`` call, as the model class's own ``from_pretrained`` received it."""
@@ -76,7 +82,8 @@ class Call:
     def describe(self) -> str:
         """``Qwen3MoeForCausalLM.from_pretrained('/models/x', device_map='cpu')``: what the user's code asked for."""
         shown = [repr(str(self.path)), *map(repr, self.args)]
-        shown += [f"{k}={v!r}" for k, v in self.kwargs.items() if k not in _NO_EFFECT and k not in _QUIET]
+        shown += [f"{k}={v!r}" for k, v in self.kwargs.items()
+                  if k not in _NO_EFFECT and k not in _QUIET and not _at_default(k, v)]  # fmt: skip
         return f"`{self.cls.__name__}.from_pretrained({', '.join(shown)})`"
 
     def run(self, device: torch.device) -> nn.Module:

@@ -1,6 +1,7 @@
 """Tensor parallelism's pieces on torch's engine: applying a plan (``parallelize_module`` over ``mesh["tp"]``) so
-that a linear swapped in later is parallelized the same way, the sequence check of sequence parallelism, and the
-LM head's vocabulary-parallel style. Which plan a model gets is ``parallelize/tensor_plan.py``."""
+that a linear swapped in later is parallelized the same way, the sequence check of sequence parallelism, the LM
+head's vocabulary-parallel style, and the style of a replica whose gradient is whole on every tp rank (multi-head
+latent attention's down-projections). Which plan a model gets is ``parallelize/tensor_plan.py``."""
 
 from __future__ import annotations
 
@@ -8,12 +9,16 @@ import fnmatch
 from collections.abc import Mapping
 from dataclasses import dataclass
 
+import torch
+import torch.distributed as dist
 from torch import Tensor, nn
+from torch.distributed import ProcessGroup
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Shard
 from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, parallelize_module
 
 PLANNED_ATTR = "tensor_parallel_planned"  # on each linear the plan parallelized: its `PlannedLinear`
+WHOLE_GRADIENT_ATTR = "tensor_parallel_whole_gradient"  # on each module a `WholeGradientReplica` styled
 
 
 def apply_tensor_parallel(module: nn.Module, tp_mesh: DeviceMesh, plan: Mapping[str, ParallelStyle]) -> None:
@@ -80,3 +85,52 @@ def vocab_parallel_head() -> ColwiseParallel:
     """The LM head's style: gather the sequence-parallel input, keep the logits sharded by vocabulary (a
     ``Shard(-1)`` ``DTensor``, for the loss-parallel cross-entropy)."""
     return ColwiseParallel(input_layouts=Shard(1), output_layouts=Shard(-1), use_local_output=False)
+
+
+class WholeGradientReplica(ParallelStyle):
+    """A module the plan leaves whole that runs in the tp-replicated region (the whole sequence, every head) and
+    feeds only column-wise layers, whose backward sums their input's gradient over tp: its output's gradient, and
+    so its parameters', are then whole and equal on every tp rank. It is marked (:data:`WHOLE_GRADIENT_ATTR`) so
+    that the strategy does not sum those gradients over tp again (``TensorParallelGrads``).
+
+    Multi-head latent attention (DeepSeek-V2/V3) has such modules before its up-projections: ``q_a_proj``,
+    ``q_a_layernorm``, ``kv_a_layernorm``, and ``kv_a_proj_with_mqa``, whose last ``rope_dim`` output columns
+    (the rotary key shared by all heads) go to the attention directly: each tp rank's heads give only their part of
+    that slice's gradient, so it is summed over tp in the backward here (Hugging Face's ``mla_kv_a_proj`` style)."""
+
+    def __init__(self, rope_dim: int | None = None) -> None:
+        super().__init__()
+        self.rope_dim = rope_dim
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        setattr(module, WHOLE_GRADIENT_ATTR, True)
+        if self.rope_dim:
+            module.register_forward_hook(_RopeGradientSum(self.rope_dim, device_mesh.get_group()))
+        return module
+
+
+@dataclass(frozen=True)
+class _RopeGradientSum:
+    """A forward hook: the output's last ``rope_dim`` columns get their gradient summed over ``group``."""
+
+    rope_dim: int
+    group: ProcessGroup
+
+    def __call__(self, module: nn.Module, args: tuple, output: Tensor) -> Tensor:
+        kept, rope = output.split([output.shape[-1] - self.rope_dim, self.rope_dim], dim=-1)
+        return torch.cat([kept, _SumGradient.apply(rope, self.group)], dim=-1)
+
+
+class _SumGradient(torch.autograd.Function):
+    """The identity forward; the gradient summed over ``group`` backward."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor, group: ProcessGroup) -> Tensor:  # type: ignore[override]
+        ctx.group = group
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad: Tensor) -> tuple[Tensor, None]:  # type: ignore[override]
+        grad = grad.contiguous()
+        dist.all_reduce(grad, group=ctx.group)
+        return grad, None

@@ -77,6 +77,7 @@ from lightning_moe_overlap.parallelize.materialize import (
 from lightning_moe_overlap.parallelize.prepared_model import PreparedModel
 from lightning_moe_overlap.parallelize.sharding import ShardedModel, replicate_mesh
 from lightning_moe_overlap.parallelize.tensor_plan import TensorParallelGrads, plan_of, set_sequence_group
+from lightning_moe_overlap.pipeline.chunks import SEQUENCE_SHARDS_ATTR
 from lightning_moe_overlap.pipeline.pipelined import PipelinedModel
 from lightning_moe_overlap.validation import check_model, raise_problems
 
@@ -99,10 +100,10 @@ def parallelize_model(
     pipeline = apply_pipeline(module, config, mesh, device, rank=groups.rank)
     init = meta_init_of(module, device, torch.initial_seed(), None if pipeline is None else pipeline.split)
     apply_materialize(module, init, pipeline)
-    apply_tp(module, mesh)
+    apply_tp(module, mesh, pipeline)
     cp = apply_cp(module, mesh)
     apply_ep(ep_model, config, mesh, runtime, pipeline, rank=groups.rank, init=init)
-    tp_grads = tensor_parallel_grads(module, mesh)
+    tp_grads = tensor_parallel_grads(module, mesh, pipeline)
     fp8 = apply_fp8_step(module, config.fp8, device, config)
     convert_precision(module)
     place_model(module, pipeline, device)
@@ -143,15 +144,21 @@ def apply_materialize(model: nn.Module, init: MetaInit, pipeline: PipelinedModel
     return materialize_dense(model, init, None if pipeline is None else pipeline.held_chunks)
 
 
-def apply_tp(module: LightningModule, mesh: ParallelMesh) -> None:
+def apply_tp(module: LightningModule, mesh: ParallelMesh, pipeline: PipelinedModel | None = None) -> None:
     """At ``tp > 1``: ``parallelize_module`` the LightningModule with its plan (``plan_of``: its
     ``tensor_parallel_plan`` hook or its Hugging Face model's plan), and give every ``TopKRouter`` the tp group as its
-    sequence group (its balancing loss counts the whole sequence's tokens). Nothing at ``tp = 1``."""
+    sequence group (its balancing loss counts the whole sequence's tokens). At ``pp > 1`` the plan applies to the
+    whole model by its names, so to every chunk (the chunks share its modules; the other ranks' stay on meta), and
+    the chunks that rebuild per-position tensors learn that their inputs hold ``S / tp`` positions
+    (``SEQUENCE_SHARDS_ATTR``). Nothing at ``tp = 1``."""
     if mesh.dims.tp == 1:
         return
     tp_mesh = mesh["tp"]
     apply_tensor_parallel(module, tp_mesh, plan_of(module, tp_mesh))
     set_sequence_group(module, mesh.group("tp"))
+    for chunk in [] if pipeline is None else pipeline.split.chunks:
+        if hasattr(chunk, SEQUENCE_SHARDS_ATTR):
+            setattr(chunk, SEQUENCE_SHARDS_ATTR, mesh.dims.tp)
 
 
 def apply_cp(module: LightningModule, mesh: ParallelMesh) -> ContextParallel | None:
@@ -209,10 +216,14 @@ def aux_loss_scale(num_microbatches: int, dims: ParallelDims, *, pipelined: bool
     return (1.0 if pipelined else 1.0 / num_microbatches) * dims.cp
 
 
-def tensor_parallel_grads(module: nn.Module, mesh: ParallelMesh) -> TensorParallelGrads | None:
-    """At ``tp > 1``, after :func:`apply_ep`: the dense parameters the plan left whole, whose gradients are summed
-    over tp each step (``TensorParallelGrads``); None at ``tp = 1``."""
-    return None if mesh.dims.tp == 1 else TensorParallelGrads.of(module, mesh.group("tp"))
+def tensor_parallel_grads(
+    module: nn.Module, mesh: ParallelMesh, pipeline: PipelinedModel | None = None
+) -> TensorParallelGrads | None:
+    """At ``tp > 1``, after :func:`apply_ep`: the dense parameters the plan left whole (of the held chunks at
+    ``pp > 1``), whose gradients are summed over tp each step (``TensorParallelGrads``); None at ``tp = 1``."""
+    if mesh.dims.tp == 1:
+        return None
+    return TensorParallelGrads.of(module, mesh.group("tp"), None if pipeline is None else pipeline.held_chunks)
 
 
 def apply_ep(

@@ -27,7 +27,7 @@ MLP entries; the MoE entries are left out), see :func:`hf_tensor_parallel_plan`.
 from __future__ import annotations
 
 import fnmatch
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from torch import Tensor, nn
@@ -40,7 +40,7 @@ from lightning_moe_overlap.moe.adapters import find_experts
 from lightning_moe_overlap.moe.ep import ExpertParallelExperts
 from lightning_moe_overlap.moe.router import TopKRouter
 from lightning_moe_overlap.parallel.grads import allreduce_mean, materialised_grads
-from lightning_moe_overlap.parallel.tp_styles import vocab_parallel_head
+from lightning_moe_overlap.parallel.tp_styles import WHOLE_GRADIENT_ATTR, WholeGradientReplica, vocab_parallel_head
 
 PLAN_HOOK = "tensor_parallel_plan"  # LightningModule method: tensor_parallel_plan(tp_mesh) -> {fqn pattern: style}
 
@@ -129,9 +129,14 @@ def hf_tensor_parallel_plan(hf_model: nn.Module, tp: int, *, prefix: str = "") -
         for name in fnmatch.filter(names, pattern):
             if any(name == p or name.startswith(p + ".") for p in moe_paths):
                 continue
-            mapped = _hf_style(style, name, type(hf_model).__name__)
+            mapped = _hf_style(style, name, type(hf_model).__name__, config)
             if mapped is not None:
                 out[root + name] = mapped
+            if style == "mla_kv_a_proj":  # the latent attention's other down-projection parts (WholeGradientReplica)
+                parent = name.rsplit(".", 1)[0]
+                for sibling in _MLA_WHOLE_GRADIENT:
+                    if f"{parent}.{sibling}" in names:
+                        out[f"{root}{parent}.{sibling}"] = WholeGradientReplica()
     inside = [name[len(root):] for name in out if name.startswith(root + "layers.")]
     planned = [name for name in inside if name.count(".") >= 3]  # layers.L.block.proj
     for parent in sorted({name.rsplit(".", 1)[0] for name in planned}):  # each planned block gathers its input
@@ -152,16 +157,29 @@ def _gather_input(class_name: str) -> PrepareModuleInput:
     return PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),), use_local_output=True)
 
 
-def _hf_style(style: str, name: str, owner: str) -> ParallelStyle | None:
+_MLA_WHOLE_GRADIENT = ("q_a_proj", "q_a_layernorm", "kv_a_layernorm")  # before the column-wise up-projections
+
+
+def _hf_style(style: str, name: str, owner: str, config: object) -> ParallelStyle | None:
     if style == "colwise":
         return ColwiseParallel()
     if style == "rowwise":
         return RowwiseParallel(output_layouts=Shard(1))
+    if style == "mla_kv_a_proj":
+        rope_dim = getattr(config, "qk_rope_head_dim", None)
+        if not isinstance(rope_dim, int) or rope_dim < 1:
+            raise TensorParallelPlanError(
+                f"`hf_tensor_parallel_plan`: `{owner}` plans `{name}` as 'mla_kv_a_proj' (multi-head latent "
+                f"attention) but its config has qk_rope_head_dim={rope_dim!r}. Rule: the rotary key columns of that "
+                "projection, config.qk_rope_head_dim of them, get their gradient summed over tp. Fix: set "
+                "qk_rope_head_dim in the config, or define `tensor_parallel_plan` on the LightningModule."
+            )
+        return WholeGradientReplica(rope_dim=rope_dim)
     if style in ("replicated_with_grad_allreduce", "replicate", "local"):
         return None  # a per-head or per-token replica: its gradient is summed over tp (TensorParallelGrads)
     raise TensorParallelPlanError(
         f"`hf_tensor_parallel_plan`: `{owner}` plans `{name}` as {style!r}, a style this package does not map "
-        "(it maps 'colwise', 'rowwise' and the replicated ones). Fix: define `tensor_parallel_plan` on the "
+        "(it maps 'colwise', 'rowwise', 'mla_kv_a_proj' and the replicated ones). Fix: define `tensor_parallel_plan` on the "
         "LightningModule with torch ParallelStyles for this model."
     )
 
@@ -220,13 +238,17 @@ class TensorParallelGrads:
     _summed: set[int] = field(default_factory=set, compare=False, repr=False)  # ids summed early in this step
 
     @classmethod
-    def of(cls, model: nn.Module, group: ProcessGroup) -> TensorParallelGrads:
-        """Every trainable parameter of ``model`` that is neither a ``DTensor`` (planned, or an expert) nor inside an
-        expert-parallel experts module."""
+    def of(cls, model: nn.Module, group: ProcessGroup, held: Sequence[nn.Module] | None = None) -> TensorParallelGrads:
+        """Every trainable parameter of ``model`` (of the ``held`` modules in it when given: a rank's pipeline
+        chunks) that is neither a ``DTensor`` (planned, or an expert) nor inside an expert-parallel experts module or
+        a :class:`WholeGradientReplica` (its gradient is whole on every tp rank already)."""
         experts = {id(p) for m in model.modules() if isinstance(m, ExpertParallelExperts) for p in m.parameters()}
+        experts |= {id(p) for m in model.modules() if getattr(m, WHOLE_GRADIENT_ATTR, False) for p in m.parameters()}
+        mine = None if held is None else {id(p) for m in held for p in m.parameters()}
         names = tuple(
             name for name, p in model.named_parameters()
             if p.requires_grad and not isinstance(p, DTensor) and id(p) not in experts
+            and (mine is None or id(p) in mine)
         )  # fmt: skip
         return cls(names, group)
 

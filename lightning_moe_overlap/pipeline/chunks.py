@@ -14,6 +14,12 @@ from torch import Tensor, nn
 
 from lightning_moe_overlap.config.pipeline_layout import PipelineLayout
 
+SEQUENCE_SHARDS_ATTR = "sequence_shards"
+"""A chunk module's optional int attribute: how many parts the sequence between decoder layers is cut into (the
+strategy sets it to ``tp`` at ``tp > 1``: sequence parallelism leaves each tp rank ``S / tp`` positions of the
+residual stream). A chunk that rebuilds per-position tensors from its input's length (position ids, the causal mask)
+declares it, so that it builds them for the whole sequence when its input comes from an earlier chunk's layers."""
+
 LossFn = Callable[[Tensor, Tensor], Tensor]
 PrepareBatch = Callable[[Any], tuple[tuple[Tensor, ...], Tensor]]
 InitModule = Callable[[nn.Module], None]

@@ -21,6 +21,7 @@ from torch import Tensor, nn
 
 from lightning_moe_overlap.loss.hf import check_plain_head, lm_head_loss
 from lightning_moe_overlap.loss.tokens import step_tokens
+from lightning_moe_overlap.loss.vocab_parallel import plain_loss
 from lightning_moe_overlap.pipeline.batches import lm_batch
 from lightning_moe_overlap.config.pipeline_layout import Chunk, PipelineLayout
 from lightning_moe_overlap.pipeline.chunks import PipelineChunks, PipelineSplittable, Splitter
@@ -114,8 +115,13 @@ class HFDecoderChunk(nn.Module):
 
     Every chunk rebuilds what the layers need, as the HF model does: position ids (``0..S-1`` unless given), the
     rotary embedding and the causal mask (with the padding mask when given); no KV cache (training). The attention
-    mask and position ids reach every chunk as keyword inputs (``PipelineChunks.chunk_kwargs``).
+    mask and position ids reach every chunk as keyword inputs (``PipelineChunks.chunk_kwargs``). With sequence
+    parallelism (:attr:`sequence_shards` set to tp by the strategy) a chunk whose input comes from an earlier chunk's
+    layers holds ``S / tp`` of its positions, and builds those tensors for the whole ``S`` (the attention gathers
+    the sequence).
     """
+
+    sequence_shards: int = 1  # SEQUENCE_SHARDS_ATTR (pipeline/chunks.py)
 
     def __init__(
         self, config: Any, parts: dict[str, nn.Module | None], layers: dict[int, nn.Module], *, project: bool = True
@@ -136,10 +142,11 @@ class HFDecoderChunk(nn.Module):
         inner = self.model
         h_BSD = inner.embed_tokens(x) if hasattr(inner, "embed_tokens") else x
         if len(inner.layers):
+            whole_BSD = self._whole_sequence(h_BSD)
             if position_ids is None:
-                position_ids = torch.arange(h_BSD.shape[1], device=h_BSD.device).unsqueeze(0)
-            masks = _causal_masks(self.config, h_BSD, position_ids, attention_mask)
-            rotary = inner.rotary_emb(h_BSD, position_ids=position_ids)
+                position_ids = torch.arange(whole_BSD.shape[1], device=h_BSD.device).unsqueeze(0)
+            masks = _causal_masks(self.config, whole_BSD, position_ids, attention_mask)
+            rotary = inner.rotary_emb(whole_BSD, position_ids=position_ids)
             for i, layer in inner.layers.items():
                 h_BSD = layer(
                     h_BSD, attention_mask=masks(int(i)), position_ids=position_ids, use_cache=False,
@@ -150,6 +157,15 @@ class HFDecoderChunk(nn.Module):
             if self.project:
                 h_BSD = self.lm_head(h_BSD)  # logits_BSV
         return h_BSD
+
+
+    def _whole_sequence(self, h_BSD: Tensor) -> Tensor:
+        """``h_BSD``, or at ``sequence_shards > 1`` when it holds the rank's ``S / tp`` positions (it comes from an
+        earlier chunk's layers) a view of the whole sequence's shape: what the positions and masks are built from."""
+        starts = hasattr(self.model, "embed_tokens") or "0" in self.model.layers
+        if self.sequence_shards == 1 or starts:
+            return h_BSD
+        return h_BSD[:, :1].expand(-1, h_BSD.shape[1] * self.sequence_shards, -1)
 
 
 def _causal_masks(
@@ -177,12 +193,12 @@ def _causal_masks(
 def _hf_loss_fn(owner: nn.Module, hf: nn.Module) -> Callable[[Tensor, Tensor], Tensor]:
     """The model's own ``loss_function`` of the last chunk's logits (it shifts the labels, -100: no loss), its sum
     over the labelled tokens divided by ``step_tokens`` of ``owner`` (the module the strategy trains:
-    ``loss/tokens.py``)."""
+    ``loss/tokens.py``); at ``tp > 1`` (vocabulary-sharded logits, ``loss_parallel``) its plain value."""
     loss_function, vocab_size = hf.loss_function, hf.config.vocab_size
 
     def loss_fn(logits_BSV: Tensor, labels_BS: Tensor) -> Tensor:
         num_items = step_tokens(owner, {"labels": labels_BS})
-        return loss_function(logits_BSV, labels_BS, vocab_size, num_items_in_batch=num_items)
+        return plain_loss(loss_function(logits_BSV, labels_BS, vocab_size, num_items_in_batch=num_items))
 
     return loss_fn
 

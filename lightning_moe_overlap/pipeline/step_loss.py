@@ -8,7 +8,8 @@ schedule is built with ``scale_grads=False`` and :class:`StepLoss` weighs each l
 calls the loss), by :attr:`PipelineChunks.token_loss`.
 
 It also keeps the losses as the model's loss function returned them (what the step reports and logs), not those
-the metadata inference of torch's first step computes.
+the metadata inference of torch's first step computes; a loss over vocabulary-sharded logits (a replicated
+``DTensor`` at ``tp > 1``) is kept as its plain value (``loss/vocab_parallel.py``).
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from typing import Any
 from torch import Tensor
 
 from lightning_moe_overlap.loss.tokens import TokenScope
+from lightning_moe_overlap.loss.vocab_parallel import plain_loss
 from lightning_moe_overlap.pipeline.chunks import LossFn
 from lightning_moe_overlap.step_logs import logs_are_paused
 
@@ -37,7 +39,7 @@ class StepLoss:
 
     def __call__(self, output: Any, target: Any) -> Tensor:
         asked = self.tokens.calls
-        loss = self.loss_fn(output, target)
+        loss = plain_loss(self.loss_fn(output, target))
         if logs_are_paused():  # torch's shape inference: no micro-batch's
             return loss
         if (self.tokens.calls != asked) != self.token_loss and self.tokens.current is not None:

@@ -36,7 +36,7 @@ from lightning_moe_overlap.demo import MoEGPT
 from lightning_moe_overlap.optim.host_offload import describe_offload
 from tests.helpers.distributed import run_distributed
 from tests.helpers.sgd import SGDGPT, SGDDeepSeek, SGDQwen3
-from tests.helpers.unsplit import train_unsplit
+from tests.helpers.unsplit import correction_bias_steps, train_unsplit
 
 WORLD, PP, VPP, EP, DP, M, G, S, VOCAB, STEPS, CLIP = 4, 2, 2, 2, 2, 4, 8, 6, 32, 2, 0.5
 GPT = {"vocab_size": VOCAB, "hidden_size": 16, "num_layers": 4, "num_heads": 2, "num_experts": 4, "top_k": 2,
@@ -207,29 +207,9 @@ def reference(kind: str, dp: int = DP, micro: int = M) -> tuple[list[list[float]
     torch.use_deterministic_algorithms(True)
     model = build(kind)
     opt = model.configure_optimizers()
-    gates = [layer.mlp.gate for layer in model.model.model.layers] if kind == "deepseek" else []
-    counts = [torch.zeros(g.e_score_correction_bias.numel(), dtype=torch.int64) for g in gates]
-
-    def counter(count: torch.Tensor):
-        def hook(gate, args, output) -> None:  # output: (logits, weights, chosen experts)
-            count.add_(torch.bincount(output[2].flatten(), minlength=len(count)))
-
-        return hook
-
-    for gate, count in zip(gates, counts):
-        gate.register_forward_hook(counter(count))
     data, per = tokens(STEPS), G // dp
     batches = [[data[s * G + d * per : s * G + (d + 1) * per] for d in range(dp)] for s in range(STEPS)]
-
-    def update_biases() -> None:
-        with torch.no_grad():
-            for gate, count in zip(gates, counts):
-                gate.e_score_correction_bias.add_(
-                    torch.sign(count.double().mean() - count.double()).float() * BIAS_RATE
-                )
-                count.zero_()
-
-    losses = train_unsplit(model, opt, batches, micro, CLIP, after_step=update_biases)
+    losses = train_unsplit(model, opt, batches, micro, CLIP, after_step=correction_bias_steps(model, BIAS_RATE))
     return losses, {k: v.detach() for k, v in model.state_dict().items()}
 
 

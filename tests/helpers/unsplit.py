@@ -38,3 +38,31 @@ def train_unsplit(
         if after_step is not None:
             after_step()
     return losses
+
+
+def correction_bias_steps(model: nn.Module, rate: float) -> Callable[[], None]:
+    """For an HF DeepSeek-V3 model (``model.model.model.layers[i].mlp.gate.e_score_correction_bias``): hooks that count
+    each gate's routed experts, and the ``after_step`` that moves every correction bias by
+    ``rate * sign(mean - count)`` from the step's counts (DeepSeek-V3's rule), then clears the counts. Any other
+    model: a step that does nothing."""
+    inner = getattr(getattr(model, "model", None), "model", None)
+    gates = [layer.mlp.gate for layer in getattr(inner, "layers", [])
+             if hasattr(getattr(layer.mlp, "gate", None), "e_score_correction_bias")]  # fmt: skip
+    counts = [torch.zeros(g.e_score_correction_bias.numel(), dtype=torch.int64) for g in gates]
+
+    def counter(count: torch.Tensor):
+        def hook(gate, args, output) -> None:  # output: (logits, weights, chosen experts)
+            count.add_(torch.bincount(output[2].flatten(), minlength=len(count)))
+
+        return hook
+
+    for gate, count in zip(gates, counts):
+        gate.register_forward_hook(counter(count))
+
+    def update_biases() -> None:
+        with torch.no_grad():
+            for gate, count in zip(gates, counts):
+                gate.e_score_correction_bias.add_(torch.sign(count.double().mean() - count.double()).float() * rate)
+                count.zero_()
+
+    return update_biases

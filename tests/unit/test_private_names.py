@@ -50,6 +50,8 @@ _LAUNCHER_HOOK = (
 ALLOWED: dict[str, str] = {
     "strategy.py:_configure_launcher": _LAUNCHER_HOOK,
     "strategy.py:_launcher": _LAUNCHER_HOOK,
+    "parallel/tp_styles.py:_apply": "torch's ParallelStyle contract: a style defines the abstract `_apply(module, "
+    "device_mesh)`, which `parallelize_module` calls (torch's own styles and its docs do the same)",
 }
 
 _PRIVATE_SELF_NAME = re.compile(r"self\.(_[A-Za-z]\w*)|__setattr__\(\s*[\"'](_[A-Za-z]\w*)[\"']")

@@ -86,3 +86,57 @@ def test_moegpt_attention_is_unchanged_without_a_tp_mesh():
                                                          is_causal=True).transpose(1, 2).reshape(2, 5, 32)
     )  # fmt: skip
     assert torch.equal(attn(x), expected)
+
+
+def test_the_hf_plan_maps_latent_attention_down_projections_to_whole_gradient_replicas():
+    from lightning_moe_overlap.parallel.tp_styles import WholeGradientReplica
+    from tests.helpers.sgd import deepseek_model
+
+    model = deepseek_model()  # DeepSeek-V3: q_lora_rank and kv_lora_rank set, qk_rope_head_dim=4
+    plan = hf_tensor_parallel_plan(model, 2)
+    attn = "model.layers.1.self_attn"
+    kv_a = plan[f"{attn}.kv_a_proj_with_mqa"]  # HF's 'mla_kv_a_proj'
+    assert isinstance(kv_a, WholeGradientReplica) and kv_a.rope_dim == model.config.qk_rope_head_dim
+    for sibling in ("q_a_proj", "q_a_layernorm", "kv_a_layernorm"):  # before the column-wise up-projections
+        style = plan[f"{attn}.{sibling}"]
+        assert isinstance(style, WholeGradientReplica) and style.rope_dim is None, sibling
+    assert all(isinstance(plan[f"{attn}.{p}"], ColwiseParallel) for p in ("q_b_proj", "kv_b_proj"))
+    assert isinstance(plan[attn], PrepareModuleInput)
+
+
+def test_the_hf_plan_refuses_latent_attention_without_a_rope_width():
+    from lightning_moe_overlap.parallelize.tensor_plan import _hf_style
+
+    config = SimpleNamespace(qk_rope_head_dim=None)  # a custom config planning MLA without saying the rope width
+    with pytest.raises(TensorParallelPlanError, match=r"'mla_kv_a_proj'.*qk_rope_head_dim=None.*Fix: set"):
+        _hf_style("mla_kv_a_proj", "layers.0.self_attn.kv_a_proj_with_mqa", "MyMLA", config)
+
+
+def test_a_whole_gradient_replica_sums_only_the_rope_columns_gradient_and_is_left_out_of_the_tp_sum(tmp_path):
+    """On a 1-rank gloo group: the style's hook keeps the forward, passes the rope columns' gradient through the
+    group's sum (here: itself) and the rest untouched; ``TensorParallelGrads`` does not name its parameters."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from lightning_moe_overlap.parallel.tp_styles import WHOLE_GRADIENT_ATTR, WholeGradientReplica
+    from lightning_moe_overlap.parallelize.tensor_plan import TensorParallelGrads
+
+    owned = not dist.is_initialized()
+    if owned:
+        dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1)
+    try:
+        mesh = init_device_mesh("cpu", (1,))
+        model = nn.Sequential(nn.Linear(4, 6), nn.Linear(6, 3))
+        WholeGradientReplica(rope_dim=2)._apply(model[0], mesh)
+        assert getattr(model[0], WHOLE_GRADIENT_ATTR) is True
+        x = torch.randn(5, 4)
+        out = model[0](x)
+        torch.testing.assert_close(out, x @ model[0].weight.T + model[0].bias, rtol=0, atol=0)
+        weights = torch.randn(5, 6)
+        (out * weights).sum().backward()
+        torch.testing.assert_close(model[0].weight.grad, weights.T @ x)
+        names = TensorParallelGrads.of(model, dist.group.WORLD).names
+        assert names == ("1.weight", "1.bias"), names
+    finally:
+        if owned:
+            dist.destroy_process_group()

@@ -61,7 +61,6 @@ def _raise(problems):
         ),
         ({"alltoall_dedup": "yes"}, TypeError, r"`alltoall_dedup='yes'` is a str; .*Pass True or False \(default\)"),
         ({"tp": 2, "sequence_parallel": False}, ValueError, r"`tp=2` with `sequence_parallel=False`: the MoE blocks"),
-        ({"tp": 2, "pp": 2, "vpp": 2, "num_microbatches": 4}, NotImplementedError, r"`tp=2` with `pp=2`: the pipeline chunks are cut"),
         ({"shard": "zero3"}, ValueError, r"`shard='zero3'` is not one of \['none', 'optimizer', 'full'\]"),
         (
             {"shard": "full", "expert_backend": "te"},
