@@ -337,9 +337,19 @@ def split_moegpt(model: nn.Module, layout: PipelineLayout, *, fused_chunk_size: 
 
     ``fused_chunk_size``: the last chunk returns the final norm's output and the loss is :func:`gpt_fused_loss`
     with the head that chunk holds, in blocks of that size (``MoEGPT(fused_cross_entropy=True)``); None: logits
-    and :func:`gpt_loss`."""
+    and :func:`gpt_loss`. At ``cp > 1`` each cp rank's micro-batches hold its tokens of every sequence and the loss is
+    the mean over them (equal counts on every cp rank: the gradients' mean over dp x cp is the whole sequence's)."""
     check_layers(model, layout, len(model.layers))
     project = fused_chunk_size is None
+
+    def prepare_batch(batch: Any) -> tuple[tuple[Tensor, ...], Tensor]:
+        """:func:`gpt_prepare_batch`; at ``cp > 1`` (``model.context_parallel``, set by the strategy after the cut)
+        the inputs and targets, shifted on the whole sequence, sharded for this cp rank as ``MoEGPT._loss`` does."""
+        (inputs_BT,), targets_BT = gpt_prepare_batch(batch)
+        cp: ContextParallel | None = getattr(model, "context_parallel", None)
+        if cp is not None:
+            (inputs_BT, targets_BT), _ = cp.shard(inputs_BT, targets_BT)
+        return (inputs_BT,), targets_BT
 
     def chunk(c: Chunk) -> GPTChunk:
         return GPTChunk(
@@ -349,13 +359,13 @@ def split_moegpt(model: nn.Module, layout: PipelineLayout, *, fused_chunk_size: 
 
     chunks = [chunk(c) for c in layout.chunks]
     if project:
-        return PipelineChunks(chunks, gpt_loss, gpt_prepare_batch, gpt_init_module)
+        return PipelineChunks(chunks, gpt_loss, prepare_batch, gpt_init_module, cp_sharded=True)
     last = chunks[-1]  # its head's weight read at each call: the one the strategy has put in place by then
 
     def loss_fn(x_BSD: Tensor, target_BS: Tensor) -> Tensor:
         return gpt_fused_loss(x_BSD, last.head, target_BS, fused_chunk_size)
 
-    return PipelineChunks(chunks, loss_fn, gpt_prepare_batch, gpt_init_module)
+    return PipelineChunks(chunks, loss_fn, prepare_batch, gpt_init_module, cp_sharded=True)
 
 
 class _PatternTokens(Dataset):

@@ -573,7 +573,8 @@ class MoEOverlapStrategy(ParallelStrategy):
             prepared.sharded.divide_gradients(prepared.pipeline.grad_divisor)
             self._set_pipeline_aux_scale(accumulate)
         return PipelinePath(prepared.pipeline, self.lightning_module, self.root_device, hooks,
-                            self.precision_plugin.train_step_context, self.token_scope)  # fmt: skip
+                            self.precision_plugin.train_step_context, self.token_scope,
+                            thread_ring=prepared.thread_ring)  # fmt: skip
 
     def _set_pipeline_aux_scale(self, accumulate: int) -> None:
         """At pp > 1 the routers' auxiliary-loss weight follows the schedule's: 1 where torch divides the gradients

@@ -243,20 +243,6 @@ def rule_overlap_needs_microbatches(cfg: OverlapConfig) -> list[Problem]:
     )
 
 
-def rule_context_parallel(cfg: OverlapConfig) -> list[Problem]:
-    """What context parallelism (``cp > 1``) does not run with in this version (docs/context_parallel.md)."""
-    if not (is_positive_int(cfg.cp) and cfg.cp > 1):
-        return []
-    return _when(
-        is_positive_int(cfg.pp) and cfg.pp > 1,
-        "cp-pipeline",
-        f"`cp={cfg.cp}` with `pp={cfg.pp}`: the pipeline's chunks pass whole sequences between stages and its "
-        "schedule runs the micro-batches without the per-thread ring attention; not implemented in this version. "
-        "Use `pp=1` with context parallelism, or `cp=1` with pipeline parallelism.",
-        NotImplementedError,
-    )
-
-
 def rule_tensor_parallel(cfg: OverlapConfig) -> list[Problem]:
     """What tensor parallelism (``tp > 1``) needs and does not run with (docs/tensor_parallel.md)."""
     if not (is_positive_int(cfg.tp) and cfg.tp > 1):
@@ -351,7 +337,6 @@ CONFIG_RULES: tuple[Callable[[OverlapConfig], list[Problem]], ...] = (
     rule_shared_expert_overlap,
     rule_pipeline,
     rule_overlap_needs_microbatches,
-    rule_context_parallel,
     rule_tensor_parallel,
     rule_shard,
     rule_overlap_grad_reduce,

@@ -53,7 +53,8 @@ def ring_sdpa_attention(
 ) -> tuple[Tensor, None]:
     """HF's attention-interface signature (``query`` ``[B, H, S, Dh]``, ``key`` / ``value`` ``[B, Hkv, S, Dh]``;
     returns ``[B, S, H, Dh]``): causal SDPA without a mask, the call the context-parallel ring takes. Fewer key /
-    value heads than query heads run with ``enable_gqa``."""
+    value heads than query heads run with ``enable_gqa``; values narrower than the queries and keys (multi-head
+    latent attention) are padded with zero columns for the kernel, which needs one width, and cut back after it."""
     sliding_window = kwargs.get("sliding_window")
     problems = [
         f"an attention mask of shape {list(attention_mask.shape)}" if attention_mask is not None else "",
@@ -67,10 +68,16 @@ def ring_sdpa_attention(
             "cp > 1 attention is causal over the whole sequence with no mask, window, softcap or cache (torch's ring "
             "attention). Fix: train without them at cp > 1, or use cp=1."
         )
+    qk_dim, v_dim = query.size(-1), value.size(-1)
+    scale = scaling if scaling is not None else qk_dim**-0.5
+    if v_dim < qk_dim:  # latent attention (DeepSeek): the ring's kernel takes one head width; zero columns add nothing
+        value = F.pad(value, (0, qk_dim - v_dim))
+    elif qk_dim < v_dim:  # zero columns of the queries and keys leave their products as they are
+        query, key = F.pad(query, (0, v_dim - qk_dim)), F.pad(key, (0, v_dim - qk_dim))
     out_BHSD = F.scaled_dot_product_attention(
-        query, key, value, dropout_p=dropout, scale=scaling, is_causal=True, enable_gqa=key.size(1) != query.size(1)
+        query, key, value, dropout_p=dropout, scale=scale, is_causal=True, enable_gqa=key.size(1) != query.size(1)
     )
-    return out_BHSD.transpose(1, 2).contiguous(), None
+    return out_BHSD[..., :v_dim].transpose(1, 2).contiguous(), None
 
 
 def use_ring_attention(hf_model: nn.Module) -> None:

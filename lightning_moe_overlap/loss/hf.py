@@ -37,14 +37,17 @@ def shift_labels(labels_BS: Tensor, ignore_index: int = IGNORE_INDEX) -> Tensor:
 
 def lm_head_loss(
     hidden_BSD: Tensor, lm_head: nn.Module, labels_BS: Tensor, *, chunk_size: int = DEFAULT_CHUNK_SIZE,
-    num_items: Tensor | None = None,
+    num_items: Tensor | None = None, shifted: bool = False,
 ) -> Tensor:
     """HF's causal-LM loss of ``lm_head(hidden_BSD)`` against the unshifted ``labels_BS``, without the logits (the
     last pipeline stage's loss, and :func:`hf_causal_lm_loss`'s). A vocabulary-parallel head (``tp > 1``): the
     rank's rows, the sequence-parallel ``hidden_BSD`` gathered over tp (:func:`head_cross_entropy`).
-    ``num_items``: the sum over the labelled tokens divided by it (HF's ``num_items_in_batch``), not their mean."""
+    ``num_items``: the sum over the labelled tokens divided by it (HF's ``num_items_in_batch``), not their mean.
+    ``shifted``: ``labels_BS`` are each position's targets already (:func:`shift_labels` of the whole sequence, as
+    context parallelism shards them)."""
     loss = head_cross_entropy(
-        hidden_BSD, lm_head.weight, shift_labels(labels_BS), bias=getattr(lm_head, "bias", None),
+        hidden_BSD, lm_head.weight, labels_BS if shifted else shift_labels(labels_BS),
+        bias=getattr(lm_head, "bias", None),
         ignore_index=IGNORE_INDEX, chunk_size=chunk_size, reduction="mean" if num_items is None else "sum",
     )
     return loss if num_items is None else loss / num_items

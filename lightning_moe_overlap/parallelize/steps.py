@@ -101,7 +101,7 @@ def parallelize_model(
     init = meta_init_of(module, device, torch.initial_seed(), None if pipeline is None else pipeline.split)
     apply_materialize(module, init, pipeline)
     apply_tp(module, mesh, pipeline)
-    cp = apply_cp(module, mesh)
+    cp = apply_cp(module, mesh, pipeline)
     apply_ep(ep_model, config, mesh, runtime, pipeline, rank=groups.rank, init=init)
     tp_grads = tensor_parallel_grads(module, mesh, pipeline)
     fp8 = apply_fp8_step(module, config.fp8, device, config)
@@ -161,7 +161,9 @@ def apply_tp(module: LightningModule, mesh: ParallelMesh, pipeline: PipelinedMod
             setattr(chunk, SEQUENCE_SHARDS_ATTR, mesh.dims.tp)
 
 
-def apply_cp(module: LightningModule, mesh: ParallelMesh) -> ContextParallel | None:
+def apply_cp(
+    module: LightningModule, mesh: ParallelMesh, pipeline: PipelinedModel | None = None
+) -> ContextParallel | None:
     """At ``cp > 1``: set ``module.context_parallel`` to this rank's :class:`ContextParallel` (the module shards its
     micro-batches with it) and give every ``TopKRouter`` the ``cp x tp`` group as its sequence group (its balancing
     loss counts the whole sequence's tokens: at ``tp > 1`` sequence parallelism splits each cp rank's part again over
@@ -171,7 +173,8 @@ def apply_cp(module: LightningModule, mesh: ParallelMesh) -> ContextParallel | N
         NotImplementedError: the LightningModule does not declare ``context_parallel`` (rule ``cp-model``): the
             strategy cannot know which of its tensors are sequences, nor how it shifts its targets. At ``tp > 1``, a
             Hugging Face model computes its router balancing loss (``output_router_logits``; rule
-            ``cp-tp-hf-balancing-loss``)."""
+            ``cp-tp-hf-balancing-loss``). At ``pp > 1``, pipeline chunks whose batches are not sharded by the
+            splitter (``PipelineChunks.cp_sharded``; rule ``cp-pipeline-chunks``)."""
     if mesh.dims.cp == 1:
         return None
     if not hasattr(module, CP_ATTR):
@@ -184,11 +187,27 @@ def apply_cp(module: LightningModule, mesh: ParallelMesh) -> ContextParallel | N
             "for a Hugging Face model, `lightning_moe_overlap.hf.context.context_parallel_loss`)."
         )
     _check_balancing_loss_at_cp_tp(module, mesh.dims)
+    _check_chunks_shard(pipeline, mesh.dims)
     cp_mesh = mesh["cp"]
     handle = ContextParallel(cp_mesh.size(), cp_mesh.get_local_rank(), ContextParallelAttention(cp_mesh))
     setattr(module, CP_ATTR, handle)
     set_sequence_group(module, mesh.group("cp_tp"))
     return handle
+
+
+def _check_chunks_shard(pipeline: PipelinedModel | None, dims: ParallelDims) -> None:
+    """At ``pp > 1``: refuse chunks whose ``prepare_batch`` does not shard the sequences over cp."""
+    if pipeline is None or pipeline.split.cp_sharded:
+        return
+    owner = type(pipeline.split.model).__name__
+    raise NotImplementedError(
+        f"`MoEOverlapStrategy(cp={dims.cp}, pp={dims.pp})` (rule `cp-pipeline-chunks`, docs/validation.md): the "
+        f"pipeline chunks of `{owner}` do not declare `cp_sharded=True`. Rule: at pp > 1 the batch goes to the "
+        "splitter's `prepare_batch` / `chunk_kwargs`, which must give each cp rank its shard of every sequence (the "
+        "ring would take whole sequences for shards). Fix: shard there with the module's `context_parallel` handle "
+        "and return `PipelineChunks(..., cp_sharded=True)` from `configure_pipeline` (docs/pipeline.md), use the "
+        "built-in splitter (Hugging Face decoders) or `MoEGPT`, or cp=1."
+    )
 
 
 def _check_balancing_loss_at_cp_tp(module: nn.Module, dims: ParallelDims) -> None:

@@ -46,6 +46,11 @@ class PipelineChunks:
         token_loss: ``loss_fn`` divides its micro-batch's token sum by ``step_tokens`` (``loss/tokens.py``): its
             losses are shares of the step's per-token mean, back-propagated as they are (every pp rank must know it
             before the step, so it is declared here). False: each is a micro-batch mean, weighted ``1 / M``.
+        cp_sharded: at ``cp > 1``, ``prepare_batch`` and ``chunk_kwargs`` return this cp rank's shard of every
+            sequence (with the model's ``context_parallel`` handle, set by the strategy after the cut: targets shifted
+            on the whole sequence first, the kept tokens' positions where the chunks need them), and ``loss_fn`` is
+            the rank's share of the loss. The strategy refuses ``cp > 1`` at ``pp > 1`` for chunks that do not say so
+            (rule ``cp-pipeline-chunks``): unsharded sequences would enter the ring as if they were shards.
     """
 
     modules: Sequence[nn.Module]
@@ -54,6 +59,7 @@ class PipelineChunks:
     init_module: InitModule | None = None
     chunk_kwargs: ChunkKwargs | None = None
     token_loss: bool = False
+    cp_sharded: bool = False
 
 
 @runtime_checkable

@@ -8,7 +8,8 @@ uses at ``pp = 1``.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager, nullcontext
 from functools import partial
 from typing import Any
 
@@ -34,13 +35,15 @@ class PipelinePath:
         hooks: StepHooks | None,
         train_context: ContextFactory,
         tokens: TokenScope | None = None,
+        thread_ring: ContextFactory = nullcontext,
     ) -> None:
         self.pipeline = pipeline
         self.module = module
         self.device = device
         self.hooks = hooks
-        self.train_context = train_context
+        self.train_context = _with(thread_ring, train_context)
         self.tokens = tokens  # the strategy's token count of the step (loss/tokens.py)
+        self.thread_ring = thread_ring  # at cp > 1: the ring for the SDPA calls of the thread of each chunk forward
 
     def train(self, batch: Any, batch_idx: int, *rest: Any, window: Window = WHOLE) -> Tensor:
         hooks = self.hooks
@@ -61,7 +64,7 @@ class PipelinePath:
                  *rest: Any, **kwargs: Any) -> Tensor:  # fmt: skip
         """The forwards of a validation / test batch; the mean loss on every rank."""
         logs = MicroBatchLogs(self.module)
-        result = self.pipeline.eval_step(batch, logs, context, self.device)
+        result = self.pipeline.eval_step(batch, logs, _with(self.thread_ring, context), self.device)
         logs.replay(result.logs)
         return result.loss
 
@@ -71,3 +74,14 @@ class PipelinePath:
             "supported: the outputs live on the last stage's ranks only. Predict at pp=1 (load the checkpoint "
             "there: checkpoints are keyed by the unsplit model's names and load at any pp)."
         )
+
+
+def _with(outer: ContextFactory, inner: ContextFactory) -> ContextFactory:
+    """A context factory entering ``outer()`` then ``inner()``: what each chunk forward runs in, on its thread."""
+
+    @contextmanager
+    def both() -> Iterator[None]:
+        with outer(), inner():
+            yield
+
+    return both

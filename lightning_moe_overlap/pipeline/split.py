@@ -49,7 +49,7 @@ class SplitModel:
         model: the unsplit model (usually on the meta device); chunks share its submodules.
         layout: the chunks' layers and ranks.
         chunks: one module per chunk, in model order.
-        loss_fn, prepare_batch, init_module, chunk_kwargs, token_loss: from :class:`PipelineChunks`.
+        loss_fn, prepare_batch, init_module, chunk_kwargs, token_loss, cp_sharded: from :class:`PipelineChunks`.
         module_names: per chunk, chunk module path -> unsplit module path (the top-most shared modules).
     """
 
@@ -62,6 +62,7 @@ class SplitModel:
     module_names: tuple[dict[str, str], ...] = field(repr=False)
     chunk_kwargs: ChunkKwargs | None = None
     token_loss: bool = False
+    cp_sharded: bool = False
 
     def chunk_indices_of_rank(self, rank: int) -> list[int]:
         return [c.index for c in self.layout.chunks_of_rank(rank)]
@@ -172,7 +173,7 @@ def split_model(model: nn.Module, layout: PipelineLayout, *, splitter: Splitter 
     names = tuple(_module_names(model, chunk) for chunk in chunks)
     split = SplitModel(
         model, layout, chunks, result.loss_fn, result.prepare_batch, result.init_module, module_names=names,
-        chunk_kwargs=result.chunk_kwargs, token_loss=result.token_loss,
+        chunk_kwargs=result.chunk_kwargs, token_loss=result.token_loss, cp_sharded=result.cp_sharded,
     )
     _check_cover(split)
     return split

@@ -19,11 +19,16 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from lightning_moe_overlap.loss.hf import check_plain_head, lm_head_loss
-from lightning_moe_overlap.loss.tokens import step_tokens
+import torch.distributed as dist
+
+from lightning_moe_overlap.hf.context import check_batch, use_ring_attention
+from lightning_moe_overlap.loss.hf import IGNORE_INDEX, check_plain_head, lm_head_loss, shift_labels
+from lightning_moe_overlap.loss.tokens import scope_of, step_tokens
 from lightning_moe_overlap.loss.vocab_parallel import plain_loss
 from lightning_moe_overlap.pipeline.batches import lm_batch
 from lightning_moe_overlap.config.pipeline_layout import Chunk, PipelineLayout
+from lightning_moe_overlap.parallel.context_module import ATTR as CP_ATTR
+from lightning_moe_overlap.parallel.context_module import ContextParallel
 from lightning_moe_overlap.pipeline.chunks import PipelineChunks, PipelineSplittable, Splitter
 
 NUM_LAYERS_ATTR = "pipeline_num_layers"  # how a model with configure_pipeline says its number of decoder layers
@@ -190,15 +195,27 @@ def _causal_masks(
     return lambda i: mask
 
 
+def context_parallel_of(owner: nn.Module) -> ContextParallel | None:
+    """The strategy's context-parallel handle on ``owner`` (the module it trains; set at ``cp > 1``, after the cut),
+    read at each call."""
+    return getattr(owner, CP_ATTR, None)
+
+
 def _hf_loss_fn(owner: nn.Module, hf: nn.Module) -> Callable[[Tensor, Tensor], Tensor]:
     """The model's own ``loss_function`` of the last chunk's logits (it shifts the labels, -100: no loss), its sum
     over the labelled tokens divided by ``step_tokens`` of ``owner`` (the module the strategy trains:
-    ``loss/tokens.py``); at ``tp > 1`` (vocabulary-sharded logits, ``loss_parallel``) its plain value."""
+    ``loss/tokens.py``); at ``tp > 1`` (vocabulary-sharded logits, ``loss_parallel``) its plain value. At ``cp > 1``
+    the labels arrive shifted and sharded (``shift_labels``) and the sum is divided by :func:`_cp_items`."""
     loss_function, vocab_size = hf.loss_function, hf.config.vocab_size
 
     def loss_fn(logits_BSV: Tensor, labels_BS: Tensor) -> Tensor:
-        num_items = step_tokens(owner, {"labels": labels_BS})
-        return plain_loss(loss_function(logits_BSV, labels_BS, vocab_size, num_items_in_batch=num_items))
+        cp = context_parallel_of(owner)
+        if cp is None:
+            num_items = step_tokens(owner, {"labels": labels_BS})
+            return plain_loss(loss_function(logits_BSV, labels_BS, vocab_size, num_items_in_batch=num_items))
+        return plain_loss(loss_function(
+            logits_BSV, None, vocab_size, shift_labels=labels_BS, num_items_in_batch=_cp_items(owner, labels_BS, cp)
+        ))  # fmt: skip
 
     return loss_fn
 
@@ -211,10 +228,28 @@ def _hf_fused_loss_fn(
     check_plain_head(hf)
 
     def loss_fn(h_BSD: Tensor, labels_BS: Tensor) -> Tensor:
-        num_items = step_tokens(owner, {"labels": labels_BS})
-        return lm_head_loss(h_BSD, last.lm_head, labels_BS, chunk_size=chunk_size, num_items=num_items)
+        cp = context_parallel_of(owner)
+        if cp is None:
+            num_items = step_tokens(owner, {"labels": labels_BS})
+            return lm_head_loss(h_BSD, last.lm_head, labels_BS, chunk_size=chunk_size, num_items=num_items)
+        return lm_head_loss(h_BSD, last.lm_head, labels_BS, chunk_size=chunk_size,
+                            num_items=_cp_items(owner, labels_BS, cp), shifted=True)  # fmt: skip
 
     return loss_fn
+
+
+def _cp_items(owner: nn.Module, shifted_BS: Tensor, cp: ContextParallel) -> Tensor:
+    """What a cp rank's token sum is divided by, ``N / cp``, so that the mean over the cp ranks is the sum over the
+    whole sequences divided by ``N`` (the ranks keep unequal numbers of labelled tokens; ``hf/context.py``): ``N``
+    the step's count in the strategy's training step (counted on the whole batch, ``loss/tokens.py``), else the
+    micro-batch's labelled tokens summed over the cp group (an all-reduce)."""
+    scope = scope_of(owner)
+    tokens = None if scope is None else scope.take()
+    if tokens is not None:
+        return tokens.divisor / cp.size
+    count = (shifted_BS != IGNORE_INDEX).sum().to(torch.float32)
+    dist.all_reduce(count, group=cp.attention.mesh.get_group())
+    return count.clamp(min=1) / cp.size
 
 
 def split_hf_decoder(
@@ -224,7 +259,12 @@ def split_hf_decoder(
 
     ``fused_chunk_size``: the last chunk returns the final norm's output and the loss applies the ``lm_head`` it
     holds in blocks of that size (``loss/hf.py``, ``lm_head_loss``: the ``[B, S, V]`` logits never exist); None:
-    logits and the model's own ``loss_function``."""
+    logits and the model's own ``loss_function``.
+
+    At ``cp > 1`` (the strategy's ``context_parallel`` on ``model``) each micro-batch is what ``hf/context.py`` gives
+    the unsplit model: the labels shifted on the whole sequence, then the input ids and labels sharded over the cp
+    ranks, the kept tokens' global position ids to every chunk, the attention the ring's (no mask; padding and packed
+    documents refused, rule ``cp-hf-batch``) and each rank's token sum divided by ``N / cp``."""
     hf = find_hf_decoder(model)
     inner = hf.model
     check_layers(model, layout, len(inner.layers))
@@ -252,11 +292,22 @@ def split_hf_decoder(
 
     def prepare_batch(batch: Any) -> tuple[tuple[Tensor, ...], Tensor]:
         lm = lm_batch(batch, owner)
-        return (lm.input_ids,), lm.labels
+        cp = context_parallel_of(model)
+        if cp is None:
+            return (lm.input_ids,), lm.labels
+        check_batch(lm.attention_kwargs(), cp.size)  # no padding, no packed documents (rule cp-hf-batch)
+        use_ring_attention(hf)
+        (input_ids_BS, shifted_BS), _ = cp.shard(lm.input_ids, shift_labels(lm.labels))
+        return (input_ids_BS,), shifted_BS
 
     def chunk_kwargs(batch: Any) -> dict[str, Tensor]:
-        return lm_batch(batch, owner).attention_kwargs()
+        lm = lm_batch(batch, owner)
+        cp = context_parallel_of(model)
+        if cp is None:
+            return lm.attention_kwargs()
+        _, positions_1S = cp.shard(lm.input_ids)  # the kept tokens' global positions, for the rotary embedding
+        return {"position_ids": positions_1S.expand(lm.input_ids.size(0), -1).contiguous()}
 
     return PipelineChunks(
-        chunks, loss_fn, prepare_batch, hf._init_weights, chunk_kwargs=chunk_kwargs, token_loss=True
+        chunks, loss_fn, prepare_batch, hf._init_weights, chunk_kwargs=chunk_kwargs, token_loss=True, cp_sharded=True
     )

@@ -8,6 +8,7 @@ from lightning.pytorch import LightningModule
 
 from lightning_moe_overlap.demo import MoEGPT
 from lightning_moe_overlap.demo_hf import HFMoECausalLM
+from lightning_moe_overlap.hf.context import context_parallel_loss
 
 LR = 0.5
 
@@ -56,11 +57,16 @@ class SGDDeepSeek(LightningModule):
     """HF DeepSeek-V3 (:func:`deepseek_model`) in a plain LightningModule: HF's own next-token loss, SGD at
     :data:`LR`; the built-in splitter cuts it at ``pp > 1``."""
 
+    context_parallel = None  # at cp > 1 the strategy's handle: the loss is this cp rank's share (hf/context.py)
+
     def __init__(self, **sizes: int) -> None:
         super().__init__()
         self.model = deepseek_model(**sizes)
 
     def loss(self, tokens_BS: torch.Tensor) -> torch.Tensor:
+        if self.context_parallel is not None:
+            kwargs = {"input_ids": tokens_BS, "labels": tokens_BS}
+            return context_parallel_loss(self.model, self.context_parallel, kwargs)
         return self.model(input_ids=tokens_BS, labels=tokens_BS).loss
 
     _loss = loss

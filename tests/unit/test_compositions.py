@@ -29,7 +29,6 @@ OPTIONS = {
     "dedup": {"alltoall_dedup": True},
 }
 STILL_REFUSED = {  # (pair): the rule that refuses it (docs/validation.md, "What composes")
-    ("cp", "pp"): "cp-pipeline",
     ("pp", "delay_wgrad"): "pipeline-delay-wgrad",
 }
 

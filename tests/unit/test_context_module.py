@@ -71,3 +71,20 @@ def test_aux_loss_weight_is_times_cp():
     dims = ParallelDims.from_world_size(4, cp=2, ep=2)
     assert aux_loss_scale(4, dims, pipelined=False) == 0.5
     assert aux_loss_scale(4, ParallelDims.from_world_size(4, ep=2), pipelined=False) == 0.25
+
+
+def test_pipeline_chunks_that_do_not_shard_their_batches_are_refused_at_cp2():
+    """At pp > 1 the splitter's ``prepare_batch`` gives the chunks their inputs: chunks that do not declare that it
+    shards them over cp (``PipelineChunks.cp_sharded``) are refused before anything is built, naming the rule and
+    the fix; the built-in splitters declare it."""
+    from lightning_moe_overlap.config.pipeline_layout import build_layout
+    from lightning_moe_overlap.pipeline.split import split_model
+
+    model = MoEGPT(num_layers=2)
+    split = split_model(model, build_layout(2, pp=2, vpp=1))
+    assert split.cp_sharded  # MoEGPT's own configure_pipeline shards with its context_parallel handle
+    split.cp_sharded = False  # as a user's configure_pipeline that does not say so
+    dims = ParallelDims.from_world_size(4, cp=2, pp=2, ep=2)
+    mesh = SimpleNamespace(dims=dims)
+    with pytest.raises(NotImplementedError, match=r"cp=2, pp=2.*rule `cp-pipeline-chunks`.*`MoEGPT`.*cp_sharded=True"):
+        apply_cp(model, mesh, SimpleNamespace(split=split))  # type: ignore[arg-type]

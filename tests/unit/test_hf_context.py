@@ -92,3 +92,27 @@ def test_the_cp_ranks_balancing_loss_shares_average_to_hf_s(cp):
 
 def test_hf_module_declares_the_attribute_unset():
     assert HFMoECausalLM("qwen3_moe").context_parallel is None
+
+
+@pytest.mark.parametrize("qk_dim, v_dim", [(8, 4), (4, 8), (6, 6)])
+def test_the_ring_attention_takes_values_of_another_width_than_the_queries(qk_dim, v_dim):
+    """Multi-head latent attention (DeepSeek-V3) has values narrower than its queries and keys; the kernel the ring
+    runs takes one width, so the narrower side is padded with zero columns and the output cut back. Against causal
+    attention written out (softmax of the scaled scores, times the values): one reordered dot product apart."""
+    from lightning_moe_overlap.hf.context import ring_sdpa_attention
+
+    gen = torch.Generator().manual_seed(3)
+    q, k = torch.randn(2, 2, 5, qk_dim, generator=gen), torch.randn(2, 2, 5, qk_dim, generator=gen)
+    v = torch.randn(2, 2, 5, v_dim, generator=gen)
+    scale = 0.3
+    scores = (q @ k.transpose(-1, -2)) * scale
+    scores = scores.masked_fill(torch.ones(5, 5, dtype=torch.bool).triu(1), float("-inf"))
+    want_BSHD = (torch.softmax(scores, dim=-1) @ v).transpose(1, 2)
+    got_BSHD, weights = ring_sdpa_attention(torch.nn.Module(), q, k, v, None, scaling=scale)
+    assert weights is None and got_BSHD.shape == want_BSHD.shape
+    # a score is a reordered dot product (error delta); softmax turns it into a relative error of each weight of at
+    # most 2 delta (with the normaliser's), and the weighted sum of 5 values adds its own reordering
+    delta = float(reordered_sum_tol(qk_dim, float((q.abs() @ k.abs().transpose(-1, -2)).max()) * scale))
+    v_max = float(v.abs().max())
+    tol = 4 * delta * v_max + float(reordered_sum_tol(5, v_max)) + 4 * torch.finfo(torch.float32).eps * v_max
+    torch.testing.assert_close(got_BSHD, want_BSHD, rtol=0, atol=tol)

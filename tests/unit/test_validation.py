@@ -67,11 +67,6 @@ def _raise(problems):
             NotImplementedError,
             r"`shard='full'` with `expert_backend='te'`.*Set `shard='none'`",
         ),
-        (
-            {"pp": 2, "vpp": 2, "cp": 2, "num_microbatches": 4},
-            NotImplementedError,
-            r"`cp=2` with `pp=2`.*Use `pp=1` with context parallelism, or `cp=1`",
-        ),
     ],
 )
 def test_validation_config_rules(kwargs, error, match):

@@ -46,6 +46,6 @@ def test_validate_schedule_still_raises_the_first():
 
 
 def test_unparsable_layout_is_reported_with_the_other_rules():
-    cfg = OverlapConfig(pp=2, pipeline_layout="Et)|tL", delay_wgrad=True, cp=2)
+    cfg = OverlapConfig(pp=2, pipeline_layout="Et)|tL", delay_wgrad=True, tp=2, sequence_parallel=False)
     rules = [p.rule for p in check_config(cfg) if p.is_error]
-    assert rules == ["pipeline-layout", "pipeline-delay-wgrad", "cp-pipeline"], rules
+    assert rules == ["pipeline-layout", "pipeline-delay-wgrad", "tp-sequence-parallel"], rules
