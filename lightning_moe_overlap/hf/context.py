@@ -24,7 +24,8 @@ What an HF model needs beyond :meth:`ContextParallel.shard <lightning_moe_overla
   (an all-reduce, no gradient, as the routers of this package do); each rank's loss is ``cp x E x sum_e f_e P_e^r``
   with ``f_e`` the whole micro-batch's routed fraction and ``P_e^r`` this rank's routing-probability sum over the
   micro-batch's rows: the mean over the cp ranks is HF's balancing loss of the whole micro-batch, and so is its
-  gradient.
+  gradient. At ``tp > 1`` a rank's router logits are its sequence-parallel rows: the counts are summed over the
+  ``cp x tp`` ranks and each tp rank reports its cp rank's share (:func:`balancing_loss_share`).
 
 Shape legend: B batch, T sequence, S = T / cp this rank's tokens, E experts, R router rows (B x S).
 """
@@ -39,8 +40,9 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from lightning_moe_overlap._compat.transformers import attn_implementation
-from lightning_moe_overlap.loss.fused import fused_linear_cross_entropy
-from lightning_moe_overlap.loss.hf import IGNORE_INDEX, check_plain_head, final_hidden_states, shift_labels
+from lightning_moe_overlap.loss.hf import IGNORE_INDEX, check_plain_head, final_hidden_states, lm_head_loss
+from lightning_moe_overlap.loss.hf import shift_labels
+from lightning_moe_overlap.loss.vocab_parallel import plain_loss
 from lightning_moe_overlap.parallel.context_module import ContextParallel
 
 ATTENTION = "lightning_moe_overlap_context_parallel"  # the attention implementation's name in HF's registry
@@ -139,12 +141,10 @@ def context_parallel_loss(
         )
     else:
         check_plain_head(hf_model)
-        hidden_BSD, output = final_hidden_states(hf_model, inputs)
-        head = hf_model.lm_head
-        loss = fused_linear_cross_entropy(
-            hidden_BSD, head.weight, shifted_BS, bias=getattr(head, "bias", None), ignore_index=IGNORE_INDEX,
-            reduction="sum", chunk_size=chunk_size,
-        ) / num_items
+        hidden_BSD, output = final_hidden_states(hf_model, inputs)  # at tp > 1: the rank's sequence-parallel rows
+        loss = lm_head_loss(hidden_BSD, hf_model.lm_head, shifted_BS, chunk_size=chunk_size, num_items=num_items,
+                            shifted=True)  # fmt: skip
+    loss = plain_loss(loss)  # at tp > 1 a replicated DTensor (the vocabulary-parallel loss)
     if getattr(output, "router_logits", None) is not None and getattr(hf_model.config, "output_router_logits", False):
         aux = balancing_loss_share(hf_model, output.router_logits, cp)
         loss = loss + hf_model.router_aux_loss_coef * aux_weight * aux.to(loss.device)
@@ -173,7 +173,12 @@ def balancing_loss_from(counts_E: Tensor, probs_E: Tensor, rows: int, num_expert
 
 
 def balancing_loss_share(hf_model: nn.Module, router_logits: tuple[Tensor, ...], cp: ContextParallel) -> Tensor:
-    """This rank's share of the micro-batch's balancing loss: the counts summed over the cp group (all-reduce)."""
+    """This rank's share of the micro-batch's balancing loss: the counts summed over the ranks holding the parts of
+    each sequence (all-reduce over ``cp.sequence_group``). At ``tp > 1`` a rank's router logits hold its
+    sequence-parallel rows only, ``1 / (cp x tp)`` of the micro-batch's, and the tp ranks' shares add up: the
+    routers are tp replicas whose gradients the strategy sums over tp, while it averages over cp. Each tp rank
+    returns the cp rank's share (the sum of its tp ranks', one more all-reduce) with the gradient of its own part,
+    so the tp ranks of one cp rank report the same loss, as they do the cross-entropy."""
     num_experts, top_k = (getattr(hf_model, name, None) for name in ("num_experts", "num_experts_per_tok"))
     if num_experts is None or top_k is None:
         raise NotImplementedError(
@@ -182,6 +187,15 @@ def balancing_loss_share(hf_model: nn.Module, router_logits: tuple[Tensor, ...],
             "cp > 1 the balancing loss of HF's MoE causal LMs (Qwen-MoE, Mixtral, OLMoE) is supported. Fix: set "
             "config.output_router_logits=False, or use cp=1."
         )
+    group = cp.sequence_group or cp.attention.mesh.get_group()
     counts_E, probs_E, rows = router_statistics(router_logits, num_experts, top_k)
-    dist.all_reduce(counts_E, group=cp.attention.mesh.get_group())
-    return balancing_loss_from(counts_E, probs_E, rows * cp.size, num_experts, cp.size)
+    dist.all_reduce(counts_E, group=group)
+    share = balancing_loss_from(counts_E, probs_E, rows * cp.size * cp.tp, num_experts, cp.size)
+    if cp.tp == 1:
+        return share
+    # the cp rank's share is the sum of its tp ranks' (each of its own rows): that value on each of them, each
+    # keeping the gradient of its own part (the tp replicas' gradients are summed)
+    slots_C = torch.zeros(cp.size, dtype=share.dtype, device=share.device)
+    slots_C[cp.rank] = share.detach()
+    dist.all_reduce(slots_C, group=group)
+    return share + (slots_C[cp.rank] - share).detach()

@@ -21,6 +21,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from torch import Tensor
+from torch.distributed import ProcessGroup
 
 from lightning_moe_overlap.parallel.context_attention import ContextParallelAttention
 from lightning_moe_overlap.parallel.context_batch import check_sequence, shard_batch
@@ -37,11 +38,17 @@ class ContextParallel:
         size: ``cp``, the ranks that share each sequence.
         rank: this rank's index in the cp group.
         attention: torch's ring attention over the cp mesh (head-tail shards, causal attention).
+        tp: the tensor-parallel size: with sequence parallelism each cp rank's part of a sequence is split again
+            over tp between the attention blocks (a router sees ``T / (cp x tp)`` tokens).
+        sequence_group: the ``cp x tp`` ranks that hold the parts of each sequence (``ParallelGroups.cp_tp``; None:
+            the cp group), over which per-token statistics are summed.
     """
 
     size: int
     rank: int
     attention: ContextParallelAttention
+    tp: int = 1
+    sequence_group: ProcessGroup | None = None
 
     def shard(
         self, *tensors_BT: Tensor | None, position_ids: Tensor | None = None, seq_dim: int = 1

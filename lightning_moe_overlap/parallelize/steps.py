@@ -171,10 +171,9 @@ def apply_cp(
 
     Raises:
         NotImplementedError: the LightningModule does not declare ``context_parallel`` (rule ``cp-model``): the
-            strategy cannot know which of its tensors are sequences, nor how it shifts its targets. At ``tp > 1``, a
-            Hugging Face model computes its router balancing loss (``output_router_logits``; rule
-            ``cp-tp-hf-balancing-loss``). At ``pp > 1``, pipeline chunks whose batches are not sharded by the
-            splitter (``PipelineChunks.cp_sharded``; rule ``cp-pipeline-chunks``)."""
+            strategy cannot know which of its tensors are sequences, nor how it shifts its targets. At ``pp > 1``,
+            pipeline chunks whose batches are not sharded by the splitter (``PipelineChunks.cp_sharded``; rule
+            ``cp-pipeline-chunks``)."""
     if mesh.dims.cp == 1:
         return None
     if not hasattr(module, CP_ATTR):
@@ -186,10 +185,10 @@ def apply_cp(
             f"`{CP_ATTR} = None` on the LightningModule and shard with it in the loss (docs/context_parallel.md; "
             "for a Hugging Face model, `lightning_moe_overlap.hf.context.context_parallel_loss`)."
         )
-    _check_balancing_loss_at_cp_tp(module, mesh.dims)
     _check_chunks_shard(pipeline, mesh.dims)
     cp_mesh = mesh["cp"]
-    handle = ContextParallel(cp_mesh.size(), cp_mesh.get_local_rank(), ContextParallelAttention(cp_mesh))
+    handle = ContextParallel(cp_mesh.size(), cp_mesh.get_local_rank(), ContextParallelAttention(cp_mesh),
+                             tp=mesh.dims.tp, sequence_group=mesh.group("cp_tp"))  # fmt: skip
     setattr(module, CP_ATTR, handle)
     set_sequence_group(module, mesh.group("cp_tp"))
     return handle
@@ -208,23 +207,6 @@ def _check_chunks_shard(pipeline: PipelinedModel | None, dims: ParallelDims) -> 
         "and return `PipelineChunks(..., cp_sharded=True)` from `configure_pipeline` (docs/pipeline.md), use the "
         "built-in splitter (Hugging Face decoders) or `MoEGPT`, or cp=1."
     )
-
-
-def _check_balancing_loss_at_cp_tp(module: nn.Module, dims: ParallelDims) -> None:
-    """At ``cp > 1`` with ``tp > 1``: refuse a Hugging Face model whose loss adds its router balancing loss."""
-    if dims.tp == 1:
-        return
-    named = [name or type(module).__name__ for name, m in module.named_modules()
-             if getattr(getattr(m, "config", None), "output_router_logits", False) is True]  # fmt: skip
-    if named:
-        raise NotImplementedError(
-            f"`MoEOverlapStrategy(cp={dims.cp}, tp={dims.tp})` (rule `cp-tp-hf-balancing-loss`, docs/validation.md): "
-            f"the Hugging Face model `{named[0]}` has config.output_router_logits=True. Rule: at cp > 1 its balancing "
-            "loss is counted over the cp ranks from each rank's router logits (`hf.context`), and at tp > 1 those "
-            "hold only the rank's sequence-parallel rows, whose share of the loss is not built yet. Fix: "
-            "config.output_router_logits=False (the run is then the unsplit model's without that loss), tp=1, or "
-            "cp=1; this package's `MoELayer` routers count their balancing loss over cp x tp."
-        )
 
 
 def aux_loss_scale(num_microbatches: int, dims: ParallelDims, *, pipelined: bool) -> float:

@@ -42,27 +42,6 @@ def test_a_module_without_the_attribute_is_refused_at_cp2():
     assert apply_cp(LightningModule(), SimpleNamespace(dims=SimpleNamespace(cp=1))) is None  # type: ignore[arg-type]
 
 
-def test_a_hugging_face_balancing_loss_is_refused_at_cp2_tp2():
-    """At cp x tp a Hugging Face model's own balancing loss (``output_router_logits``) is refused before anything is
-    built, naming the rule and the fix; without it, or at tp = 1, the check passes."""
-
-    class Module(LightningModule):
-        context_parallel = None
-
-        def __init__(self, output_router_logits: bool) -> None:
-            super().__init__()
-            self.model = torch.nn.Linear(2, 2)
-            self.model.config = SimpleNamespace(output_router_logits=output_router_logits)  # as an HF model has
-
-    dims = ParallelDims.from_world_size(4, cp=2, tp=2, ep=2)
-    mesh = SimpleNamespace(dims=dims)
-    with pytest.raises(NotImplementedError, match=r"cp=2, tp=2.*rule `cp-tp-hf-balancing-loss`.*`model`.*"
-                                                 r"output_router_logits=False"):  # fmt: skip
-        apply_cp(Module(True), mesh)  # type: ignore[arg-type]
-    with pytest.raises(TypeError):  # past the check: the stand-in mesh has no views
-        apply_cp(Module(False), mesh)  # type: ignore[arg-type]
-
-
 def test_moegpt_declares_the_attribute_unset():
     assert MoEGPT(num_layers=1, num_experts=2).context_parallel is None
 
