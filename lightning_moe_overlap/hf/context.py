@@ -40,8 +40,13 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from lightning_moe_overlap._compat.transformers import attn_implementation
-from lightning_moe_overlap.loss.hf import IGNORE_INDEX, check_plain_head, final_hidden_states, lm_head_loss
-from lightning_moe_overlap.loss.hf import shift_labels
+from lightning_moe_overlap.loss.hf import (
+    IGNORE_INDEX,
+    check_plain_head,
+    final_hidden_states,
+    lm_head_loss,
+    shift_labels,
+)
 from lightning_moe_overlap.loss.vocab_parallel import plain_loss
 from lightning_moe_overlap.parallel.context_module import ContextParallel
 

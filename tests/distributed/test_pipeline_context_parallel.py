@@ -7,8 +7,8 @@ Oracles, from one spawn:
 - one process training the unsplit model on the same global batches (plain SGD, the gradients clipped by their
   global norm; no strategy code): the mean over the cp ranks of each step's loss within 1e-5 and every parameter of
   the consolidated state within 1e-5 after the steps, for ``MoEGPT``, HF Qwen3-MoE and HF DeepSeek-V3 (its
-  correction bias) at pp=2 x cp=2, DeepSeek-V3 at pp=1 x cp=2 (dp=2); and a validation batch after training, its
-  loss (averaged over the ranks) within 1e-5 of the unsplit model's on the same batch;
+  correction bias) at pp=2 x cp=2, DeepSeek-V3 at pp=1 x cp=2 (dp=2) and at cp=2 x tp=2; and a validation batch after
+  training, its loss (averaged over the ranks) within 1e-5 of the unsplit model's on the same batch;
 - the overlapped schedule against the sequential one at each: the consolidated states equal bitwise; and bitwise the
   same training with ``shard="full"`` (with ``overlap_grad_reduce``) as with ``shard="none"``;
 - per rank, what the first chunk it holds receives: ``T / cp`` tokens of each sequence.
@@ -39,6 +39,7 @@ RUNS = (  # (name, model, pp, shard, overlap, other settings)
     ("gpt-full-early", "gpt", 2, "full", True, {"overlap_grad_reduce": True}),
     ("deepseek-pp1", "deepseek", 1, "none", True, {}),
     ("deepseek-pp1-off", "deepseek", 1, "none", False, {}),
+    ("deepseek-tp2", "deepseek", 1, "none", True, {"tp": 2}),  # latent attention: heads over tp inside the ring
 )
 BITWISE = (
     ("gpt", "gpt-off"), ("qwen3", "qwen3-off"), ("deepseek", "deepseek-off"), ("deepseek-pp1", "deepseek-pp1-off"),
@@ -73,7 +74,7 @@ def fit(
     micro-batches whatever dp is); with ``validate``, then validate :func:`held_out`."""
     model = build(kind)
     layout = {"pp": pp, "vpp": 2} if pp > 1 else {}
-    dp = world // (pp * CP)
+    dp = world // (pp * CP * settings.get("tp", 1))
     strategy = MoEOverlapStrategy(ep=EP, cp=CP, shard=shard, overlap=overlap, num_microbatches=M // dp, timeout=120,
                                   **layout, **settings)  # fmt: skip
     losses, received = Losses(), Received()
@@ -109,10 +110,10 @@ def results(tmp_path_factory: pytest.TempPathFactory) -> list[dict]:
     return run_distributed(worker, WORLD, tmp_path_factory.mktemp("pipeline_cp"), timeout_s=400)
 
 
-@pytest.mark.parametrize("name", ["gpt", "qwen3", "deepseek", "deepseek-pp1"])
+@pytest.mark.parametrize("name", ["gpt", "qwen3", "deepseek", "deepseek-pp1", "deepseek-tp2"])
 def test_context_parallel_pipeline_matches_one_process(results: list[dict], name: str) -> None:
-    kind, pp = next((k, p) for n, k, p, *_ in RUNS if n == name)
-    dp = WORLD // (pp * CP)
+    kind, pp, settings = next((k, p, rest[-1]) for n, k, p, *rest in RUNS if n == name)
+    dp = WORLD // (pp * CP * settings.get("tp", 1))
     ref_losses, ref_state = reference(kind, dp, M // dp)
     for d in range(dp):  # each rank's loss is its share: the mean over the cp ranks is the whole sequences' loss
         shares = [runs[name]["losses"] for runs in results if runs[name]["dp"] == d]
