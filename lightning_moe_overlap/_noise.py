@@ -7,6 +7,7 @@ in every rank.
 from __future__ import annotations
 
 import logging
+import re
 import warnings
 
 # (message regex, category, module regex of the code that triggers it)
@@ -45,6 +46,30 @@ ONCE_PER_PROCESS_LOGS: tuple[tuple[str, str], ...] = (
 )
 
 
+# torch logs this (WARNING) each time a DTensor sharded over two mesh dimensions in non-ascending order (the experts
+# of `shard="optimizer" | "full"`: `_StridedShard` over edp, then `Shard` over ep) is gathered whole in more than one
+# all-gather: on every rank, for every expert tensor of every `full_state_dict()` and consolidated checkpoint. It
+# speaks of "different reduction orders", but an all-gather to `Replicate` reduces nothing, and this gather is the
+# package's own (off the training step). Dropped for that case only: another comm type or placement still shows.
+DROPPED_LOGS: tuple[tuple[str, str], ...] = (
+    (
+        "torch.distributed.tensor._redistribute",
+        r"While redistributing from .* to \(Replicate\(\)(, Replicate\(\))*\), \d+ sequential all_gather operations",
+    ),
+)
+
+
+class DropFilter(logging.Filter):
+    """Drops the records whose message matches ``pattern`` (from its start); other records pass."""
+
+    def __init__(self, pattern: str) -> None:
+        super().__init__()
+        self.pattern = re.compile(pattern)
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return self.pattern.match(record.getMessage()) is None
+
+
 class OnceFilter(logging.Filter):
     """Lets the first record of ``message`` through where ``show``, and none of it after; other records pass.
 
@@ -80,6 +105,10 @@ def quiet_third_party_noise(*, replica_fsdp: bool = False, global_zero: bool = T
     """
     for message, category, module in THIRD_PARTY_NOISE + (REPLICA_FSDP_NOISE if replica_fsdp else ()):
         warnings.filterwarnings("ignore", message=message, category=category, module=module)
+    for logger_name, pattern in DROPPED_LOGS:
+        logger = logging.getLogger(logger_name)
+        if not any(isinstance(f, DropFilter) and f.pattern.pattern == pattern for f in logger.filters):
+            logger.addFilter(DropFilter(pattern))
     for logger_name, message in ONCE_PER_PROCESS_LOGS:
         installed = once_filter(logger_name, message)
         if installed is None:

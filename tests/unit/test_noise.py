@@ -110,3 +110,40 @@ def test_weights_only_not_set_is_not_shown_by_other_ranks(tmp_path, checkpoint_l
     quiet_third_party_noise(global_zero=False)
     _save_twice(tmp_path)
     assert WEIGHTS_ONLY not in checkpoint_log
+
+
+def test_torch_s_sequential_all_gather_to_replicate_log_is_dropped_and_nothing_else():
+    """torch's redistribute warns (with these format arguments) when it gathers a 2-D sharded DTensor in several
+    all-gathers; gathered whole (``Replicate``) nothing is reduced, so the package's own consolidation drops it. A
+    reduce-scatter, or a gather to another placement, still shows."""
+    import importlib
+
+    from lightning_moe_overlap._noise import DROPPED_LOGS, DropFilter
+
+    name = DROPPED_LOGS[0][0]
+    assert importlib.import_module(name).logger.name == name  # the logger torch warns through
+    logger = logging.getLogger(name)
+    filters = list(logger.filters)
+    try:
+        quiet_third_party_noise()
+        quiet_third_party_noise()  # idempotent: one filter
+        assert sum(isinstance(f, DropFilter) for f in logger.filters) == 1
+        text = (
+            "While redistributing from %s to %s, %d sequential %s operations will be performed. This is suboptimal: "
+            "multiple collective operations have higher latency (separate kernel launches and synchronization "
+            "points) and may give inconsistent results between ranks due to different reduction orders. %s"
+        )
+        seen: list[str] = []
+        handler = logging.Handler()
+        handler.emit = lambda record: seen.append(record.getMessage())  # type: ignore[method-assign]
+        logger.addHandler(handler)
+        try:
+            strided = "(_StridedShard(dim=0, sf=2), Shard(dim=0))"
+            logger.warning(text, strided, "(Replicate(), Replicate())", 2, "all_gather", "not ascending.")
+            logger.warning(text, "(Partial(sum), Partial(sum))", "(Shard(dim=0), Shard(dim=0))", 2, "reduce_scatter", "")
+            logger.warning(text, strided, "(Replicate(), Shard(dim=0))", 2, "all_gather", "not ascending.")
+        finally:
+            logger.removeHandler(handler)
+        assert len(seen) == 2 and "reduce_scatter" in seen[0] and "(Replicate(), Shard(dim=0))" in seen[1], seen
+    finally:
+        logger.filters[:] = filters
