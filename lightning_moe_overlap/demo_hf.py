@@ -29,7 +29,7 @@ from lightning_moe_overlap.config.pipeline_layout import PipelineLayout
 from lightning_moe_overlap.pipeline.split import PipelineChunks
 from lightning_moe_overlap.pipeline.splitters import split_hf_decoder
 
-ModelType = Literal["qwen3_moe", "mixtral", "qwen2_moe", "olmoe"]
+ModelType = Literal["qwen3_moe", "mixtral", "qwen2_moe", "olmoe", "deepseek_v3"]
 
 TINY_CONFIGS: dict[str, dict[str, Any]] = {
     "qwen3_moe": dict(
@@ -48,6 +48,12 @@ TINY_CONFIGS: dict[str, dict[str, Any]] = {
     "olmoe": dict(
         hidden_size=32, intermediate_size=16, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4,
         num_experts=8, num_experts_per_tok=2, vocab_size=128, pad_token_id=1, bos_token_id=None, eos_token_id=0,
+    ),
+    "deepseek_v3": dict(  # multi-head latent attention, one shared expert, every layer MoE, the correction bias
+        hidden_size=32, intermediate_size=64, moe_intermediate_size=16, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=4, n_routed_experts=8, num_experts_per_tok=2, n_group=1, topk_group=1,
+        n_shared_experts=1, first_k_dense_replace=0, kv_lora_rank=16, q_lora_rank=16, qk_rope_head_dim=8,
+        qk_nope_head_dim=8, v_head_dim=8, vocab_size=128, routed_scaling_factor=1.0,
     ),
 }
 
@@ -103,7 +109,8 @@ class HFMoECausalLM(LightningModule):
     """Next-token training of a tiny HF MoE model.
 
     Args:
-        model_type: ``"qwen3_moe"``, ``"mixtral"``, ``"qwen2_moe"`` or ``"olmoe"``; ignored with ``pretrained``.
+        model_type: ``"qwen3_moe"``, ``"mixtral"``, ``"qwen2_moe"``, ``"olmoe"`` or ``"deepseek_v3"``; ignored with
+            ``pretrained``.
         lr: Learning rate of the optimizer, torch's ``AdamW`` with its defaults otherwise (betas 0.9 / 0.999, weight
             decay 0.01); override ``configure_optimizers`` for another.
         seed: Seed of the random initialisation (the same model on every rank).

@@ -177,8 +177,8 @@ class FailureWatch:
     def peer_failure(self) -> PeerFailure:
         return PeerFailure(
             f"Step {self._step} of the micro-batch schedule stopped on rank {self._rank} because another rank failed "
-            f"first: {self._peer_text}. Its traceback is in that rank's output; this rank's own error, if any, is "
-            "chained below."
+            f"first: {self._peer_text.rstrip('.')}. Its traceback is in that rank's output; this rank's own error, if "
+            "any, is chained below."
         )
 
     # -- store access ---------------------------------------------------------------------------------------------

@@ -74,10 +74,11 @@ class _SequenceCheck:
         first = args[0] if args else None
         if isinstance(first, Tensor) and first.dim() >= 2 and first.shape[1] % self.tp:
             raise ValueError(
-                f"`MoEOverlapStrategy(tp={self.tp})`: `{self.name}` got a sequence of {first.shape[1]} tokens (input "
-                f"shape {tuple(first.shape)}), which tp={self.tp} does not divide. Rule: with sequence parallelism "
-                f"each tp rank holds S / tp tokens. Fix: make the sequence length a multiple of {self.tp} (pad the "
-                "batch, or choose the data's sequence length so)."
+                f"`MoEOverlapStrategy(tp={self.tp})` (rule `tp-divides-sequence`, docs/validation.md): `{self.name}` "
+                f"got a sequence of {first.shape[1]} tokens (input shape {tuple(first.shape)}), which tp={self.tp} "
+                f"does not divide. Rule: with sequence parallelism each tp rank holds S / tp tokens of the model's "
+                f"input (after the model's own shift of its targets, if any). Fix: make that length a multiple of "
+                f"{self.tp} (pad the batch, or choose the data's sequence length so)."
             )
 
 

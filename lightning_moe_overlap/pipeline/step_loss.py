@@ -45,7 +45,9 @@ class StepLoss:
         if (self.tokens.calls != asked) != self.token_loss and self.tokens.current is not None:
             raise _undeclared(self.token_loss)
         self.losses.append(loss)
-        return loss if self.weight is None else loss * self.weight
+        # torch's split backward (zero-bubble, DualPipeV) detaches the loss in place, which a view refuses (the plain
+        # value of a loss-parallel DTensor is one): the schedule gets a tensor of its own
+        return loss.clone() if self.weight is None else loss * self.weight
 
 
 def _undeclared(declared: bool) -> RuntimeError:

@@ -7,7 +7,8 @@ Oracles, from one spawn:
 - one process training the unsplit model on the same global batches (plain SGD, the gradients clipped by their
   global norm; no strategy code): the per-step losses within 1e-5 and every parameter of the consolidated state
   within 1e-5 after the steps, for ``MoEGPT``, HF Qwen3-MoE and HF DeepSeek-V3 (its correction bias, its latent
-  attention's down-projections) at pp=2 x tp=2, and DeepSeek-V3 at pp=1 x tp=2 (dp=2);
+  attention's down-projections) at pp=2 x tp=2, ``MoEGPT`` also under DualPipeV (overlapped) and zero-bubble (whose
+  split backwards detach the loss in place), and DeepSeek-V3 at pp=1 x tp=2 (dp=2);
 - the overlapped schedule against the sequential one at each: the consolidated states equal bitwise; and bitwise the
   same training with ``shard="full"`` (with and without ``overlap_grad_reduce``) as with ``shard="none"``;
 - per rank, what it holds and sends: the attention's output projection a ``DTensor`` ``Shard(1)`` over the 2 tp
@@ -43,6 +44,8 @@ RUNS = (  # (name, model, pp, shard, overlap, other settings)
     ("deepseek-off", "deepseek", 2, "none", False, {}),
     ("gpt-full", "gpt", 2, "full", True, {}),
     ("gpt-full-early", "gpt", 2, "full", True, {"overlap_grad_reduce": True}),
+    ("gpt-dualpipev", "gpt", 2, "none", True, {"pipeline_schedule": "dualpipev"}),
+    ("gpt-zero-bubble", "gpt", 2, "none", False, {"pipeline_schedule": "zero_bubble"}),  # split backwards
     ("deepseek-pp1", "deepseek", 1, "none", True, {}),
     ("deepseek-pp1-off", "deepseek", 1, "none", False, {}),
 )
@@ -137,7 +140,7 @@ def reference(kind: str, dp: int, micro: int) -> tuple[list[list[float]], dict[s
     return losses, {k: v.detach() for k, v in model.state_dict().items()}
 
 
-@pytest.mark.parametrize("name", ["gpt", "qwen3", "deepseek", "deepseek-pp1"])
+@pytest.mark.parametrize("name", ["gpt", "qwen3", "deepseek", "gpt-dualpipev", "gpt-zero-bubble", "deepseek-pp1"])
 def test_tensor_parallel_pipeline_matches_one_process(results: list[dict], name: str) -> None:
     kind, pp = next((k, p) for n, k, p, *_ in RUNS if n == name)
     dp = WORLD // (pp * TP)

@@ -64,7 +64,8 @@ def _worker(rank: int, world: int, kind: str, fused: bool) -> dict:
         diffs[name] = (got - reference.get_parameter(name).grad).abs().max().item()
     sharded = sorted(n for n, p in model.named_parameters() if isinstance(p, DTensor))
     short = seq - 2 if kind == "gpt" else seq - 1
-    with loss_parallel(), pytest.raises(ValueError, match=rf"got a sequence of {short} tokens .*tp=2 does not divide"):
+    refused = rf"rule `tp-divides-sequence`.*got a sequence of {short} tokens .*tp=2 does not divide"
+    with loss_parallel(), pytest.raises(ValueError, match=refused):
         loss_of(model, tokens[:, : seq - 1])
     return {"diffs": diffs, "sharded": sharded, "summed": list(grads.names), "loss": loss.item(),
             "ref_loss": ref_loss.item(), "plain": type(loss) is torch.Tensor, "logit_shapes": logit_shapes}  # fmt: skip

@@ -312,3 +312,12 @@ def test_thread_state_carries_the_intra_op_thread_count_into_a_context_thread():
         assert state.intra_op_threads == 1 and seen["inside"] == 1
     finally:
         torch.set_num_threads(before)
+
+
+def test_a_peer_message_ending_in_a_period_is_not_followed_by_another() -> None:
+    rank0, rank1 = boards()
+    watch0, watch1 = FailureWatch(rank0, 1), FailureWatch(rank1, 1)
+    watch1.explain(ValueError("Fix: choose the length so."))
+    time.sleep(0.02)
+    text = str(watch0.explain(RuntimeError("Connection closed by peer")))
+    assert "choose the length so. Its traceback is in that rank's output" in text and ".." not in text, text
