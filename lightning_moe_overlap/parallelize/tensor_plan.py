@@ -179,8 +179,8 @@ def _hf_style(style: str, name: str, owner: str, config: object) -> ParallelStyl
         return None  # a per-head or per-token replica: its gradient is summed over tp (TensorParallelGrads)
     raise TensorParallelPlanError(
         f"`hf_tensor_parallel_plan`: `{owner}` plans `{name}` as {style!r}, a style this package does not map "
-        "(it maps 'colwise', 'rowwise', 'mla_kv_a_proj' and the replicated ones). Fix: define `tensor_parallel_plan` on the "
-        "LightningModule with torch ParallelStyles for this model."
+        "(it maps 'colwise', 'rowwise', 'mla_kv_a_proj' and the replicated ones). Fix: define "
+        "`tensor_parallel_plan` on the LightningModule with torch ParallelStyles for this model."
     )
 
 

@@ -27,6 +27,7 @@ from lightning_moe_overlap import MoEOverlapStrategy
 from tests.distributed.test_pipeline_sharded import CLIP, Losses, _trainer, build
 from tests.distributed.test_pipeline_tensor_parallel import EP, SEQ, STEPS, G, M, loader, reference, tokens
 from tests.helpers.distributed import run_distributed
+from tests.helpers.runs import assert_same_training
 
 WORLD, CP = 4, 2
 RUNS = (  # (name, model, pp, shard, overlap, other settings)
@@ -139,13 +140,7 @@ def test_validation_after_training_matches_the_unsplit_model(results: list[dict]
 
 
 def test_overlap_equals_sequential_and_sharding_changes_nothing_bitwise(results: list[dict]) -> None:
-    for a, b in BITWISE:
-        for rank, runs in enumerate(results):
-            assert runs[a]["losses"] == runs[b]["losses"], (rank, a, b)
-        state_a, state_b = results[0][a]["full"], results[0][b]["full"]
-        assert state_a.keys() == state_b.keys()
-        for key, value in state_a.items():
-            assert torch.equal(value, state_b[key]), (a, b, key)
+    assert_same_training(results, BITWISE)
 
 
 @pytest.mark.parametrize("name", ["gpt", "qwen3", "deepseek"])

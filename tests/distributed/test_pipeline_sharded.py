@@ -35,6 +35,7 @@ from lightning_moe_overlap import MoEOverlapStrategy
 from lightning_moe_overlap.demo import MoEGPT
 from lightning_moe_overlap.optim.host_offload import describe_offload
 from tests.helpers.distributed import run_distributed
+from tests.helpers.runs import assert_same_training
 from tests.helpers.sgd import SGDGPT, SGDDeepSeek, SGDQwen3
 from tests.helpers.unsplit import correction_bias_steps, train_unsplit
 
@@ -236,13 +237,7 @@ def test_overlap_on_equals_off_bitwise_and_what_is_sharded_changes_nothing(resul
     for runs in results:  # what the settings ask for ran
         assert runs["fp8-full"]["float8_all_gather"] and not runs["fp8-none"]["float8_all_gather"]
         assert ", 100%) on the host" in runs["adamw-full-offload"]["offload"], runs["adamw-full-offload"]["offload"]
-    for on, off in PAIRS + SAME:
-        for rank, runs in enumerate(results):
-            assert runs[on]["losses"] == runs[off]["losses"], (rank, on)
-        state_on, state_off = results[0][on]["full"], results[0][off]["full"]
-        assert state_on.keys() == state_off.keys()
-        for key, value in state_on.items():
-            assert torch.equal(value, state_off[key]), (on, key)
+    assert_same_training(results, PAIRS + SAME)
 
 
 @pytest.mark.parametrize("shard", ["full", "optimizer"])

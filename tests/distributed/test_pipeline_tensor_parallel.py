@@ -31,6 +31,7 @@ from torch.utils.data import DataLoader, Subset
 from lightning_moe_overlap import MoEOverlapStrategy
 from tests.distributed.test_pipeline_sharded import BIAS_RATE, CLIP, Losses, _trainer, build
 from tests.helpers.distributed import run_distributed
+from tests.helpers.runs import assert_same_training
 from tests.helpers.unsplit import correction_bias_steps, train_unsplit
 
 WORLD, TP, EP, M, G, STEPS, VOCAB = 4, 2, 2, 4, 8, 2, 32
@@ -159,13 +160,7 @@ def test_tensor_parallel_pipeline_matches_one_process(results: list[dict], name:
 
 
 def test_overlap_equals_sequential_and_sharding_changes_nothing_bitwise(results: list[dict]) -> None:
-    for a, b in BITWISE:
-        for rank, runs in enumerate(results):
-            assert runs[a]["losses"] == runs[b]["losses"], (rank, a, b)
-        state_a, state_b = results[0][a]["full"], results[0][b]["full"]
-        assert state_a.keys() == state_b.keys()
-        for key, value in state_a.items():
-            assert torch.equal(value, state_b[key]), (a, b, key)
+    assert_same_training(results, BITWISE)
 
 
 @pytest.mark.parametrize("name", ["gpt", "qwen3", "deepseek"])

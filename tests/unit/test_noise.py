@@ -140,7 +140,8 @@ def test_torch_s_sequential_all_gather_to_replicate_log_is_dropped_and_nothing_e
         try:
             strided = "(_StridedShard(dim=0, sf=2), Shard(dim=0))"
             logger.warning(text, strided, "(Replicate(), Replicate())", 2, "all_gather", "not ascending.")
-            logger.warning(text, "(Partial(sum), Partial(sum))", "(Shard(dim=0), Shard(dim=0))", 2, "reduce_scatter", "")
+            partial, shards = "(Partial(sum), Partial(sum))", "(Shard(dim=0), Shard(dim=0))"
+            logger.warning(text, partial, shards, 2, "reduce_scatter", "")
             logger.warning(text, strided, "(Replicate(), Shard(dim=0))", 2, "all_gather", "not ascending.")
         finally:
             logger.removeHandler(handler)
