@@ -188,14 +188,7 @@ def rule_pipeline(cfg: OverlapConfig) -> list[Problem]:
             error=None,
         )
     layout, parsed = _layout_problems(cfg)
-    return layout + (_schedule_problems(cfg) if parsed else []) + _when(
-        cfg.delay_wgrad,
-        "pipeline-delay-wgrad",
-        f"`delay_wgrad=True` with `pp={cfg.pp}`: torch's pipeline stages run each backward to its end, so there is "
-        "no next all-to-all of the same backward to hide the expert weight gradients behind. Set "
-        "`delay_wgrad=False`, or `pp=1`.",
-        NotImplementedError,
-    )
+    return layout + (_schedule_problems(cfg) if parsed else [])
 
 
 def _layout_problems(cfg: OverlapConfig) -> tuple[list[Problem], bool]:

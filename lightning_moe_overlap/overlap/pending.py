@@ -56,13 +56,14 @@ class PendingWork:
             while an all-to-all is in flight, instead of inline.
     """
 
-    __slots__ = ("delay_wgrad", "_side", "_held", "_wgrad")
+    __slots__ = ("delay_wgrad", "_side", "_held", "_wgrad", "wgrad_kept")
 
     def __init__(self, delay_wgrad: bool = False) -> None:
         self.delay_wgrad = delay_wgrad
         self._side: dict[Role | None, deque[SideWork]] = {}  # per context: its role, None outside a schedule
         self._held: set[Role | None] = set()  # contexts whose next comm point leaves their side work queued
         self._wgrad: deque[Callable[[], None]] = deque()
+        self.wgrad_kept = False  # the comm points leave the queue alone (a split backward's input half)
 
     def submit(self, fn: Callable[[], Any], context: Role | None) -> SideWork:
         """Run ``fn`` at ``context``'s next comm point that runs side work (while that communication is in
@@ -109,8 +110,18 @@ class PendingWork:
         self._wgrad.append(fn)
         return True
 
+    def take_wgrad(self) -> list[Callable[[], None]]:
+        """Every queued weight-gradient GEMM, oldest first, removed from the queue (the caller runs them later: a
+        pipeline stage's weight action, ``pipeline/schedules.py``)."""
+        taken = list(self._wgrad)
+        self._wgrad.clear()
+        return taken
+
     def flush_wgrad(self) -> None:
-        """Run every queued weight-gradient GEMM, oldest first."""
+        """Run every queued weight-gradient GEMM, oldest first; nothing while :attr:`wgrad_kept` (the GEMMs wait for
+        :meth:`take_wgrad`)."""
+        if self.wgrad_kept:
+            return
         queue = self._wgrad
         while queue:
             queue.popleft()()

@@ -33,7 +33,8 @@ One ``CommRuntime`` belongs to one strategy; every wrapped layer holds a referen
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any
 
 from lightning_moe_overlap.overlap.handover import PhaseHandOff
@@ -173,6 +174,28 @@ class CommRuntime:
     def flush_wgrad(self) -> None:
         """Run every queued weight-gradient GEMM, oldest first."""
         self.pending.flush_wgrad()
+
+    @contextmanager
+    def wgrad_kept(self) -> Iterator[None]:
+        """Inside, the comm points leave the queued weight-gradient GEMMs queued, for :meth:`deferred_wgrad` to take:
+        the input half of a split pipeline backward, whose weight half runs them (``pipeline/schedules.py``)."""
+        self.pending.wgrad_kept = True
+        try:
+            yield
+        finally:
+            self.pending.wgrad_kept = False
+
+    def deferred_wgrad(self) -> Callable[[], None]:
+        """The weight-gradient GEMMs queued now, taken off the queue, as one call that runs them in their order:
+        torch's ``dw_builder`` of a pipeline stage (called at the end of each stage backward; the runner at once after
+        a full backward, in the weight action after a split one)."""
+        taken = self.pending.take_wgrad()
+
+        def run() -> None:
+            for fn in taken:
+                fn()
+
+        return run
 
     @property
     def pending_wgrad(self) -> int:

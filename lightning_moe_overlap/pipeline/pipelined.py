@@ -34,7 +34,7 @@ from lightning_moe_overlap.overlap.engine import OverlapEngine
 from lightning_moe_overlap.parallel import ParallelGroups
 from lightning_moe_overlap.pipeline.executor import PipelineExecutor
 from lightning_moe_overlap.pipeline.report import placement_for
-from lightning_moe_overlap.pipeline.schedules import build_schedule, build_stages
+from lightning_moe_overlap.pipeline.schedules import DeferredWgrad, build_schedule, build_stages
 from lightning_moe_overlap.pipeline.split import SplitModel, split_model
 from lightning_moe_overlap.pipeline.splitters import count_layers
 from lightning_moe_overlap.pipeline.step_loss import StepLoss
@@ -73,6 +73,7 @@ class PipelinedModel:
         self._train_loss: StepLoss | None = None  # the training schedule's loss function
         self._eval: Any = None  # a plain schedule over separate stage objects, built at the first eval step
         self._before_last_backward: LastBackward | None = None
+        self._deferred_wgrad: DeferredWgrad | None = None  # with delay_wgrad: each stage's weight work (schedules.py)
         self.grad_divisor: int | None = None  # with before_last_backward: M where torch would divide, else None
         self._ends_step = True  # whether the running train_step's batch is the optimizer step's last
 
@@ -137,8 +138,12 @@ class PipelinedModel:
         (``step_loss.py``). ``before_last_backward(chunk)`` runs just before each held chunk's last full backward of
         an optimizer step (the sharded modes' early reduction), in the batch :meth:`train_step` is told ends it; its
         reductions would come before torch's division of the gradients after the step, so torch's is then off and
-        :attr:`grad_divisor` says what the caller divides each gradient by before its reduction."""
+        :attr:`grad_divisor` says what the caller divides each gradient by before its reduction. With ``delay_wgrad``
+        the experts' weight-gradient GEMMs queued by a stage backward are that stage's weight work
+        (``build_stages``' ``deferred_wgrad``): at the end of a full backward, in the weight action of a split one."""
         self._before_last_backward = before_last_backward
+        if self.config.delay_wgrad and engine is not None:
+            self._deferred_wgrad = DeferredWgrad(engine.runtime.deferred_wgrad, engine.runtime.wgrad_kept)
         overlap = engine is not None and engine.overlap
         scale = not self.split.token_loss and accumulate == 1
         mean_weight = 1.0 / (self.config.num_microbatches * accumulate)
@@ -154,7 +159,9 @@ class PipelinedModel:
         self, device: torch.device, *, overlap: bool, loss_fn: Any, scale_grads: bool = True, train: bool = False
     ) -> Any:
         hook = self._last_backward if train and self._before_last_backward is not None else None
-        stages = build_stages(self._wrapped, self.held, self.layout.num_chunks, self.groups.pp, device, hook)
+        deferred = self._deferred_wgrad if train else None
+        stages = build_stages(self._wrapped, self.held, self.layout.num_chunks, self.groups.pp, device, hook,
+                              deferred_wgrad=deferred)  # fmt: skip
         return build_schedule(
             self.schedule_name, stages, self.config.num_microbatches, loss_fn, overlap=overlap, scale_grads=scale_grads
         )

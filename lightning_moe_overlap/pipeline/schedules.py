@@ -23,7 +23,8 @@ the same order, so gradients accumulate in the same order as in the plain schedu
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager, nullcontext
+from dataclasses import dataclass
 from typing import Any
 
 from torch import nn
@@ -147,42 +148,66 @@ def stage_indices(name: str, *, pp: int, vpp: int, pp_rank: int) -> list[int]:
 LastBackwardHook = Callable[[int], None]  # (stage index): just before the stage's last full backward of the step
 
 
+@dataclass(frozen=True)
+class DeferredWgrad:
+    """The experts' queued weight-gradient GEMMs as a stage's weight work (``CommRuntime`` with ``delay_wgrad``):
+    ``take`` (torch's ``dw_builder``) takes them off the queue as one call; ``kept()`` is entered around the input
+    half of a split backward, whose comm points then leave them queued for its weight half."""
+
+    take: Callable[[], Callable[[], None]]
+    kept: Callable[[], AbstractContextManager[None]]
+
+
 class _Stage(PipelineStage):
     """torch's ``PipelineStage``, telling ``before_last_backward(stage_index)`` just before the step's last full
     backward of the stage (torch's schedules and the overlapped pairs both pass ``last_backward``): the sharded
     modes' early gradient reduction arms the chunk's units there (``parallelize/sharding.py``). A split backward
-    (zero-bubble's input half) is never the last one: its weight half lands later, in a separate action."""
+    (zero-bubble's input half) is never the last one: its weight half lands later, in a separate action. With
+    ``deferred_wgrad``, a split backward's input half keeps the experts' GEMMs queued for its weight half."""
 
-    def __init__(self, *args: Any, before_last_backward: LastBackwardHook, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
+    def __init__(self, *args: Any, before_last_backward: LastBackwardHook | None,
+                 deferred_wgrad: DeferredWgrad | None, **kwargs: Any) -> None:  # fmt: skip
+        super().__init__(*args, dw_builder=None if deferred_wgrad is None else deferred_wgrad.take, **kwargs)
         self.before_last_backward = before_last_backward
+        self.deferred_wgrad = deferred_wgrad
 
     def backward_one_chunk(
         self, bwd_chunk_id: int, loss: Any = None, full_backward: bool = True, last_backward: bool = False
     ) -> None:
-        if last_backward and full_backward:
+        if last_backward and full_backward and self.before_last_backward is not None:
             self.before_last_backward(self.stage_index)
-        return super().backward_one_chunk(bwd_chunk_id, loss=loss, full_backward=full_backward,
-                                          last_backward=last_backward)  # fmt: skip
+        kept = self.deferred_wgrad.kept() if self.deferred_wgrad is not None and not full_backward else nullcontext()
+        with kept:
+            return super().backward_one_chunk(bwd_chunk_id, loss=loss, full_backward=full_backward,
+                                              last_backward=last_backward)  # fmt: skip
 
 
 def build_stages(
     chunks: Sequence[nn.Module], indices: Sequence[int], num_stages: int, group: ProcessGroup, device: Any,
-    before_last_backward: LastBackwardHook | None = None,
+    before_last_backward: LastBackwardHook | None = None, deferred_wgrad: DeferredWgrad | None = None,
 ) -> list[PipelineStage]:  # fmt: skip
     """One ``PipelineStage`` per local chunk (``chunks[k]`` is stage ``indices[k]``), on the pp ``group``;
-    ``before_last_backward(stage_index)``, when given, runs just before each stage's last full backward of a step."""
+    ``before_last_backward(stage_index)``, when given, runs just before each stage's last full backward of a step.
+
+    ``deferred_wgrad`` (with ``delay_wgrad``) gives torch its ``dw_builder``: each stage backward runs whole, the
+    experts' weight-gradient GEMMs queued, and takes the GEMMs still queued as its weight work. A full backward runs
+    them at its comm points (each all-to-all of the backward hides the GEMMs queued before it) and the rest at its
+    end; a split one (zero-bubble, DualPipeV) keeps them all for its weight action (``W``), where they fill the
+    pipeline's bubbles. Without it a split backward computes the weight gradients by autograd from saved graph
+    nodes, which the experts' queued GEMMs are not."""
     if len(chunks) != len(indices):
         raise ValueError(
             f"`build_stages`: {len(chunks)} chunks for stages {list(indices)}. Pass one chunk per stage this rank "
             "holds (see `stage_indices`)."
         )
-    stage, hook = (PipelineStage, {}) if before_last_backward is None else (
-        _Stage, {"before_last_backward": before_last_backward})  # fmt: skip
+    if before_last_backward is None and deferred_wgrad is None:
+        return [PipelineStage(chunk, index, num_stages, device, group=group)
+                for chunk, index in zip(chunks, indices, strict=True)]  # fmt: skip
     return [
-        stage(chunk, index, num_stages, device, group=group, **hook)
+        _Stage(chunk, index, num_stages, device, group=group, before_last_backward=before_last_backward,
+               deferred_wgrad=deferred_wgrad)
         for chunk, index in zip(chunks, indices, strict=True)
-    ]
+    ]  # fmt: skip
 
 
 def build_schedule(

@@ -54,11 +54,6 @@ def _raise(problems):
             r"`pipeline_layout='Et\|t\|tL'` has 3 chunks; it needs pp \* vpp = 4",
         ),
         ({"pp": 2, "pipeline_layout": "Et)|tL"}, ValueError, r"'\)' at position 2 has no matching '\('"),
-        (
-            {"pp": 2, "vpp": 2, "num_microbatches": 4, "delay_wgrad": True},
-            NotImplementedError,
-            r"`delay_wgrad=True` with `pp=2`.*Set `delay_wgrad=False`",
-        ),
         ({"alltoall_dedup": "yes"}, TypeError, r"`alltoall_dedup='yes'` is a str; .*Pass True or False \(default\)"),
         ({"tp": 2, "sequence_parallel": False}, ValueError, r"`tp=2` with `sequence_parallel=False`: the MoE blocks"),
         ({"shard": "zero3"}, ValueError, r"`shard='zero3'` is not one of \['none', 'optimizer', 'full'\]"),

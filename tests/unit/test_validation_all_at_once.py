@@ -20,15 +20,15 @@ def test_one_microbatch_and_overlap_at_pp2_are_reported_together():
         MoEOverlapStrategy(pp=2, overlap=True, num_microbatches=1)
 
 
-def test_layout_schedule_and_delay_wgrad_are_reported_together():
-    cfg = OverlapConfig(pp=2, vpp=3, pipeline_layout="E|t|t|tL", num_microbatches=3, delay_wgrad=True)
+def test_layout_schedule_and_tp_rules_are_reported_together():
+    cfg = OverlapConfig(pp=2, vpp=3, pipeline_layout="E|t|t|tL", num_microbatches=3, tp=2, sequence_parallel=False)
     messages = [p.message for p in check_config(cfg) if p.is_error]
     assert len(messages) == 3, messages
     assert "has 4 chunks; it needs pp * vpp = 6" in messages[0]
     assert "needs num_microbatches a multiple of pp, got 3" in messages[1]
-    assert "`delay_wgrad=True` with `pp=2`" in messages[2]
-    with pytest.raises(ValueError, match=r"(?s)3 problems:.*has 4 chunks.*a multiple of pp.*delay_wgrad=True"):
-        MoEOverlapStrategy(pp=2, vpp=3, pipeline_layout="E|t|t|tL", num_microbatches=3, delay_wgrad=True)
+    assert "`tp=2` with `sequence_parallel=False`" in messages[2]
+    with pytest.raises(ValueError, match=r"(?s)3 problems:.*has 4 chunks.*a multiple of pp.*sequence_parallel=False"):
+        MoEOverlapStrategy(pp=2, vpp=3, pipeline_layout="E|t|t|tL", num_microbatches=3, tp=2, sequence_parallel=False)
 
 
 def test_every_schedule_rule_at_once():
@@ -48,4 +48,4 @@ def test_validate_schedule_still_raises_the_first():
 def test_unparsable_layout_is_reported_with_the_other_rules():
     cfg = OverlapConfig(pp=2, pipeline_layout="Et)|tL", delay_wgrad=True, tp=2, sequence_parallel=False)
     rules = [p.rule for p in check_config(cfg) if p.is_error]
-    assert rules == ["pipeline-layout", "pipeline-delay-wgrad", "tp-sequence-parallel"], rules
+    assert rules == ["pipeline-layout", "tp-sequence-parallel"], rules
