@@ -41,12 +41,12 @@ from torch import Tensor, nn
 
 from lightning_moe_overlap._compat.transformers import attn_implementation
 from lightning_moe_overlap.loss.hf import (
-    IGNORE_INDEX,
     check_plain_head,
     final_hidden_states,
     lm_head_loss,
     shift_labels,
 )
+from lightning_moe_overlap.loss.tokens import count_label_tokens
 from lightning_moe_overlap.loss.vocab_parallel import plain_loss
 from lightning_moe_overlap.parallel.context_module import ContextParallel
 
@@ -121,6 +121,20 @@ def check_batch(model_kwargs: dict[str, Tensor], cp: int) -> None:
             )
 
 
+def ring_inputs(
+    hf_model: nn.Module, cp: ContextParallel, model_kwargs: dict[str, Tensor]
+) -> tuple[Tensor, Tensor, Tensor]:
+    """This cp rank's part of a micro-batch (``model_kwargs``: ``input_ids``, ``labels``, optionally
+    ``attention_mask`` / ``position_ids``, all ``[B, T]``) as the ring needs it: the batch checked (rule
+    ``cp-hf-batch``), the model's attention the ring's, the labels shifted on the whole sequence, then the input ids
+    and shifted labels sharded. Returns ``(input_ids_BS, shifted_BS, positions_1S)``, the kept tokens' global
+    positions last (the pipeline chunks take them too, ``pipeline/splitters.py``)."""
+    check_batch(model_kwargs, cp.size)
+    use_ring_attention(hf_model)
+    (input_ids_BS, shifted_BS), positions_1S = cp.shard(model_kwargs["input_ids"], shift_labels(model_kwargs["labels"]))
+    return input_ids_BS, shifted_BS, positions_1S
+
+
 def context_parallel_loss(
     hf_model: nn.Module, cp: ContextParallel, model_kwargs: dict[str, Tensor], *, chunk_size: int | None = None,
     num_items: Tensor | None = None, aux_weight: float = 1.0,
@@ -131,11 +145,8 @@ def context_parallel_loss(
     logits) with that block size; None: the model's own head and ``loss_function``. ``num_items``: the token sum is
     divided by it (the step's count, ``loss/tokens.py``) instead of the micro-batch's labelled tokens;
     ``aux_weight``: the balancing loss's weight (as in ``loss.hf.hf_loss``)."""
-    check_batch(model_kwargs, cp.size)
-    use_ring_attention(hf_model)
-    shifted_BT = shift_labels(model_kwargs["labels"])
-    labelled = (shifted_BT != IGNORE_INDEX).sum() if num_items is None else num_items
-    (input_ids_BS, shifted_BS), positions_1S = cp.shard(model_kwargs["input_ids"], shifted_BT)
+    input_ids_BS, shifted_BS, positions_1S = ring_inputs(hf_model, cp, model_kwargs)
+    labelled = count_label_tokens(model_kwargs) if num_items is None else num_items
     num_items = labelled.to(torch.float32) / cp.size  # sum over S tokens / (N / cp): the cp mean is the batch mean
     inputs = {"input_ids": input_ids_BS, "position_ids": positions_1S}
     if chunk_size is None:

@@ -242,12 +242,12 @@ class TensorParallelGrads:
         """Every trainable parameter of ``model`` (of the ``held`` modules in it when given: a rank's pipeline
         chunks) that is neither a ``DTensor`` (planned, or an expert) nor inside an expert-parallel experts module or
         a :class:`WholeGradientReplica` (its gradient is whole on every tp rank already)."""
-        experts = {id(p) for m in model.modules() if isinstance(m, ExpertParallelExperts) for p in m.parameters()}
-        experts |= {id(p) for m in model.modules() if getattr(m, WHOLE_GRADIENT_ATTR, False) for p in m.parameters()}
+        not_summed = {id(p) for m in model.modules() if isinstance(m, ExpertParallelExperts) for p in m.parameters()}
+        not_summed |= {id(p) for m in model.modules() if getattr(m, WHOLE_GRADIENT_ATTR, False) for p in m.parameters()}
         mine = None if held is None else {id(p) for m in held for p in m.parameters()}
         names = tuple(
             name for name, p in model.named_parameters()
-            if p.requires_grad and not isinstance(p, DTensor) and id(p) not in experts
+            if p.requires_grad and not isinstance(p, DTensor) and id(p) not in not_summed
             and (mine is None or id(p) in mine)
         )  # fmt: skip
         return cls(names, group)

@@ -21,8 +21,8 @@ from torch import Tensor, nn
 
 import torch.distributed as dist
 
-from lightning_moe_overlap.hf.context import check_batch, use_ring_attention
-from lightning_moe_overlap.loss.hf import IGNORE_INDEX, check_plain_head, lm_head_loss, shift_labels
+from lightning_moe_overlap.hf.context import ring_inputs
+from lightning_moe_overlap.loss.hf import IGNORE_INDEX, check_plain_head, lm_head_loss
 from lightning_moe_overlap.loss.tokens import scope_of, step_tokens
 from lightning_moe_overlap.loss.vocab_parallel import plain_loss
 from lightning_moe_overlap.pipeline.batches import lm_batch
@@ -295,9 +295,7 @@ def split_hf_decoder(
         cp = context_parallel_of(model)
         if cp is None:
             return (lm.input_ids,), lm.labels
-        check_batch(lm.attention_kwargs(), cp.size)  # no padding, no packed documents (rule cp-hf-batch)
-        use_ring_attention(hf)
-        (input_ids_BS, shifted_BS), _ = cp.shard(lm.input_ids, shift_labels(lm.labels))
+        input_ids_BS, shifted_BS, _ = ring_inputs(hf, cp, lm.model_kwargs())  # as hf/context.py for pp = 1
         return (input_ids_BS,), shifted_BS
 
     def chunk_kwargs(batch: Any) -> dict[str, Tensor]:
