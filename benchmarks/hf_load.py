@@ -1,4 +1,5 @@
-"""Loading a published checkpoint into the sharded model: each rank's peak host memory, bytes read and load time.
+"""Loading a published checkpoint into the sharded model, and exporting it back: each rank's peak host memory, bytes
+read and written, and times.
 
 Writes a Qwen3-MoE model with many experts in the Hub's layout (``save_pretrained``: per-expert keys, sharded
 safetensors + index) into ``--dir``, then starts ``--ranks`` gloo processes that each run
@@ -14,12 +15,16 @@ model is built on the meta device, made expert-parallel and sharded, then every 
 - **its share**: the bytes of the tensors it holds after setup (local shards), and the **load time** (the loader's
   own wall time, and setup as a whole).
 
+With ``--export``, each rank then writes the model back to the Hub's layout (``MoEOverlapStrategy.export_hf``: no
+rank gathers the model), the peak reset just before; the folder is checked bitwise against the one it loaded (no
+step ran). ``--pp 2`` cuts the model into 2 stages (vpp 2; ep = ranks / pp).
+
 Next to them: the model's full size, and ``from_pretrained`` of the whole model in one process (time and peak), so
 the table shows three ratios: peak / (share + largest file), bytes read / share, and load time on the ranks /
 ``from_pretrained`` time. Host memory is Linux's accounting (``/proc``); other systems are refused.
 
-Usage: ``python benchmarks/hf_load.py [--ranks 4] [--experts 64] [--layers 8] [--hidden 512] [--ffn 512]
-[--vocab 4096] [--shard full] [--max-shard-size 200MB] [--dir DIR] [--json]``
+Usage: ``python benchmarks/hf_load.py [--ranks 4] [--pp 1] [--experts 64] [--layers 8] [--hidden 512] [--ffn 512]
+[--vocab 4096] [--shard full] [--max-shard-size 200MB] [--export] [--dir DIR] [--json]``
 """
 
 from __future__ import annotations
@@ -55,6 +60,9 @@ class RankRow:
     read_mib: float
     load_s: float
     setup_s: float
+    export_peak_mib: float = 0.0  # above the resident set when the export starts
+    written_mib: float = 0.0
+    export_s: float = 0.0
 
 
 def rss_kib(field: str) -> int:
@@ -112,7 +120,7 @@ def held_bytes(module: torch.nn.Module) -> int:
     return storage_bytes(tensors, set())
 
 
-def worker(rank: int, world: int, folder: str, shard: str) -> RankRow:
+def worker(rank: int, world: int, folder: str, shard: str, pp: int, export: str | None) -> RankRow:
     from lightning.pytorch import Callback, Trainer
 
     from lightning_moe_overlap import MoEOverlapStrategy
@@ -132,7 +140,8 @@ def worker(rank: int, world: int, folder: str, shard: str) -> RankRow:
             marks["held"] = held_bytes(pl_module)
 
     model = HFMoECausalLM(pretrained=folder)
-    strategy = MoEOverlapStrategy(ep=world, shard=shard, num_microbatches=1)
+    layout = {"pp": pp, "vpp": 2, "num_microbatches": pp * 2} if pp > 1 else {"num_microbatches": 1}
+    strategy = MoEOverlapStrategy(ep=world // pp, shard=shard, **layout)
     trainer = Trainer(
         accelerator="cpu", devices=world, max_steps=0, logger=False, enable_checkpointing=False,
         enable_progress_bar=False, enable_model_summary=False, callbacks=[Measure()], strategy=strategy,
@@ -141,10 +150,38 @@ def worker(rank: int, world: int, folder: str, shard: str) -> RankRow:
     report = strategy.loaded_weights
     assert report is not None
     mib = 1 << 20
-    return RankRow(
+    row = RankRow(
         rank, marks["baseline"] / 1024, marks["peak"] / 1024, marks["held"] / mib, report.bytes_read / mib,
         report.seconds, marks["setup_s"],
     )
+    if export is None:
+        return row
+    baseline = reset_peak()
+    written = strategy.export_hf(export, max_shard_bytes=Path(folder).joinpath(".max_shard").read_text())
+    row.export_peak_mib = (rss_kib("VmHWM") - baseline) / 1024
+    row.written_mib, row.export_s = written.bytes_written / mib, written.seconds
+    return row
+
+
+def same_tensors(a: Path, b: Path) -> bool:
+    """Whether two Hub folders hold the same keys with bitwise equal tensors (one tensor at a time)."""
+    from safetensors import safe_open
+
+    def where(folder: Path) -> dict[str, Path]:
+        found = {}
+        for file in folder.glob("*.safetensors"):
+            with safe_open(str(file), framework="pt") as f:
+                found.update(dict.fromkeys(f.keys(), file))
+        return found
+
+    left, right = where(a), where(b)
+    if left.keys() != right.keys():
+        return False
+    for key in left:
+        with safe_open(str(left[key]), framework="pt") as f, safe_open(str(right[key]), framework="pt") as g:
+            if not torch.equal(f.get_tensor(key), g.get_tensor(key)):
+                return False
+    return True
 
 
 def table(rows: list[RankRow], full_mib: float, file_mib: float, whole: tuple[float, float]) -> str:
@@ -159,6 +196,15 @@ def table(rows: list[RankRow], full_mib: float, file_mib: float, whole: tuple[fl
             f"| {r.read_mib:.1f} | {r.read_mib / r.held_mib:.2f} | {r.load_s:.2f} | {r.setup_s:.2f} |"
         )
     slowest = max(r.load_s for r in rows)
+    if any(r.export_s for r in rows):
+        lines += ["", "| rank | share MiB | export peak above its start MiB | (share + export peak) / (1.25 share + "
+                  "largest file) | written MiB | export s |", "|---:|---:|---:|---:|---:|---:|"]  # fmt: skip
+        lines += [
+            f"| {r.rank} | {r.held_mib:.1f} | {r.export_peak_mib:.1f} | "
+            f"{(r.held_mib + r.export_peak_mib) / (1.25 * r.held_mib + file_mib):.2f} | {r.written_mib:.1f} "
+            f"| {r.export_s:.2f} |"
+            for r in rows
+        ]
     lines.append("")
     lines.append(
         f"Model {full_mib:.1f} MiB (fp32), largest file {file_mib:.1f} MiB; `from_pretrained` of the whole model in "
@@ -172,6 +218,8 @@ def table(rows: list[RankRow], full_mib: float, file_mib: float, whole: tuple[fl
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--ranks", type=int, default=4)
+    parser.add_argument("--pp", type=int, default=1, help="pipeline stages (vpp 2; ep = ranks / pp)")
+    parser.add_argument("--export", action="store_true", help="then export it back (strategy.export_hf) and measure")
     for name, default in asdict(Shape()).items():
         parser.add_argument(f"--{name}", type=int, default=default)
     parser.add_argument("--shard", default="full", choices=["none", "optimizer", "full"])
@@ -188,17 +236,24 @@ def main(argv: list[str] | None = None) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         folder = Path(args.dir) if args.dir else Path(tmp) / "checkpoint"
         full, largest = write_checkpoint(shape, folder, args.max_shard_size)
+        (folder / ".max_shard").write_text(args.max_shard_size)
         whole = from_pretrained_whole(folder)
-        rows = run_distributed(worker, args.ranks, str(folder), args.shard, timeout_s=1200)
+        exported = Path(tmp) / "exported" if args.export else None
+        rows = run_distributed(worker, args.ranks, str(folder), args.shard, args.pp, exported and str(exported),
+                               timeout_s=1200)  # fmt: skip
+        same = None if exported is None else same_tensors(folder, exported)
     mib = 1 << 20
-    result = {"shape": asdict(shape), "ranks": args.ranks, "shard": args.shard, "full_mib": full / mib,
+    result = {"shape": asdict(shape), "ranks": args.ranks, "pp": args.pp, "shard": args.shard, "full_mib": full / mib,
+              "export_equal": same,
               "largest_file_mib": largest / mib, "from_pretrained_s": whole[0], "from_pretrained_peak_mib": whole[1],
               "rows": [asdict(r) for r in rows]}  # fmt: skip
     if args.json:
         print(json.dumps(result))
     else:
-        print(f"Qwen3-MoE {shape}, {args.ranks} ranks, ep={args.ranks}, shard={args.shard!r}:")
+        print(f"Qwen3-MoE {shape}, {args.ranks} ranks, pp={args.pp}, ep={args.ranks // args.pp}, shard={args.shard!r}:")
         print(table(rows, full / mib, largest / mib, whole))
+        if same is not None:
+            print(f"Exported folder bitwise equal to the loaded one: {same}.")
     return result
 
 

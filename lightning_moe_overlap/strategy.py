@@ -43,7 +43,9 @@ from lightning_moe_overlap.config import (
 from lightning_moe_overlap.float8.recipes import FP8Recipe
 from lightning_moe_overlap.fp8.apply import Float8Report
 from lightning_moe_overlap.fp8.dense import precompute_float8_scales
+from lightning_moe_overlap.hf.export import DEFAULT_SHARD
 from lightning_moe_overlap.hf.load import HFLoadReport
+from lightning_moe_overlap.hf.sharded_export import ExportReport, export_hf_sharded, hf_model_path
 from lightning_moe_overlap.loop import LoopPath, MicroBatchLoop, StepHooks, StepPath
 from lightning_moe_overlap.loss.tokens import TokenScope
 from lightning_moe_overlap.loss.vocab_parallel import plain_step_output
@@ -802,6 +804,49 @@ class MoEOverlapStrategy(ParallelStrategy):
         Collective: every rank must call it. Loads into the model as built before the strategy sharded it.
         """
         return checkpointer.full_model_state(self.lightning_module, self.parallel_groups)
+
+    def export_hf(
+        self,
+        dst: str | os.PathLike,
+        *,
+        config: Any = None,
+        prefix: str | None = None,
+        family: str | None = None,
+        max_shard_bytes: int | str = DEFAULT_SHARD,
+        dtype: torch.dtype | None = None,
+        overwrite: bool = False,
+    ) -> ExportReport:
+        """Write the live model as a Hugging Face checkpoint folder, each rank writing the tensors it holds (no rank
+        gathers the model; ``hf/sharded_export.py``). Collective: every rank calls it, after ``setup``.
+
+        Args:
+            dst: the folder (on a file system every rank sees; new or empty unless ``overwrite``).
+            config: the model's config (a ``PretrainedConfig``, a ``config.json`` or its folder); default: the config
+                of the LightningModule's Hugging Face model.
+            prefix: where the HF model sits in the LightningModule's names; default: found (``"model."`` for
+                ``self.model``).
+            family, max_shard_bytes, dtype, overwrite: as :func:`~lightning_moe_overlap.hf.export.export_hf`.
+
+        Returns:
+            What this rank wrote (:class:`~lightning_moe_overlap.hf.sharded_export.ExportReport`).
+
+        Raises:
+            ValueError: no config given and the LightningModule holds no Hugging Face decoder; the errors of
+                :func:`~lightning_moe_overlap.hf.sharded_export.export_hf_sharded` (every rank raises them).
+        """
+        module = self.lightning_module
+        found_prefix, hf_model = hf_model_path(module)
+        if config is None and hf_model is None:
+            raise ValueError(
+                f"`MoEOverlapStrategy.export_hf`: `{type(module).__name__}` holds no Hugging Face causal LM to take "
+                "the config from. Rule: the Hub folder needs the model's config.json. Fix: pass `config=` (a "
+                "`PretrainedConfig`, a config.json or the folder the run started from) and `prefix=`."
+            )
+        return export_hf_sharded(
+            self.held_tensors(), self.global_shapes(), dst, config=hf_model.config if config is None else config,
+            family=family, prefix=found_prefix if prefix is None else prefix, max_shard_bytes=max_shard_bytes,
+            dtype=dtype, overwrite=overwrite,
+        )  # fmt: skip
 
     # -- collectives -----------------------------------------------------------------------------------------
     @override

@@ -8,6 +8,7 @@ Each name has a test in ``tests/unit/test_compat_torch.py`` that names the torch
 from __future__ import annotations
 
 import functools
+import os
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -225,6 +226,17 @@ def local_shape_and_offset(tensor: Any) -> tuple[tuple[int, ...], tuple[int, ...
 
     shape, offset = compute_local_shape_and_global_offset(tensor.shape, tensor.device_mesh, tensor.placements)
     return tuple(int(s) for s in shape), tuple(int(o) for o in offset)
+
+
+def consolidate_hf_file(parts: str, output: str, keys: Sequence[str]) -> None:
+    """``torch.distributed.checkpoint._consolidate_hf_safetensors._consolidate_safetensors_files``: the safetensors
+    parts in folder ``parts`` (written by ``HuggingFaceStorageWriter(save_distributed=True)``, each box with its
+    offsets) joined into the one file ``output`` holding ``keys`` whole, in that order; one tensor in memory at a
+    time, only the folder's files opened."""
+    from torch.distributed.checkpoint import _consolidate_hf_safetensors as consolidate  # noqa: PLC0415
+
+    folder, name = os.path.split(output)
+    consolidate._consolidate_safetensors_files(parts, folder, dict.fromkeys(keys, name), 1)
 
 
 class Float32Buffers(nn.Module):

@@ -46,7 +46,7 @@ SUBCOMMANDS = {
     "check": "validate a fit config for a world size without starting anything (every rule, with its fix)",
     "convert-checkpoint": "convert a sharded checkpoint of format version 1 into version 2, in one process",
     "consolidate-checkpoint": "write a sharded checkpoint directory as one consolidated file, in one process",
-    "export-hf": "write a checkpoint as a Hugging Face folder (config.json + safetensors), in one process",
+    "export-hf": "write a checkpoint as a Hugging Face folder (config.json + safetensors); torchrun reads it in parts",
 }
 
 

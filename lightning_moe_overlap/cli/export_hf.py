@@ -1,16 +1,25 @@
 """``lightning-moe-overlap export-hf CKPT DST --config PATH``: a checkpoint this package saved written as a Hugging Face
-folder (:func:`~lightning_moe_overlap.hf.export.export_hf`), in one process."""
+folder. A sharded directory is read and written in parts (:func:`~lightning_moe_overlap.hf.sharded_export.
+export_checkpoint_hf`): under ``torchrun --nproc-per-node N`` each process holds ``1 / N`` of the model; a consolidated
+file (or a version-1 directory) is read whole in one process (:func:`~lightning_moe_overlap.hf.export.export_hf`)."""
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import pickle
 import sys
+from pathlib import Path
+
+import torch.distributed as dist
 
 from lightning_moe_overlap.checkpoint import safe_load
 from lightning_moe_overlap.checkpoint.consolidated import load_consolidated_state_dict
+from lightning_moe_overlap.checkpoint.atomic import COMMIT_MARKER, read_marker
+from lightning_moe_overlap.checkpoint.legacy import is_legacy
 from lightning_moe_overlap.hf.export import CONFIG, DEFAULT_SHARD, INDEX, export_hf, parse_size
+from lightning_moe_overlap.hf.sharded_export import export_checkpoint_hf
 
 
 def main(argv: list[str]) -> int:
@@ -23,8 +32,9 @@ def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(
         prog=prog,
         description="Write a checkpoint this package saved (sharded directory or consolidated file) as a Hugging "
-        "Face checkpoint folder (config.json + safetensors in the Hub's layout, sharded by size), in one process "
-        "(needs the memory of the whole model).",
+        "Face checkpoint folder (config.json + safetensors in the Hub's layout, sharded by size). A sharded directory "
+        "is read in parts: under `torchrun --nproc-per-node N` each process holds 1/N of the model. A consolidated "
+        "file is read whole, in one process.",
     )
     parser.add_argument("checkpoint", help="the checkpoint: a sharded directory or a consolidated file")
     parser.add_argument("destination", help="the folder to write (new or empty, unless --overwrite)")
@@ -35,16 +45,40 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--overwrite", action="store_true", help="replace the checkpoint files of a non-empty folder")
     safe_load.add_weights_only_flag(parser)
     args = parser.parse_args(argv)
+    started_group = _join_torchrun()
     try:
         limit = parse_size(args.max_shard_size)
-        state = load_consolidated_state_dict(args.checkpoint, weights_only=args.weights_only)
-        out = export_hf(
-            state, args.destination, config=args.config, family=args.family, prefix=args.prefix,
-            max_shard_bytes=limit, overwrite=args.overwrite,
-        )  # fmt: skip
+        options = {"config": args.config, "family": args.family, "max_shard_bytes": limit, "overwrite": args.overwrite}
+        if _in_parts(Path(args.checkpoint)):
+            out = export_checkpoint_hf(
+                args.checkpoint, args.destination, prefix=args.prefix, weights_only=args.weights_only, **options
+            ).folder
+        else:
+            state = load_consolidated_state_dict(args.checkpoint, weights_only=args.weights_only)
+            out = export_hf(state, args.destination, prefix=args.prefix, **options)
     except (OSError, ValueError, TypeError, RuntimeError, NotImplementedError, pickle.UnpicklingError) as err:
         print(f"{prog}: error: {err}", file=sys.stderr)
         return 1
-    files = sorted(p.name for p in out.glob("model*.safetensors")) + [n for n in (INDEX, CONFIG) if (out / n).exists()]
-    print(json.dumps({"exported": str(args.checkpoint), "to": str(out), "files": files}))
+    finally:
+        if started_group:
+            dist.destroy_process_group()
+    if not started_group or int(os.environ.get("RANK", "0")) == 0:
+        files = sorted(p.name for p in out.glob("model*.safetensors"))
+        files += [n for n in (INDEX, CONFIG) if (out / n).exists()]
+        print(json.dumps({"exported": str(args.checkpoint), "to": str(out), "files": files}))
     return 0
+
+
+def _in_parts(path: Path) -> bool:
+    """A committed sharded directory of format version 2: read in parts (a file or a version-1 directory is read
+    whole)."""
+    return path.is_dir() and (path / COMMIT_MARKER).is_file() and not is_legacy(read_marker(path))
+
+
+def _join_torchrun() -> bool:
+    """Under ``torchrun`` with several processes, join their group (gloo: the parts are read on the CPU); whether it
+    was started here."""
+    if int(os.environ.get("WORLD_SIZE", "1")) <= 1 or dist.is_initialized():
+        return False
+    dist.init_process_group("gloo")
+    return True

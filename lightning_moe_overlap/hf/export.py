@@ -31,6 +31,7 @@ from lightning_moe_overlap.hf.keys import HFFamily, Piece
 
 OWNER = "`export_hf`"
 DEFAULT_SHARD = "5GB"
+PARTS = ".export-parts"  # a sharded export's per-rank files before they are consolidated (removed after)
 _UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30}
 
 
@@ -88,17 +89,18 @@ def export_hf(
         TypeError: a tensor is a ``DTensor`` (pass the full state dict).
     """
     limit = parse_size(max_shard_bytes)
-    out = _check_destination(Path(dst), overwrite)
-    config_dict = _config_dict(config)
+    out = check_destination(Path(dst), overwrite)
+    config_dict = config_dict_of(config)
     config_dict.pop("quantization_config", None)  # the tensors are written as they are: high precision, no scales
     if dtype is not None:
         config_dict["dtype"] = str(dtype).removeprefix("torch.")
     chosen = select_family(family, config_dict.get("model_type"), OWNER)
     tensors = _hf_tensors(state_dict, prefix, dtype)
-    entries = _entries(tensors, chosen, tied=bool(config_dict.get("tie_word_embeddings", False)))
-    shards = _shards(entries, tensors, limit)
-    _clear(out)
-    names = _file_names(len(shards))
+    shapes = {k: tuple(v.shape) for k, v in tensors.items()}
+    entries = file_entries(shapes, chosen, tied=bool(config_dict.get("tie_word_embeddings", False)))
+    shards = file_shards(entries, {k: v.element_size() for k, v in tensors.items()}, limit)
+    clear(out)
+    names = file_names(len(shards))
     save_file = _save_file()
     weight_map: dict[str, str] = {}
     for name, shard in zip(names, shards):
@@ -112,7 +114,7 @@ def export_hf(
     return out
 
 
-def _check_destination(dst: Path, overwrite: bool) -> Path:
+def check_destination(dst: Path, overwrite: bool) -> Path:
     if dst.exists() and not dst.is_dir():
         raise ValueError(f"{OWNER}: {dst} is a file; the destination is a folder. Pass a folder path.")
     if dst.is_dir() and any(dst.iterdir()) and not overwrite:
@@ -124,9 +126,10 @@ def _check_destination(dst: Path, overwrite: bool) -> Path:
     return dst
 
 
-def _clear(dst: Path) -> None:
-    """Remove the checkpoint files of an earlier export (other files stay); create ``dst``."""
-    for old in [*dst.glob("model*.safetensors"), dst / INDEX, dst / CONFIG]:
+def clear(dst: Path) -> None:
+    """Remove the checkpoint files of an earlier export (other files stay, a sharded export's parts go); create
+    ``dst``."""
+    for old in [*dst.glob("model*.safetensors"), dst / INDEX, dst / CONFIG, dst / PARTS]:
         if old.is_dir():
             shutil.rmtree(old)
         elif old.exists():
@@ -134,7 +137,7 @@ def _clear(dst: Path) -> None:
     dst.mkdir(parents=True, exist_ok=True)
 
 
-def _config_dict(config: Any) -> dict[str, Any]:
+def config_dict_of(config: Any) -> dict[str, Any]:
     if hasattr(config, "to_json_string"):  # a transformers PretrainedConfig
         found = json.loads(config.to_json_string(use_diff=True))
         found.setdefault("model_type", getattr(config, "model_type", None))
@@ -173,14 +176,20 @@ def _hf_tensors(state_dict: Mapping[str, Tensor], prefix: str, dtype: torch.dtyp
     return tensors
 
 
-def _entries(tensors: Mapping[str, Tensor], family: HFFamily, *, tied: bool) -> list[tuple[str, Piece]]:
-    """``(tensor name, piece)`` of every file key, in the state dict's order."""
-    skip = {t for t, source in family.ties if source in tensors} if tied else set()
+def file_entries(
+    shapes: Mapping[str, tuple[int, ...]], family: HFFamily, *, tied: bool
+) -> list[tuple[str, Piece]]:
+    """``(tensor name, piece)`` of every file key, in ``shapes``' order (the state dict's): the tensors' global
+    shapes cut by ``family``; with ``tied`` the tied tensors are left out, as ``save_pretrained`` leaves them.
+
+    Raises:
+        ValueError: a tensor cannot be cut by the family, or the family writes one key for two tensors.
+    """
+    skip = {t for t, source in family.ties if source in shapes} if tied else set()
     entries: list[tuple[str, Piece]] = []
-    for name, tensor in tensors.items():
+    for name, shape in shapes.items():
         if name in skip:
             continue
-        shape = tuple(tensor.shape)
         pieces = family.pieces(name, shape)
         if pieces is None or not covers(pieces, shape):
             raise ValueError(
@@ -198,14 +207,15 @@ def _entries(tensors: Mapping[str, Tensor], family: HFFamily, *, tied: bool) -> 
     return entries
 
 
-def _shards(
-    entries: list[tuple[str, Piece]], tensors: Mapping[str, Tensor], limit: int
+def file_shards(
+    entries: list[tuple[str, Piece]], itemsize: Mapping[str, int], limit: int
 ) -> list[list[tuple[str, Piece]]]:
-    """Consecutive entries, a new shard whenever the next would pass ``limit`` bytes (as ``save_pretrained``)."""
+    """Consecutive entries, a new file whenever the next would pass ``limit`` bytes (as ``save_pretrained``);
+    ``itemsize``: bytes per element of each tensor as written."""
     shards: list[list[tuple[str, Piece]]] = [[]]
     size = 0
     for name, piece in entries:
-        nbytes = piece.numel * tensors[name].element_size()
+        nbytes = piece.numel * itemsize[name]
         if shards[-1] and size + nbytes > limit:
             shards.append([])
             size = 0
@@ -219,7 +229,7 @@ def _cut(tensor: Tensor, piece: Piece) -> Tensor:
     return tensor[index].contiguous()
 
 
-def _file_names(n: int) -> list[str]:
+def file_names(n: int) -> list[str]:
     if n == 1:
         return ["model.safetensors"]
     return [f"model-{k:05d}-of-{n:05d}.safetensors" for k in range(1, n + 1)]

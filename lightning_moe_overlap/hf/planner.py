@@ -65,38 +65,62 @@ def chunk_of(name: str, tensor: Tensor, shape: tuple[int, ...], owner: str) -> C
     return Chunk(data, offset)
 
 
+@dataclass(frozen=True)
+class Meeting:
+    """Where a piece (one file key) and a chunk (this rank's part of a model tensor) meet.
+
+    Attributes:
+        view: the index of the meeting in the chunk's local data (integer dimensions squeezed, as in the file).
+        model_offset: its offset in the global model tensor.
+        file_offset: its offset in the file tensor (the piece's ranges only).
+        lengths: its size in the file tensor.
+    """
+
+    view: tuple[Any, ...]
+    model_offset: tuple[int, ...]
+    file_offset: tuple[int, ...]
+    lengths: tuple[int, ...]
+
+
+def meeting(piece: Piece, chunk: Chunk) -> Meeting | None:
+    """Where ``piece`` and ``chunk`` meet, or None when they do not."""
+    view: list[Any] = []
+    model_offset: list[int] = []
+    file_offset: list[int] = []
+    lengths: list[int] = []
+    for b, lo_local, size in zip(piece.box, chunk.offset, chunk.data.shape):
+        if isinstance(b, int):
+            if not lo_local <= b < lo_local + size:
+                return None
+            view.append(b - lo_local)
+            model_offset.append(b)
+            continue
+        lo, hi = max(b[0], lo_local), min(b[1], lo_local + size)
+        if lo >= hi:
+            return None
+        view.append(slice(lo - lo_local, hi - lo_local))
+        model_offset.append(lo)
+        file_offset.append(lo - b[0])
+        lengths.append(hi - lo)
+    return Meeting(tuple(view), tuple(model_offset), tuple(file_offset), tuple(lengths))
+
+
 def read_items(name: str, pieces: list[Piece], chunk: Chunk) -> list[tuple[ReadItem, Tensor]]:
     """One ``ReadItem`` (and its destination view) per piece that meets ``chunk``."""
     out: list[tuple[ReadItem, Tensor]] = []
     for piece in pieces:
-        index: list[Any] = []
-        dest_start: list[int] = []
-        file_start: list[int] = []
-        lengths: list[int] = []
-        for b, lo_local, size in zip(piece.box, chunk.offset, chunk.data.shape):
-            if isinstance(b, int):
-                if not lo_local <= b < lo_local + size:
-                    break
-                index.append(b - lo_local)
-                dest_start.append(b)
-                continue
-            lo, hi = max(b[0], lo_local), min(b[1], lo_local + size)
-            if lo >= hi:
-                break
-            index.append(slice(lo - lo_local, hi - lo_local))
-            dest_start.append(lo)
-            file_start.append(lo - b[0])
-            lengths.append(hi - lo)
-        else:
-            item = ReadItem(
-                type=LoadItemType.TENSOR,
-                dest_index=MetadataIndex(name, torch.Size(dest_start)),
-                dest_offsets=torch.Size(dest_start),
-                storage_index=MetadataIndex(piece.key, torch.Size([0] * len(piece.shape))),
-                storage_offsets=torch.Size(file_start),
-                lengths=torch.Size(lengths),
-            )
-            out.append((item, chunk.data[tuple(index)]))
+        met = meeting(piece, chunk)
+        if met is None:
+            continue
+        item = ReadItem(
+            type=LoadItemType.TENSOR,
+            dest_index=MetadataIndex(name, torch.Size(met.model_offset)),
+            dest_offsets=torch.Size(met.model_offset),
+            storage_index=MetadataIndex(piece.key, torch.Size([0] * len(piece.shape))),
+            storage_offsets=torch.Size(met.file_offset),
+            lengths=torch.Size(met.lengths),
+        )
+        out.append((item, chunk.data[met.view]))
     return out
 
 

@@ -90,3 +90,29 @@ def test_errors_print_the_message_and_exit_1(checkpoint, tmp_path, capsys, case,
 def test_bad_arguments_exit_with_the_usage(capsys):
     code, _, err = _main(capsys, "only-one")
     assert code == 2 and "usage: lightning-moe-overlap export-hf" in err
+
+
+def test_torchrun_reads_and_writes_in_parts_the_same_folder(checkpoint, tmp_path, capsys):
+    import json
+    import subprocess
+    import sys
+
+    root, _ = checkpoint
+    whole = tmp_path / "one"
+    assert _main(capsys, str(root / "sharded.ckpt"), str(whole), "--config", str(root / "config"),
+                 "--max-shard-size", "30KB")[0] == 0  # fmt: skip
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "-m",
+               "lightning_moe_overlap", "export-hf", str(root / "sharded.ckpt"), str(tmp_path / "two"), "--config",
+               str(root / "config"), "--max-shard-size", "30KB"]  # fmt: skip
+    done = subprocess.run(command, capture_output=True, text=True, timeout=240, check=False)
+    assert done.returncode == 0, done.stderr[-3000:]
+    printed = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
+    assert len(printed) == 1 and printed[0]["to"] == str(tmp_path / "two")  # rank 0 prints
+    from safetensors.torch import load_file
+
+    def tensors(folder: Path) -> dict:
+        return {k: v for f in sorted(folder.glob("*.safetensors")) for k, v in load_file(f).items()}
+
+    one, two = tensors(whole), tensors(tmp_path / "two")
+    assert one.keys() == two.keys() and all(torch.equal(one[k], two[k]) for k in one)
+    assert sorted(p.name for p in whole.iterdir()) == sorted(p.name for p in (tmp_path / "two").iterdir())
