@@ -228,6 +228,18 @@ def local_shape_and_offset(tensor: Any) -> tuple[tuple[int, ...], tuple[int, ...
     return tuple(int(s) for s in shape), tuple(int(o) for o in offset)
 
 
+def allocate_meta_tensors(module: nn.Module, device: torch.device) -> None:
+    """``nn.Module._apply`` (what ``to_empty`` runs) with a function that gives every tensor on meta an uninitialised
+    one on ``device`` and leaves the others as they are: under ``fully_shard`` only the shards are allocated, and
+    ``FSDPModule._apply`` pads them again (``FSDPParam.reset_sharded_param``)."""
+    module._apply(lambda t: torch.empty_like(t, device=device) if t.is_meta else t)
+
+
+def module_to(module: nn.Module, device: torch.device) -> None:
+    """``module.to(device)`` for the tensors that are not on meta (``nn.Module._apply``); the meta ones stay."""
+    module._apply(lambda t: t if t.is_meta else t.to(device))
+
+
 def consolidate_hf_file(parts: str, output: str, keys: Sequence[str]) -> None:
     """``torch.distributed.checkpoint._consolidate_hf_safetensors._consolidate_safetensors_files``: the safetensors
     parts in folder ``parts`` (written by ``HuggingFaceStorageWriter(save_distributed=True)``, each box with its

@@ -1,10 +1,15 @@
 """Give a model built on the meta device its tensors, each rank allocating only what it holds.
 
 ``configure_model`` runs under the meta device (``MoEOverlapStrategy.model_sharded_context``), so the model has
-shapes and no memory. Two steps of ``parallelize/steps.py`` allocate and initialise what this rank holds:
+shapes and no memory. Steps of ``parallelize/steps.py`` allocate and initialise what this rank holds:
 
 - :func:`materialize_dense`: every held module with tensors on meta, except the experts modules, gets its tensors
-  (whole: ``fully_shard`` shards them later) and is initialised;
+  whole and is initialised (``shard="none"``: the dense parameters are replicas);
+- with ``shard="optimizer" | "full"`` the modules with parameters are left on meta instead (:func:`defer_dense`)
+  through tp, fp8, the precision plugin and ``fully_shard``, and :func:`materialize_deferred` then gives them their
+  values: each rank allocates only its shards, and one module at a time has its tensors built whole (transiently),
+  initialised, and this rank's part copied into its shards. No rank holds a stage's dense part whole: the largest
+  transient is one module's own tensors (the embedding, say);
 - :func:`find_meta_experts` before the experts are made expert-parallel, :func:`materialize_experts` after: each
   experts module's own slice is allocated and, one layer at a time, the layer's full experts are initialised, the
   slice kept and the rest freed. With weights to load (:attr:`MetaInit.experts_empty`) the slice stays
@@ -26,7 +31,9 @@ import torch
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch import Tensor, nn
 
+from lightning_moe_overlap._compat import torch as torch_compat
 from lightning_moe_overlap.hf.load import HFWeights, as_hf_weights_list
+from lightning_moe_overlap.hf.planner import chunk_of
 from lightning_moe_overlap.moe.adapters import find_experts
 from lightning_moe_overlap.moe.ep import ExpertParallelExperts
 from lightning_moe_overlap.parallel.dtensors import local
@@ -142,25 +149,99 @@ def meta_init_of(
 
 
 # -- dense -------------------------------------------------------------------------------------------------------
-def materialize_dense(model: nn.Module, init: MetaInit, roots: Sequence[nn.Module] | None = None) -> list[str]:
+def materialize_dense(
+    model: nn.Module, init: MetaInit, roots: Sequence[nn.Module] | None = None, exclude: DeferredDense | None = None
+) -> list[str]:
     """Allocate on ``init.device`` and initialise every module of ``roots`` (``None``: all of ``model``) with tensors
-    on meta, the experts modules (and modules inside them) excepted; returns their names in ``model``.
+    on meta, the experts modules (and modules inside them) and those of ``exclude`` excepted; returns their names in
+    ``model``.
 
     Names are ``model``'s (the unsplit model at ``pp > 1``, whose modules the chunks share), so the values equal
     ``seeded_init(model, init.seed, init.init_module)`` for those modules, whatever else is allocated.
     """
     names = {id(m): n for n, m in model.named_modules()}
-    roots = [model] if roots is None else roots
-    inside = _module_ids(roots)
-    experts = _module_ids(m for r in roots for m in _experts_modules(r))
-    targets = [
-        (name, m) for name, m in model.named_modules()
-        if id(m) in inside and id(m) not in experts and any(t.is_meta for _, t in _own_tensors(m))
-    ]  # fmt: skip
+    skip = set() if exclude is None else set(exclude.modules)
+    targets = [(name, m) for name, m in _dense_targets(model, roots) if name not in skip]
     allocate([m for _, m in targets], init.device)
     for name, m in targets:
         init_one_seeded(m, init.seed, names.get(id(m), name), init.init_module)
     return [name for name, _ in targets]
+
+
+# -- dense, sharded ------------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class DeferredDense:
+    """Dense modules left on the meta device until ``fully_shard`` has given their tensors their final placement.
+
+    Attributes:
+        modules: name in the model -> the dtype each of its own tensors on meta was built in (the init runs in it,
+            then each value is cast to the tensor's dtype after the precision plugin, as a whole build would).
+    """
+
+    modules: dict[str, dict[str, torch.dtype]]
+
+
+def defer_dense(model: nn.Module, roots: Sequence[nn.Module] | None = None) -> DeferredDense:
+    """The modules of ``roots`` (``None``: all of ``model``) with a parameter on meta, the experts modules excepted:
+    left on meta for :func:`materialize_deferred` (pass them to :func:`materialize_dense` as ``exclude``)."""
+    found: dict[str, dict[str, torch.dtype]] = {}
+    for name, m in _dense_targets(model, roots):
+        own = _own_tensors(m)
+        if any(isinstance(t, nn.Parameter) and t.is_meta for _, t in own):
+            found[name] = {n: t.dtype for n, t in own if t.is_meta}
+    return DeferredDense(found)
+
+
+def materialize_deferred(
+    model: nn.Module, deferred: DeferredDense, init: MetaInit, roots: Sequence[nn.Module]
+) -> None:
+    """Give the deferred modules their values once ``roots`` (the ``fully_shard`` roots) are sharded: every tensor
+    still on meta under ``roots`` gets its local storage (a shard's rows; ``fully_shard`` pads them again), then, one
+    module at a time in the model's order, its own tensors are built whole in their build dtype, initialised as
+    :func:`materialize_dense` would (``module_seed(seed, its name)``), and this rank's part of each copied in. A
+    tensor several modules share (tied weights) stays whole until its last owner is initialised."""
+    if not deferred.modules:
+        return
+    for root in roots:
+        torch_compat.allocate_meta_tensors(root, init.device)
+    modules = {name: model.get_submodule(name) for name in deferred.modules}
+    owners: dict[int, int] = {}
+    for name, m in modules.items():
+        for n, t in _own_tensors(m):
+            if n in deferred.modules[name]:
+                owners[id(t)] = owners.get(id(t), 0) + 1
+    wholes: dict[int, Tensor] = {}
+    for name, m in modules.items():
+        _fill_module(m, name, deferred.modules[name], init, owners, wholes)
+
+
+def _fill_module(
+    module: nn.Module, name: str, dtypes: dict[str, torch.dtype], init: MetaInit, owners: dict[int, int],
+    wholes: dict[int, Tensor],
+) -> None:  # fmt: skip
+    kept = {n: t for n, t in _own_tensors(module) if n in dtypes}
+    for n, t in kept.items():
+        whole = wholes.get(id(t))
+        if whole is None:
+            whole = torch.empty(t.shape, dtype=dtypes[n], device=init.device)
+            whole = nn.Parameter(whole, requires_grad=t.requires_grad) if isinstance(t, nn.Parameter) else whole
+        setattr(module, n, whole)
+    try:
+        init_one_seeded(module, init.seed, name, init.init_module)
+    finally:
+        built = {n: getattr(module, n) for n in kept}
+        for n, t in kept.items():
+            setattr(module, n, t)
+    for n, t in kept.items():
+        owners[id(t)] -= 1
+        if owners[id(t)]:
+            wholes[id(t)] = built[n]
+            continue
+        wholes.pop(id(t), None)
+        chunk = chunk_of(f"{name}.{n}", t, tuple(t.shape), "`materialize_deferred`")
+        box = tuple(slice(o, o + s) for o, s in zip(chunk.offset, chunk.data.shape))
+        with torch.no_grad():
+            chunk.data.copy_(built[n].detach()[box])
 
 
 # -- experts -----------------------------------------------------------------------------------------------------
@@ -229,6 +310,17 @@ def _init_tree(module: nn.Module, prefix: str, init: MetaInit) -> None:
     for name, sub in module.named_modules():
         if _own_tensors(sub):
             init_one_seeded(sub, init.seed, ".".join(s for s in (prefix, name) if s), init.init_module)
+
+
+def _dense_targets(model: nn.Module, roots: Sequence[nn.Module] | None) -> list[tuple[str, nn.Module]]:
+    """``(name, module)`` of the modules of ``roots`` with a tensor on meta, the experts modules excepted."""
+    roots = [model] if roots is None else roots
+    inside = _module_ids(roots)
+    experts = _module_ids(m for r in roots for m in _experts_modules(r))
+    return [
+        (name, m) for name, m in model.named_modules()
+        if id(m) in inside and id(m) not in experts and any(t.is_meta for _, t in _own_tensors(m))
+    ]  # fmt: skip
 
 
 # -- primitives --------------------------------------------------------------------------------------------------

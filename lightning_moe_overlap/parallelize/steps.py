@@ -8,8 +8,10 @@ arrive without memory; each rank then allocates only what it holds (``paralleliz
 
 1. :func:`apply_pipeline` (``pp > 1``): cut the model into ``pp * vpp`` chunks; the other pp ranks' chunks go to the
    meta device, this rank's stay where they are (on its device, or on meta until the next steps).
-2. :func:`apply_materialize`: the held dense tensors built on meta are allocated (whole: steps 3 and 7 shard them)
-   and given their seeded init (the values of the unsplit model, whatever the layout); the experts wait for step 4.
+2. :func:`apply_materialize`: the held dense tensors built on meta are allocated and given their seeded init (the
+   values of the unsplit model, whatever the layout); the experts wait for step 4. With ``shard="optimizer" |
+   "full"`` the modules with parameters stay on meta through steps 3-7 and get their values after step 7, each rank
+   allocating only its shards (7b).
 3. :func:`apply_tp` (``tp > 1``): tensor and sequence parallelism of the dense layers (``parallelize_module`` over
    ``mesh["tp"]`` with the model's plan, ``parallelize/tensor_plan.py``), each tp rank keeping its shard of the
    tensors it initialised; the routers learn their sequence group. The experts are left whole: ep folds over the tp ranks.
@@ -31,6 +33,8 @@ arrive without memory; each rank then allocates only what it holds (``paralleliz
    (``MoEModelHandle.broadcast_replicas``, ``DTensor``-aware).
 7. :func:`apply_fsdp`: ``fully_shard`` the dense parameters (replicas at ``shard="none"``, shards otherwise) and,
    when sharded, the experts over ``mesh["edp"]``; at ``pp > 1`` each held chunk is a root of its own.
+7b. ``materialize_deferred`` (sharded modes): the dense modules left on meta get their shards, one module at a time
+   built whole transiently, initialised and cut: no rank holds the dense part of its model or stage whole.
 8. :func:`apply_pretrained`: a LightningModule that declares ``hf_weights`` (a published Hugging Face checkpoint, or
    one per HF model; declared by the strategy for a ``from_pretrained`` in ``configure_model``, ``hf/pretrained.py``)
    gets them read into the sharded model (``torch.distributed.checkpoint``'s HF reader, ``hf/load.py``), after the
@@ -51,6 +55,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import nn
 from torch.distributed.fsdp import MixedPrecisionPolicy
 
+from lightning_moe_overlap._compat import torch as torch_compat
 from lightning_moe_overlap.config import OverlapConfig, ShardMode
 from lightning_moe_overlap.fp8.apply import Float8Report, apply_fp8
 from lightning_moe_overlap.fp8.dense import FLOAT8_ALL_GATHER_RECIPE
@@ -68,8 +73,11 @@ from lightning_moe_overlap.parallel.tp_styles import apply_tensor_parallel
 from lightning_moe_overlap.parallelize.held_tensors import global_shapes, held_tensors
 from lightning_moe_overlap.parallelize.materialize import (
     WEIGHTS_ATTR,
+    DeferredDense,
     MetaInit,
+    defer_dense,
     find_meta_experts,
+    materialize_deferred,
     materialize_dense,
     materialize_experts,
     meta_init_of,
@@ -99,30 +107,36 @@ def parallelize_model(
     raise_problems(check_model(config, ep_model.experts_per_block(), mesh.dims.ep_span))
     pipeline = apply_pipeline(module, config, mesh, device, rank=groups.rank)
     init = meta_init_of(module, device, torch.initial_seed(), None if pipeline is None else pipeline.split)
-    apply_materialize(module, init, pipeline)
+    deferred = apply_materialize(module, init, pipeline, defer=config.shard != "none")
     apply_tp(module, mesh, pipeline)
     cp = apply_cp(module, mesh, pipeline)
     apply_ep(ep_model, config, mesh, runtime, pipeline, rank=groups.rank, init=init)
     tp_grads = tensor_parallel_grads(module, mesh, pipeline)
     fp8 = apply_fp8_step(module, config.fp8, device, config)
     convert_precision(module)
-    place_model(module, pipeline, device)
+    place_model(module, pipeline, device, keep_meta=bool(deferred.modules))
     ep_model.broadcast_replicas(groups)
     early_tp = tp_grads is not None and config.overlap_grad_reduce and config.shard != "none"
     # the early sums run on the reduction lane while the backward issues its own tp collectives: their own group
     before_reduce = tp_grads.unit_reducer(module, mesh.side_group("tp", groups.rank)) if early_tp else None
     sharded = apply_fsdp(module, ep_model, config, mesh, pipeline, mp_policy=config.fsdp_mp_policy,
                          before_reduce=before_reduce)  # fmt: skip
+    materialize_deferred(module, deferred, init, sharded.roots)
     loaded = apply_pretrained(module, pipeline)
     return PreparedModel(config, mesh.dims, groups, mesh, runtime, ep_model, pipeline, sharded, tp_grads, cp, fp8,
                          loaded)  # fmt: skip
 
 
-def place_model(model: nn.Module, pipeline: PipelinedModel | None, device: torch.device) -> None:
+def place_model(
+    model: nn.Module, pipeline: PipelinedModel | None, device: torch.device, *, keep_meta: bool = False
+) -> None:
     """Move what this rank holds to ``device``: the whole model at ``pp = 1``, its chunks at ``pp > 1`` (the other pp
-    ranks' chunks stay on meta)."""
+    ranks' chunks stay on meta). ``keep_meta``: the held tensors still on meta stay there (deferred until sharded,
+    :func:`apply_materialize`)."""
     if pipeline is not None:
-        pipeline.place(device, seed=torch.initial_seed())
+        pipeline.place(device, seed=torch.initial_seed(), materialize=not keep_meta)
+    elif keep_meta:
+        torch_compat.module_to(model, device)
     else:
         model.to(device)
 
@@ -138,10 +152,17 @@ def apply_pipeline(
     return pipeline
 
 
-def apply_materialize(model: nn.Module, init: MetaInit, pipeline: PipelinedModel | None) -> list[str]:
+def apply_materialize(
+    model: nn.Module, init: MetaInit, pipeline: PipelinedModel | None, *, defer: bool = False
+) -> DeferredDense:
     """Allocate and initialise the dense tensors this rank holds that were built on meta (all of ``model`` at
-    ``pp = 1``, the held chunks at ``pp > 1``), the experts excepted (:func:`apply_ep`); the names initialised."""
-    return materialize_dense(model, init, None if pipeline is None else pipeline.held_chunks)
+    ``pp = 1``, the held chunks at ``pp > 1``), the experts excepted (:func:`apply_ep`). With ``defer`` (the sharded
+    modes) the modules with parameters stay on meta until :func:`apply_fsdp` has sharded them
+    (``materialize_deferred``: no rank holds the dense part whole); returns them."""
+    roots = None if pipeline is None else pipeline.held_chunks
+    deferred = defer_dense(model, roots) if defer else DeferredDense({})
+    materialize_dense(model, init, roots, exclude=deferred)
+    return deferred
 
 
 def apply_tp(module: LightningModule, mesh: ParallelMesh, pipeline: PipelinedModel | None = None) -> None:

@@ -10,7 +10,9 @@ Oracles, from one spawn:
   schedules, none there for interleaved 1F1B;
 - the same run with ``delay_wgrad=False``: the losses and the consolidated state bitwise equal (and under
   zero-bubble with ``shard="full"`` and ``overlap_grad_reduce``);
-- one process training the unsplit model (``test_pipeline_sharded.reference``): losses and parameters within 1e-5.
+- one process training the unsplit model (``test_pipeline_sharded.reference``): losses and parameters within 1e-5;
+- the same for HF Qwen3-MoE and DeepSeek-V3 (its correction bias) under interleaved 1F1B, overlapped: every GEMM
+  queued, bitwise ``delay_wgrad=False``, within 1e-5 of one process training HF's model with HF's loss.
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ from tests.helpers.runs import assert_same_training
 
 SCHEDULES = {"interleaved_1f1b": True, "dualpipev": True, "zero_bubble": False}  # schedule: overlap
 SPLIT = ("dualpipev", "zero_bubble")  # schedules with weight actions
+HF = ("qwen3", "deepseek")  # HF Qwen3-MoE and DeepSeek-V3 (its correction bias) under interleaved 1F1B
 GEMMS_PER_RANK = STEPS * M * (GPT["num_layers"] // PP) * 2  # fc1 and fc2 of each held MoE layer, every micro-batch
 
 
@@ -78,6 +81,12 @@ def worker(rank: int, world: int) -> dict:
         out[schedule] = {**run, "queued": counter.queued, "inline": counter.inline, "in_weight": weight.count}
     sharded = {"pipeline_schedule": "zero_bubble", "delay_wgrad": True, "overlap_grad_reduce": True}
     out["zero_bubble-full"] = fit("gpt", "full", False, sharded)  # the weight actions inside the sharded step
+    for kind in HF:  # interleaved 1F1B, overlapped
+        out[f"{kind}-off"] = fit(kind, "none", True, {"delay_wgrad": False})
+        counter = WgradCounter()
+        with counter.installed():
+            out[kind] = {**fit(kind, "none", True, {"delay_wgrad": True}), "queued": counter.queued,
+                         "inline": counter.inline}  # fmt: skip
     return out
 
 
@@ -117,3 +126,17 @@ def test_delayed_wgrad_is_bitwise_the_plain_backward_and_matches_one_process(
     full = results[0][schedule]["full"]
     for key, want in ref_state.items():
         torch.testing.assert_close(full[key], want, rtol=1e-5, atol=1e-5, msg=f"{schedule} {key}")
+
+
+@pytest.mark.parametrize("kind", HF)
+def test_hugging_face_families_delay_bitwise_and_match_one_process(results: list[dict], kind: str) -> None:
+    for rank, runs in enumerate(results):
+        assert runs[kind]["queued"] > 0 and runs[kind]["inline"] == 0, (rank, runs[kind]["queued"])
+    assert_same_training(results, [(kind, f"{kind}-off")])
+    ref_losses, ref_state = reference(kind)
+    for rank, runs in enumerate(results):
+        want = ref_losses[runs[kind]["coords"][1]]
+        assert all(abs(g - w) < 1e-5 for g, w in zip(runs[kind]["losses"], want, strict=True)), rank
+    full = results[0][kind]["full"]
+    for key, want in ref_state.items():
+        torch.testing.assert_close(full[key], want, rtol=1e-5, atol=1e-5, msg=f"{kind} {key}")

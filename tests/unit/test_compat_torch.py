@@ -447,6 +447,19 @@ def test_local_shape_and_offset(world_of_one) -> None:
     )
 
 
+def test_allocate_meta_tensors_and_module_to_leave_the_others() -> None:
+    module = nn.Linear(3, 2)
+    bias = module.bias
+    module.weight = nn.Parameter(torch.empty(2, 3, device="meta"))
+    torch_compat.module_to(module, torch.device("cpu"))
+    assert module.weight.is_meta and module.bias is bias, _broken("nn.Module._apply", "module_to", "moved a meta tensor")
+    torch_compat.allocate_meta_tensors(module, torch.device("cpu"))
+    assert not module.weight.is_meta and tuple(module.weight.shape) == (2, 3), _broken(
+        "nn.Module._apply", "allocate_meta_tensors", "no longer allocates the meta tensors"
+    )
+    assert torch.equal(module.bias, bias), _broken("nn.Module._apply", "allocate_meta_tensors", "changed a held one")
+
+
 def test_consolidate_hf_file(tmp_path) -> None:
     from safetensors.torch import load_file
     from torch.distributed.checkpoint import HuggingFaceStorageWriter, save
