@@ -1,7 +1,8 @@
 """``lightning-moe-overlap export-hf CKPT DST --config PATH``: a checkpoint this package saved written as a Hugging Face
 folder. A sharded directory is read and written in parts (:func:`~lightning_moe_overlap.hf.sharded_export.
 export_checkpoint_hf`): under ``torchrun --nproc-per-node N`` each process holds ``1 / N`` of the model; a consolidated
-file (or a version-1 directory) is read whole in one process (:func:`~lightning_moe_overlap.hf.export.export_hf`)."""
+file (or a version-1 directory) is read whole by one process (:func:`~lightning_moe_overlap.hf.export.export_hf`;
+rank 0 under torchrun)."""
 
 from __future__ import annotations
 
@@ -15,8 +16,9 @@ from pathlib import Path
 import torch.distributed as dist
 
 from lightning_moe_overlap.checkpoint import safe_load
-from lightning_moe_overlap.checkpoint.consolidated import load_consolidated_state_dict
 from lightning_moe_overlap.checkpoint.atomic import COMMIT_MARKER, read_marker
+from lightning_moe_overlap.checkpoint.consolidated import load_consolidated_state_dict
+from lightning_moe_overlap.checkpoint.fit_checks import agree
 from lightning_moe_overlap.checkpoint.legacy import is_legacy
 from lightning_moe_overlap.hf.export import CONFIG, DEFAULT_SHARD, INDEX, export_hf, parse_size
 from lightning_moe_overlap.hf.sharded_export import export_checkpoint_hf
@@ -45,6 +47,9 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--overwrite", action="store_true", help="replace the checkpoint files of a non-empty folder")
     safe_load.add_weights_only_flag(parser)
     args = parser.parse_args(argv)
+    if not Path(args.checkpoint).exists():
+        print(f"{prog}: error: no checkpoint at {args.checkpoint}. Check the path.", file=sys.stderr)
+        return 1
     started_group = _join_torchrun()
     try:
         limit = parse_size(args.max_shard_size)
@@ -54,8 +59,7 @@ def main(argv: list[str]) -> int:
                 args.checkpoint, args.destination, prefix=args.prefix, weights_only=args.weights_only, **options
             ).folder
         else:
-            state = load_consolidated_state_dict(args.checkpoint, weights_only=args.weights_only)
-            out = export_hf(state, args.destination, prefix=args.prefix, **options)
+            out = _export_whole(args, options)
     except (OSError, ValueError, TypeError, RuntimeError, NotImplementedError, pickle.UnpicklingError) as err:
         print(f"{prog}: error: {err}", file=sys.stderr)
         return 1
@@ -67,6 +71,21 @@ def main(argv: list[str]) -> int:
         files += [n for n in (INDEX, CONFIG) if (out / n).exists()]
         print(json.dumps({"exported": str(args.checkpoint), "to": str(out), "files": files}))
     return 0
+
+
+def _export_whole(args: argparse.Namespace, options: dict) -> Path:
+    """A consolidated file (or a version-1 directory), read whole: by rank 0 alone under torchrun (the others wait
+    and raise its error, if any)."""
+    error: Exception | None = None
+    out = Path(args.destination)
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        try:
+            state = load_consolidated_state_dict(args.checkpoint, weights_only=args.weights_only)
+            out = export_hf(state, args.destination, prefix=args.prefix, **options)
+        except (OSError, ValueError, TypeError, RuntimeError, NotImplementedError, pickle.UnpicklingError) as err:
+            error = err
+    agree(error)
+    return out
 
 
 def _in_parts(path: Path) -> bool:

@@ -24,8 +24,9 @@ from torch import Tensor
 from torch.distributed.tensor import DTensor
 
 from lightning_moe_overlap._install import install_hint
-from lightning_moe_overlap.hf.key_match import covers
+from lightning_moe_overlap.hf.config_match import check_keys_fit_config
 from lightning_moe_overlap.hf.families import select_family
+from lightning_moe_overlap.hf.file_layout import file_entries, file_names, file_shards
 from lightning_moe_overlap.hf.files import CONFIG, INDEX
 from lightning_moe_overlap.hf.keys import HFFamily, Piece
 
@@ -85,7 +86,8 @@ def export_hf(
 
     Raises:
         ValueError: ``dst`` is not empty, no key is under ``prefix``, a tensor cannot be cut by the family, the
-            config has no ``model_type``, or ``max_shard_bytes`` is not a size.
+            config has no ``model_type``, ``max_shard_bytes`` is not a size, or the keys are not those of the model
+            the config builds (:mod:`.config_match`: the folder would not load without missing or unexpected keys).
         TypeError: a tensor is a ``DTensor`` (pass the full state dict).
     """
     limit = parse_size(max_shard_bytes)
@@ -97,7 +99,9 @@ def export_hf(
     chosen = select_family(family, config_dict.get("model_type"), OWNER)
     tensors = _hf_tensors(state_dict, prefix, dtype)
     shapes = {k: tuple(v.shape) for k, v in tensors.items()}
-    entries = file_entries(shapes, chosen, tied=bool(config_dict.get("tie_word_embeddings", False)))
+    tied = bool(config_dict.get("tie_word_embeddings", False))
+    entries = file_entries(shapes, chosen, tied=tied, owner=OWNER)
+    check_keys_fit_config({p.key: p.shape for _, p in entries}, config_dict, chosen, tied=tied, owner=OWNER)
     shards = file_shards(entries, {k: v.element_size() for k, v in tensors.items()}, limit)
     clear(out)
     names = file_names(len(shards))
@@ -105,6 +109,7 @@ def export_hf(
     weight_map: dict[str, str] = {}
     for name, shard in zip(names, shards):
         save_file({p.key: _cut(tensors[t], p) for t, p in shard}, str(out / name), metadata={"format": "pt"})
+        readable(out / name)
         weight_map.update({p.key: name for _, p in shard})
     if len(shards) > 1:
         total = sum(p.numel * tensors[t].element_size() for t, p in entries)
@@ -124,6 +129,14 @@ def check_destination(dst: Path, overwrite: bool) -> Path:
             "overwrite=True (`--overwrite`) to replace its checkpoint files."
         )
     return dst
+
+
+def readable(path: Path) -> None:
+    """Give ``path`` the mode a new file gets under the process's umask (safetensors writes through a private
+    temporary file: 0600, which a serving process of another user could not read)."""
+    umask = os.umask(0)
+    os.umask(umask)
+    path.chmod(0o666 & ~umask)
 
 
 def clear(dst: Path) -> None:
@@ -176,63 +189,9 @@ def _hf_tensors(state_dict: Mapping[str, Tensor], prefix: str, dtype: torch.dtyp
     return tensors
 
 
-def file_entries(
-    shapes: Mapping[str, tuple[int, ...]], family: HFFamily, *, tied: bool
-) -> list[tuple[str, Piece]]:
-    """``(tensor name, piece)`` of every file key, in ``shapes``' order (the state dict's): the tensors' global
-    shapes cut by ``family``; with ``tied`` the tied tensors are left out, as ``save_pretrained`` leaves them.
-
-    Raises:
-        ValueError: a tensor cannot be cut by the family, or the family writes one key for two tensors.
-    """
-    skip = {t for t, source in family.ties if source in shapes} if tied else set()
-    entries: list[tuple[str, Piece]] = []
-    for name, shape in shapes.items():
-        if name in skip:
-            continue
-        pieces = family.pieces(name, shape)
-        if pieces is None or not covers(pieces, shape):
-            raise ValueError(
-                f"{OWNER}: {name} of shape {list(shape)} cannot be cut into the key family {family.name!r}'s pieces "
-                "(each element in exactly one). Pass the family of this model's layout, or fix the family's splits."
-            )
-        entries += [(name, p) for p in pieces]
-    keys = [p.key for _, p in entries]
-    twice = sorted({k for k in keys if keys.count(k) > 1}) if len(set(keys)) < len(keys) else []
-    if twice:
-        raise ValueError(
-            f"{OWNER}: the key family {family.name!r} writes {twice[:5]} for more than one tensor; each key names one "
-            "tensor. Fix the family's renames."
-        )
-    return entries
-
-
-def file_shards(
-    entries: list[tuple[str, Piece]], itemsize: Mapping[str, int], limit: int
-) -> list[list[tuple[str, Piece]]]:
-    """Consecutive entries, a new file whenever the next would pass ``limit`` bytes (as ``save_pretrained``);
-    ``itemsize``: bytes per element of each tensor as written."""
-    shards: list[list[tuple[str, Piece]]] = [[]]
-    size = 0
-    for name, piece in entries:
-        nbytes = piece.numel * itemsize[name]
-        if shards[-1] and size + nbytes > limit:
-            shards.append([])
-            size = 0
-        shards[-1].append((name, piece))
-        size += nbytes
-    return shards
-
-
 def _cut(tensor: Tensor, piece: Piece) -> Tensor:
     index = tuple(b if isinstance(b, int) else slice(*b) for b in piece.box)
     return tensor[index].contiguous()
-
-
-def file_names(n: int) -> list[str]:
-    if n == 1:
-        return ["model.safetensors"]
-    return [f"model-{k:05d}-of-{n:05d}.safetensors" for k in range(1, n + 1)]
 
 
 def _save_file() -> Any:

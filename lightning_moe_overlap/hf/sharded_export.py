@@ -39,6 +39,7 @@ from torch.distributed.checkpoint import save as dcp_save
 
 from lightning_moe_overlap._compat import torch as torch_compat
 from lightning_moe_overlap.checkpoint.fit_checks import agree
+from lightning_moe_overlap.hf.config_match import check_keys_fit_config
 from lightning_moe_overlap.hf.export import (
     CONFIG,
     DEFAULT_SHARD,
@@ -47,12 +48,10 @@ from lightning_moe_overlap.hf.export import (
     check_destination,
     clear,
     config_dict_of,
-    file_entries,
-    file_names,
-    file_shards,
     parse_size,
 )
 from lightning_moe_overlap.hf.families import select_family
+from lightning_moe_overlap.hf.file_layout import file_entries, file_names, file_shards
 from lightning_moe_overlap.hf.keys import HFFamily, Piece
 from lightning_moe_overlap.hf.planner import Chunk, chunk_of
 from lightning_moe_overlap.hf.save_planner import PieceSavePlanner
@@ -121,8 +120,9 @@ def export_hf_sharded(
         What this rank wrote.
 
     Raises:
-        ValueError: as :func:`~.export.export_hf`, or a tensor under ``prefix`` that no rank holds: on every rank (the
-            first rank's error), before anything is written.
+        ValueError: as :func:`~.export.export_hf` (the keys checked against the model the config builds included),
+            or a tensor under ``prefix`` that no rank holds: on every rank (the first rank's error), before anything
+            is written.
         torch.distributed.checkpoint.api.CheckpointException: the ranks' boxes of a file's keys do not cover them
             exactly (tensors that are not one model's parts): on every rank, while that file is written.
     """
@@ -138,10 +138,12 @@ def export_hf_sharded(
     hf_shapes = {k[len(prefix) :]: tuple(int(s) for s in v) for k, v in shapes.items() if k.startswith(prefix)}
     itemsize = _gather_itemsizes(plan.itemsize)
     tied = bool(plan.config.get("tie_word_embeddings", False))
-    entries = file_entries(hf_shapes, plan.family, tied=tied)
+    entries = file_entries(hf_shapes, plan.family, tied=tied, owner=OWNER)
     error = _unheld(entries, itemsize, prefix)
     if error is not None:
         raise error  # the same on every rank: ``itemsize`` is gathered
+    written_keys = {p.key: p.shape for _, p in entries}  # the same on every rank: from the global shapes
+    check_keys_fit_config(written_keys, plan.config, plan.family, tied=tied, owner=OWNER)
     shards = file_shards(entries, itemsize, plan.limit)
     names = file_names(len(shards))
     rank, world = (dist.get_rank(), dist.get_world_size()) if _distributed() else (0, 1)

@@ -92,7 +92,7 @@ def test_bad_arguments_exit_with_the_usage(capsys):
     assert code == 2 and "usage: lightning-moe-overlap export-hf" in err
 
 
-def test_torchrun_reads_and_writes_in_parts_the_same_folder(checkpoint, tmp_path, capsys):
+def test_torchrun_writes_the_same_folder_from_a_directory_in_parts_and_from_a_file(checkpoint, tmp_path, capsys):
     import json
     import subprocess
     import sys
@@ -101,18 +101,22 @@ def test_torchrun_reads_and_writes_in_parts_the_same_folder(checkpoint, tmp_path
     whole = tmp_path / "one"
     assert _main(capsys, str(root / "sharded.ckpt"), str(whole), "--config", str(root / "config"),
                  "--max-shard-size", "30KB")[0] == 0  # fmt: skip
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "-m",
-               "lightning_moe_overlap", "export-hf", str(root / "sharded.ckpt"), str(tmp_path / "two"), "--config",
-               str(root / "config"), "--max-shard-size", "30KB"]  # fmt: skip
-    done = subprocess.run(command, capture_output=True, text=True, timeout=240, check=False)
-    assert done.returncode == 0, done.stderr[-3000:]
-    printed = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
-    assert len(printed) == 1 and printed[0]["to"] == str(tmp_path / "two")  # rank 0 prints
     from safetensors.torch import load_file
+
+    from lightning_moe_overlap.checkpoint.consolidated import consolidate_checkpoint
 
     def tensors(folder: Path) -> dict:
         return {k: v for f in sorted(folder.glob("*.safetensors")) for k, v in load_file(f).items()}
 
-    one, two = tensors(whole), tensors(tmp_path / "two")
-    assert one.keys() == two.keys() and all(torch.equal(one[k], two[k]) for k in one)
-    assert sorted(p.name for p in whole.iterdir()) == sorted(p.name for p in (tmp_path / "two").iterdir())
+    consolidated = consolidate_checkpoint(root / "sharded.ckpt", tmp_path / "whole.ckpt")
+    for source, dst in ((root / "sharded.ckpt", tmp_path / "two"), (consolidated, tmp_path / "file")):
+        command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "-m",
+                   "lightning_moe_overlap", "export-hf", str(source), str(dst), "--config", str(root / "config"),
+                   "--max-shard-size", "30KB"]  # fmt: skip
+        done = subprocess.run(command, capture_output=True, text=True, timeout=240, check=False)
+        assert done.returncode == 0, done.stderr[-3000:]
+        printed = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
+        assert len(printed) == 1 and printed[0]["to"] == str(dst)  # rank 0 prints
+        one, two = tensors(whole), tensors(dst)
+        assert one.keys() == two.keys() and all(torch.equal(one[k], two[k]) for k in one), source
+        assert sorted(p.name for p in whole.iterdir()) == sorted(p.name for p in dst.iterdir())

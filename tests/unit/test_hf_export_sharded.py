@@ -125,3 +125,42 @@ def test_the_strategy_names_the_missing_config():
     holder = torch.nn.Module()
     holder.model = model
     assert hf_model_path(holder) == ("model.", model) and hf_model_path(model) == ("", model)
+
+
+@pytest.mark.parametrize("sharded", [False, True])
+def test_tensors_that_are_not_the_configs_model_are_refused_before_writing(tmp_path, sharded):
+    """A config of another size, a prefix that keeps too little of the names, one without its dot: each would load
+    with missing or unexpected keys (transformers' own model of the config is the oracle)."""
+    from lightning_moe_overlap.demo_hf import build_hf_model
+
+    model = tiny_model("qwen3_moe", seed=0)
+    state = {f"model.{k}": v for k, v in model.state_dict().items()}
+    smaller = build_hf_model("qwen3_moe", num_hidden_layers=1).config
+
+    def export(dst, config, prefix):
+        if sharded:
+            return export_hf_sharded(state, _shapes(state), dst, config=config, prefix=prefix)
+        return export_hf(state, dst, config=config, prefix=prefix)
+
+    with pytest.raises(ValueError, match=r"not the model of the config .*'num_hidden_layers': 1.*unexpected "
+                       r"\['model\.layers\.1\..*Fix: pass the config of the model that was trained"):  # fmt: skip
+        export(tmp_path / "a", smaller, "model.")
+    with pytest.raises(ValueError, match=r"missing \['lm_head\.weight', .*unexpected \['embed_tokens"):
+        export(tmp_path / "b", model.config, "model.model.")
+    with pytest.raises(ValueError, match=r"unexpected \['\.lm_head\.weight'"):
+        export(tmp_path / "c", model.config, "model")
+    assert not any((tmp_path / n).exists() for n in "abc")
+
+
+def test_the_files_are_readable_by_others_as_the_umask_allows(tmp_path):
+    import os
+
+    model = tiny_model("mixtral", seed=0)
+    umask = os.umask(0o022)
+    try:
+        out = export_hf(model.state_dict(), tmp_path / "out", config=model.config)
+    finally:
+        os.umask(umask)
+    assert {p.name: p.stat().st_mode & 0o777 for p in out.iterdir()} == {
+        "config.json": 0o644, "model.safetensors": 0o644
+    }  # fmt: skip
