@@ -64,6 +64,7 @@ from lightning_moe_overlap.pipeline.path import PipelinePath
 from lightning_moe_overlap.precision import ExpertParallelPrecision, with_global_norm_clip
 from lightning_moe_overlap.processes.launcher import ExpertParallelScriptLauncher, ExpertParallelSpawnLauncher
 from lightning_moe_overlap.processes.shutdown import destroy_process_groups_at_exit
+from lightning_moe_overlap.processes.signals import SignalAgreement
 from lightning_moe_overlap.step_logs import MicroBatchLogs
 from lightning_moe_overlap.validation import (
     build_dims,
@@ -278,6 +279,7 @@ class MoEOverlapStrategy(ParallelStrategy):
         self._runtime = CommRuntime(delay_wgrad=delay_wgrad)
         self._prepared: PreparedModel | None = None  # what `setup` built or adopted (parallelize/prepared_model.py)
         self._failed = False  # set by `on_exception`: the teardown then does no more work than it must
+        self._signals = SignalAgreement()  # SIGTERM acted on at a batch boundary, by every rank together
         self._path: StepPath | None = None  # how the step methods run (loop.py, pipeline/path.py)
         self._loop_trainer: Trainer | None = None  # whose automatic optimization skips backward for the loop
         self.token_scope = TokenScope()  # the step's token count, for `step_tokens` (loss/tokens.py)
@@ -592,9 +594,33 @@ class MoEOverlapStrategy(ParallelStrategy):
     @override
     def on_train_start(self) -> None:
         """The training dataloader's rules (``validation.check_train_loaders``), once the Trainer has prepared it
-        and before the first step: a short last batch at pp > 1 is refused now, not at the end of the epoch."""
+        and before the first step: a short last batch at pp > 1 is refused now, not at the end of the epoch. The
+        SIGTERM handler that never runs a collective (``processes/signals.py``) is put in place."""
         super().on_train_start()
+        self._signals.install(self.lightning_module.trainer)
         raise_problems(check_train_loaders(self.config, self.lightning_module.trainer.train_dataloader))
+
+    @override
+    def on_validation_start(self) -> None:
+        super().on_validation_start()
+        self._signals.install(self.lightning_module.trainer)
+
+    @override
+    def on_test_start(self) -> None:
+        super().on_test_start()
+        self._signals.install(self.lightning_module.trainer)
+
+    @override
+    def on_predict_start(self) -> None:
+        super().on_predict_start()
+        self._signals.install(self.lightning_module.trainer)
+
+    @override
+    def batch_to_device(self, batch: Any, device: torch.device | None = None, dataloader_idx: int = 0) -> Any:
+        """Every rank agrees first whether a SIGTERM arrived since the last batch (one all-reduce of a flag); if
+        one did, every rank stops here together (``processes/signals.py``)."""
+        self._signals.agree(self.root_device)
+        return super().batch_to_device(batch, device, dataloader_idx)
 
     def _step_hooks(self, trainer: Trainer) -> StepHooks:
         """What the micro-batch loop needs of the strategy and Lightning, as callables (``loop.py``)."""
@@ -876,6 +902,7 @@ class MoEOverlapStrategy(ParallelStrategy):
 
     @override
     def teardown(self) -> None:
+        self._signals.uninstall()
         if self._loop_trainer is not None:
             pl_compat.set_skip_backward(self._loop_trainer, False)
             self._loop_trainer = None

@@ -24,10 +24,36 @@ from lightning.fabric.utilities.optimizer import _optimizers_to_device
 from lightning.fabric.utilities.seed import reset_seed
 from lightning.pytorch.strategies.launchers import _MultiProcessingLauncher, _SubprocessScriptLauncher
 from lightning.pytorch.trainer import call as trainer_call
+from lightning.pytorch.trainer.connectors.signal_connector import _HandlersCompose
 from torch import Tensor
 
 StrategyRegistry = _StrategyRegistry  # ``lightning.fabric.strategies._StrategyRegistry`` (type of the registry)
 SubprocessScriptLauncher = _SubprocessScriptLauncher  # ``lightning.pytorch.strategies.launchers`` (popen launcher)
+
+
+# -- signals ------------------------------------------------------------------------------------------------------
+def replace_sigterm_notifier(trainer: Any, handler: Any) -> bool:
+    """In the SIGTERM handler Lightning installed for this run (a ``signal_connector._HandlersCompose``), put
+    ``handler`` in place of the trainer's ``_SignalConnector._sigterm_notifier_fn``, the other handlers kept in their
+    order. False (nothing changed) where the handler is not Lightning's (not in the main thread, on Windows, or
+    already replaced)."""
+    import signal
+    import threading
+
+    if threading.current_thread() is not threading.main_thread() or not hasattr(signal, "SIGTERM"):
+        return False
+    current = signal.getsignal(signal.SIGTERM)
+    notifier = trainer._signal_connector._sigterm_notifier_fn
+    if not isinstance(current, _HandlersCompose) or notifier not in current.signal_handlers:
+        return False
+    handlers = [handler if h == notifier else h for h in current.signal_handlers]
+    signal.signal(signal.SIGTERM, _HandlersCompose(handlers))
+    return True
+
+
+def mark_sigterm_received(trainer: Any) -> None:
+    """``trainer._signal_connector.received_sigterm = True``: what ``trainer.received_sigterm`` reads."""
+    trainer._signal_connector.received_sigterm = True
 
 
 # -- process groups ------------------------------------------------------------------------------------------------
@@ -165,10 +191,12 @@ __all__ = [
     "default_process_group_backend",
     "distributed_is_initialized",
     "fit_arguments",
+    "mark_sigterm_received",
     "init_dist_connection",
     "logging_step",
     "optimizer_handles_unscaling",
     "optimizers_to_device",
+    "replace_sigterm_notifier",
     "reset_seed",
     "set_device_mesh",
     "set_num_threads_if_needed",

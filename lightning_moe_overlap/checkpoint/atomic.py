@@ -4,7 +4,9 @@ A save writes into ``<path>.partial-<token>`` (a directory for sharded checkpoin
 Only when every rank has finished does the coordinator write the commit marker ``COMMIT`` into a staging
 directory and rename the staging name to ``<path>``. A run killed while writing leaves at most a ``.partial-``
 staging entry, which no loader accepts: a sharded directory without ``COMMIT`` is refused with a message that
-says so, even when it was copied or renamed by hand. Replacing an existing checkpoint (``last.ckpt``) moves the
+says so, even when it was copied or renamed by hand, and Lightning's ``ckpt_path="last"`` never names one (its
+suffix is not ``.ckpt``). The next save of the same checkpoint removes those of its name (:func:`leftovers`), and a
+resume logs the others of its directory as ignored. Replacing an existing checkpoint (``last.ckpt``) moves the
 old one aside first and deletes it after the rename, so a complete checkpoint exists at every moment.
 
 Local or mounted shared filesystems only (``os.rename`` semantics); every rank must see the same directory.
@@ -62,6 +64,16 @@ def publish(staging: Path, path: Path, token: str) -> None:
     _fsync_dir(path.parent)
     if old is not None:
         remove(old)
+
+
+def leftovers(folder: Path, name: str = "", keep: str = "") -> list[Path]:
+    """The staging entries in ``folder`` that interrupted saves left (``<name>.partial-<token>``): of checkpoint
+    ``name`` only, or of every checkpoint without one; the one of token ``keep`` excepted."""
+    if not folder.is_dir():
+        return []
+    return sorted(
+        p for p in folder.glob(f"{name or '*'}{PARTIAL}*") if not (keep and p.name.endswith(f"{PARTIAL}{keep}"))
+    )
 
 
 def remove(path: Path) -> None:

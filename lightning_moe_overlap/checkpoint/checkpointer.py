@@ -19,6 +19,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import nn
 
 from lightning_moe_overlap.checkpoint import atomic, fit_checks, legacy, safe_load, state
@@ -70,6 +71,7 @@ def save(
         full = gather_full(checkpoint, module, optimizers, groups, rng_state, world_size=world_size)
         if full is not None:
             write_file(full, final, token)
+            _remove_leftovers(final, token)
         _barrier()
         return
     named = _merged_groups(optimizers, module, rank) if "optimizer_states" in checkpoint else []
@@ -82,6 +84,7 @@ def save(
     if rank == 0:
         atomic.write_marker(staging, _marker(module, world_size, groups))
         atomic.publish(staging, final, token)
+        _remove_leftovers(final, token)
     _barrier()
 
 
@@ -108,6 +111,7 @@ def load(
             more than plain data (the message names the file and the opt-out).
     """
     src = atomic.local_path(path, f"{_OWNER}.load_checkpoint")
+    ignored_leftovers(src)
     safe = safe_load.resolve(weights_only)
     rank, world_size = _rank_world()
     optimizers = [state.unwrapped(o) for o in optimizers]
@@ -128,6 +132,30 @@ def load(
     if restore_rng_state:
         _restore_rng(rng_state, f"the RNG state of rank {rank} in {src}", weights_only=safe)
     return checkpoint
+
+
+def _remove_leftovers(final: os.PathLike, token: str) -> None:
+    """The coordinator, once ``final`` is committed: remove what interrupted saves of the same checkpoint left."""
+    path = atomic.local_path(final, _OWNER)
+    found = atomic.leftovers(path.parent, path.name, keep=token)
+    for path in found:
+        atomic.remove(path)
+    if found:
+        rank_zero_info(
+            f"{_OWNER}: removed {len(found)} partial checkpoint(s) an interrupted save left: "
+            f"{[p.name for p in found]}."
+        )
+
+
+def ignored_leftovers(path: os.PathLike) -> None:
+    """Log the partial checkpoints next to ``path`` (a checkpoint being loaded): interrupted saves, never loaded."""
+    src = atomic.local_path(path, _OWNER)
+    found = atomic.leftovers(src.parent)
+    if found:
+        rank_zero_info(
+            f"{_OWNER}: ignored {len(found)} partial checkpoint(s) in {src.parent} that interrupted saves left "
+            f"(never loaded; removed when the same checkpoint is saved again): {[p.name for p in found][:5]}."
+        )
 
 
 def _restore_rng(blob: bytes | None, where: str, *, weights_only: bool) -> None:

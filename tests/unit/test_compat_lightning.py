@@ -230,8 +230,34 @@ def test_set_device_mesh_is_what_the_public_property_returns() -> None:
     assert module.device_mesh is mesh, _fail("LightningModule._device_mesh", "is not what `device_mesh` returns")
 
 
+def test_replace_sigterm_notifier_and_mark_sigterm_received() -> None:
+    import signal
+
+    trainer = Trainer(accelerator="cpu", devices=1, logger=False, enable_progress_bar=False)
+    before = signal.getsignal(signal.SIGTERM)
+    connector = trainer._signal_connector
+    connector.register_signal_handlers()
+    try:
+        called = []
+        assert pl_compat.replace_sigterm_notifier(trainer, lambda s, f: called.append(s)), _fail(
+            "_SignalConnector._sigterm_notifier_fn / signal_connector._HandlersCompose", "is no longer the handler"
+        )
+        assert not pl_compat.replace_sigterm_notifier(trainer, print)  # replaced once: Lightning's notifier is gone
+        signal.getsignal(signal.SIGTERM)(signal.SIGTERM, None)
+        assert called == [signal.SIGTERM] and not trainer.received_sigterm, _fail(
+            "_HandlersCompose", "no longer calls the handlers it holds"
+        )
+        pl_compat.mark_sigterm_received(trainer)
+        assert trainer.received_sigterm, _fail("_SignalConnector.received_sigterm", "no longer backs the property")
+    finally:
+        connector.teardown()
+        signal.signal(signal.SIGTERM, before)
+
+
 TESTED = {
     "set_device_mesh",
+    "mark_sigterm_received",
+    "replace_sigterm_notifier",
     "MultiProcessingLauncher",
     "StrategyRegistry",
     "SubprocessScriptLauncher",
