@@ -92,6 +92,7 @@ def test_bad_arguments_exit_with_the_usage(capsys):
     assert code == 2 and "usage: lightning-moe-overlap export-hf" in err
 
 
+@pytest.mark.long
 def test_torchrun_writes_the_same_folder_from_a_directory_in_parts_and_from_a_file(checkpoint, tmp_path, capsys):
     import json
     import subprocess

@@ -47,7 +47,8 @@ class Record(Callback):
 
 
 class CountCollectives:
-    """Counts calls of torch.distributed's gradient reductions while entered (module attributes patched)."""
+    """Counts calls of torch.distributed's gradient reductions (of floating-point tensors) while entered (module
+    attributes patched)."""
 
     NAMES = ("all_reduce", "reduce_scatter_tensor")
 
@@ -60,7 +61,8 @@ class CountCollectives:
 
     def _counted(self, fn):
         def call(*args, **kwargs):
-            self.calls += 1
+            tensor = args[0] if args else next(iter(kwargs.values()))
+            self.calls += tensor.is_floating_point()  # gradients; not the batch boundary's flag (processes/signals.py)
             return fn(*args, **kwargs)
 
         return call

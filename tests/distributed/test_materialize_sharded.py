@@ -62,10 +62,10 @@ class Observed(MoEGPT):
         super().init_module(module)
 
 
-def worker(rank: int, world: int, root: Path) -> dict:
+def worker(rank: int, world: int, root: Path, names: tuple[str, ...]) -> dict:
     out: dict = {}
     for name, procs, layout in RUNS:
-        if procs != world:
+        if procs != world or name not in names:
             continue
         for shard in ("none", "full", "optimizer"):
             torch.manual_seed(0)
@@ -86,16 +86,39 @@ def worker(rank: int, world: int, root: Path) -> dict:
     return out
 
 
+LONG = ("tp2", "fp8")  # `python -m pytest -m long`
+
+
+def _spawn(root: Path, names: tuple[str, ...]) -> dict[int, list[dict]]:
+    counts = sorted({procs for name, procs, _ in RUNS if name in names})
+    return {procs: run_distributed(worker, procs, root, names, timeout_s=300) for procs in counts}
+
+
 @pytest.fixture(scope="module")
-def results(tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[dict]]:
-    root = tmp_path_factory.mktemp("materialize")
-    return {procs: run_distributed(worker, procs, root, timeout_s=300) for procs in (2, 4)}
+def results(tmp_path_factory: pytest.TempPathFactory) -> dict[int, list[dict]]:
+    return _spawn(tmp_path_factory.mktemp("materialize"), tuple(n for n, _, _ in RUNS if n not in LONG))
 
 
-@pytest.mark.parametrize("name,procs", [(name, procs) for name, procs, _ in RUNS])
+@pytest.fixture(scope="module")
+def long_results(tmp_path_factory: pytest.TempPathFactory) -> dict[int, list[dict]]:
+    return _spawn(tmp_path_factory.mktemp("materialize_long"), LONG)
+
+
+def _layouts() -> list:
+    return [
+        pytest.param(name, procs, marks=pytest.mark.long) if name in LONG else pytest.param(name, procs)
+        for name, procs, _ in RUNS
+    ]
+
+
+def _of(request: pytest.FixtureRequest, name: str) -> dict[int, list[dict]]:
+    return request.getfixturevalue("long_results" if name in LONG else "results")
+
+
+@pytest.mark.parametrize("name,procs", _layouts())
 @pytest.mark.parametrize("shard", ["full", "optimizer"])
-def test_no_rank_holds_the_dense_part_whole_while_it_is_initialised(results, name, procs, shard) -> None:
-    for rank, found in enumerate(results[procs]):
+def test_no_rank_holds_the_dense_part_whole_while_it_is_initialised(request, name, procs, shard) -> None:
+    for rank, found in enumerate(_of(request, name)[procs]):
         run, replicated = found[(name, shard)], found[(name, "none")]
         stage_whole = max(b for b, _ in replicated["seen"])  # the replicated run holds its dense part whole
         assert stage_whole >= replicated["held"] > 0, (rank, stage_whole, replicated["held"])
@@ -106,8 +129,9 @@ def test_no_rank_holds_the_dense_part_whole_while_it_is_initialised(results, nam
         assert peak < stage_whole, (rank, peak, stage_whole)
 
 
-@pytest.mark.parametrize("name,procs", [(name, procs) for name, procs, _ in RUNS])
-def test_the_values_are_the_whole_builds(results, name, procs) -> None:
+@pytest.mark.parametrize("name,procs", _layouts())
+def test_the_values_are_the_whole_builds(request, name, procs) -> None:
+    results = _of(request, name)
     reference = results[procs][0][(name, "none")]["full"]
     for shard in ("full", "optimizer"):
         state = results[procs][0][(name, shard)]["full"]

@@ -81,7 +81,14 @@ def worker(rank: int, world: int) -> dict:
         out[schedule] = {**run, "queued": counter.queued, "inline": counter.inline, "in_weight": weight.count}
     sharded = {"pipeline_schedule": "zero_bubble", "delay_wgrad": True, "overlap_grad_reduce": True}
     out["zero_bubble-full"] = fit("gpt", "full", False, sharded)  # the weight actions inside the sharded step
-    for kind in HF:  # interleaved 1F1B, overlapped
+    return out
+
+
+def hf_worker(rank: int, world: int) -> dict:
+    """The HF families under interleaved 1F1B, overlapped, delay on and off."""
+    torch.use_deterministic_algorithms(True)
+    out: dict = {}
+    for kind in HF:
         out[f"{kind}-off"] = fit(kind, "none", True, {"delay_wgrad": False})
         counter = WgradCounter()
         with counter.installed():
@@ -93,6 +100,11 @@ def worker(rank: int, world: int) -> dict:
 @pytest.fixture(scope="module")
 def results() -> list[dict]:
     return run_distributed(worker, WORLD, timeout_s=400)
+
+
+@pytest.fixture(scope="module")
+def hf_results() -> list[dict]:
+    return run_distributed(hf_worker, WORLD, timeout_s=400)
 
 
 @pytest.mark.parametrize("schedule", list(SCHEDULES))
@@ -119,24 +131,24 @@ def test_delayed_wgrad_is_bitwise_the_plain_backward_and_matches_one_process(
     assert_same_training(results, [(schedule, f"{schedule}-off")])
     if schedule == "zero_bubble":  # shard="full" with the early reduction: over 2 dp ranks, bitwise "none"
         assert_same_training(results, [("zero_bubble-full", schedule)])
-    ref_losses, ref_state = reference("gpt")
-    for rank, runs in enumerate(results):
-        want = ref_losses[runs[schedule]["coords"][1]]
-        assert all(abs(g - w) < 1e-5 for g, w in zip(runs[schedule]["losses"], want, strict=True)), rank
-    full = results[0][schedule]["full"]
-    for key, want in ref_state.items():
-        torch.testing.assert_close(full[key], want, rtol=1e-5, atol=1e-5, msg=f"{schedule} {key}")
+    _matches_one_process(results, schedule, "gpt")
 
 
+@pytest.mark.long
 @pytest.mark.parametrize("kind", HF)
-def test_hugging_face_families_delay_bitwise_and_match_one_process(results: list[dict], kind: str) -> None:
-    for rank, runs in enumerate(results):
+def test_hugging_face_families_delay_bitwise_and_match_one_process(hf_results: list[dict], kind: str) -> None:
+    for rank, runs in enumerate(hf_results):
         assert runs[kind]["queued"] > 0 and runs[kind]["inline"] == 0, (rank, runs[kind]["queued"])
-    assert_same_training(results, [(kind, f"{kind}-off")])
+    assert_same_training(hf_results, [(kind, f"{kind}-off")])
+    _matches_one_process(hf_results, kind, kind)
+
+
+def _matches_one_process(results: list[dict], run: str, kind: str) -> None:
+    """Run ``run``'s per-step losses and final parameters within 1e-5 of one process training ``kind``."""
     ref_losses, ref_state = reference(kind)
     for rank, runs in enumerate(results):
-        want = ref_losses[runs[kind]["coords"][1]]
-        assert all(abs(g - w) < 1e-5 for g, w in zip(runs[kind]["losses"], want, strict=True)), rank
-    full = results[0][kind]["full"]
+        want = ref_losses[runs[run]["coords"][1]]
+        assert all(abs(g - w) < 1e-5 for g, w in zip(runs[run]["losses"], want, strict=True)), rank
+    full = results[0][run]["full"]
     for key, want in ref_state.items():
-        torch.testing.assert_close(full[key], want, rtol=1e-5, atol=1e-5, msg=f"{kind} {key}")
+        torch.testing.assert_close(full[key], want, rtol=1e-5, atol=1e-5, msg=f"{run} {key}")

@@ -24,6 +24,7 @@ import torch
 from lightning_moe_overlap.checkpoint.atomic import read_marker
 from lightning_moe_overlap.checkpoint.consolidated import load_consolidated_state_dict
 
+pytestmark = pytest.mark.long  # three 2-process runs (about a minute): `python -m pytest -m long`
 REPO = Path(__file__).resolve().parents[2]
 HANG = 120  # seconds: far below the 10-minute timeout a hang waits out, far above a loaded machine's exit
 
@@ -83,7 +84,6 @@ def test_the_save_in_flight_completes_and_every_process_ends(stopped) -> None:
     assert "received signal 15" in (stopped / "run.log").read_text()
 
 
-@pytest.mark.long
 def test_the_last_checkpoint_is_the_unbroken_runs_at_its_step(stopped, unbroken) -> None:
     last = load_consolidated_state_dict(stopped / "ckpt" / "last.ckpt")
     step = max(int(p.name.split("step=")[1].split(".")[0]) for p in (stopped / "ckpt").glob("epoch=*"))
@@ -93,7 +93,6 @@ def test_the_last_checkpoint_is_the_unbroken_runs_at_its_step(stopped, unbroken)
     assert [k for k in last if not torch.equal(last[k], same_step[k])] == []
 
 
-@pytest.mark.long
 def test_a_resume_starts_from_the_last_complete_checkpoint_never_a_partial_one(stopped) -> None:
     decoy = stopped / "ckpt" / "last.ckpt.partial-decoy0"  # what a save killed with SIGKILL leaves
     decoy.mkdir()
