@@ -848,7 +848,8 @@ class MoEOverlapStrategy(ParallelStrategy):
         Args:
             dst: the folder (on a file system every rank sees; new or empty unless ``overwrite``).
             config: the model's config (a ``PretrainedConfig``, a ``config.json`` or its folder); default: the config
-                of the LightningModule's Hugging Face model.
+                of the LightningModule's Hugging Face model, and its ``generation_config`` as
+                ``generation_config.json``.
             prefix: where the HF model sits in the LightningModule's names; default: found (``"model."`` for
                 ``self.model``).
             family, max_shard_bytes, dtype, overwrite: as :func:`~lightning_moe_overlap.hf.export.export_hf`.
@@ -868,10 +869,11 @@ class MoEOverlapStrategy(ParallelStrategy):
                 "the config from. Rule: the Hub folder needs the model's config.json. Fix: pass `config=` (a "
                 "`PretrainedConfig`, a config.json or the folder the run started from) and `prefix=`."
             )
+        generation = getattr(hf_model, "generation_config", None) if config is None else None
         return export_hf_sharded(
             self.held_tensors(), self.global_shapes(), dst, config=hf_model.config if config is None else config,
             family=family, prefix=found_prefix if prefix is None else prefix, max_shard_bytes=max_shard_bytes,
-            dtype=dtype, overwrite=overwrite,
+            dtype=dtype, overwrite=overwrite, generation_config=generation,
         )  # fmt: skip
 
     # -- collectives -----------------------------------------------------------------------------------------

@@ -21,6 +21,7 @@ from lightning_moe_overlap.checkpoint.consolidated import load_consolidated_stat
 from lightning_moe_overlap.checkpoint.fit_checks import agree
 from lightning_moe_overlap.checkpoint.legacy import is_legacy
 from lightning_moe_overlap.hf.export import CONFIG, DEFAULT_SHARD, INDEX, export_hf, parse_size
+from lightning_moe_overlap.hf.files import GENERATION_CONFIG
 from lightning_moe_overlap.hf.sharded_export import export_checkpoint_hf
 
 
@@ -68,7 +69,7 @@ def main(argv: list[str]) -> int:
             dist.destroy_process_group()
     if not started_group or int(os.environ.get("RANK", "0")) == 0:
         files = sorted(p.name for p in out.glob("model*.safetensors"))
-        files += [n for n in (INDEX, CONFIG) if (out / n).exists()]
+        files += [n for n in (INDEX, CONFIG, GENERATION_CONFIG) if (out / n).exists()]
         print(json.dumps({"exported": str(args.checkpoint), "to": str(out), "files": files}))
     return 0
 

@@ -27,7 +27,7 @@ from lightning_moe_overlap._install import install_hint
 from lightning_moe_overlap.hf.config_match import check_keys_fit_config
 from lightning_moe_overlap.hf.families import select_family
 from lightning_moe_overlap.hf.file_layout import file_entries, file_names, file_shards
-from lightning_moe_overlap.hf.files import CONFIG, INDEX
+from lightning_moe_overlap.hf.files import CONFIG, GENERATION_CONFIG, INDEX
 from lightning_moe_overlap.hf.keys import HFFamily, Piece
 
 OWNER = "`export_hf`"
@@ -64,6 +64,7 @@ def export_hf(
     max_shard_bytes: int | str = DEFAULT_SHARD,
     dtype: torch.dtype | None = None,
     overwrite: bool = False,
+    generation_config: Any = None,
 ) -> Path:
     """Write ``state_dict`` (whole tensors) as a Hugging Face checkpoint folder ``dst``.
 
@@ -80,6 +81,9 @@ def export_hf(
         max_shard_bytes: the largest file (bytes, or ``"5GB"``-style); one tensor larger than it gets a file alone.
         dtype: cast floating-point tensors to it (and record it in ``config.json``); default: as they are.
         overwrite: replace the checkpoint files of a non-empty ``dst`` (other files are kept).
+        generation_config: the decoding defaults written as ``generation_config.json`` (a transformers
+            ``GenerationConfig``, a dict, or a path to the file or its folder); default: the
+            ``generation_config.json`` next to ``config`` when it is a path, else none.
 
     Returns:
         ``dst``.
@@ -116,6 +120,7 @@ def export_hf(
         index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
         (out / INDEX).write_text(json.dumps(index, indent=2) + "\n")
     (out / CONFIG).write_text(json.dumps(config_dict, indent=2, sort_keys=True) + "\n")
+    write_generation_config(out, generation_config, config)
     return out
 
 
@@ -131,6 +136,27 @@ def check_destination(dst: Path, overwrite: bool) -> Path:
     return dst
 
 
+def write_generation_config(out: Path, generation_config: Any, config: Any) -> None:
+    """``out/generation_config.json`` from ``generation_config`` (a ``GenerationConfig``, a dict, or a path to the
+    file or its folder), or else the one next to ``config`` when that is a path; nothing when there is none."""
+    source = generation_config
+    if source is None and isinstance(config, (str, os.PathLike)):
+        source = config
+    if source is None:
+        return
+    if hasattr(source, "to_json_string"):  # a transformers GenerationConfig
+        text = source.to_json_string(use_diff=True)
+    elif isinstance(source, Mapping):
+        text = json.dumps(dict(source), indent=2, sort_keys=True) + "\n"
+    else:
+        path = Path(source)
+        file = path / GENERATION_CONFIG if path.is_dir() else path.with_name(GENERATION_CONFIG)
+        if not file.is_file():
+            return
+        text = file.read_text()
+    (out / GENERATION_CONFIG).write_text(text)
+
+
 def readable(path: Path) -> None:
     """Give ``path`` the mode a new file gets under the process's umask (safetensors writes through a private
     temporary file: 0600, which a serving process of another user could not read)."""
@@ -142,7 +168,7 @@ def readable(path: Path) -> None:
 def clear(dst: Path) -> None:
     """Remove the checkpoint files of an earlier export (other files stay, a sharded export's parts go); create
     ``dst``."""
-    for old in [*dst.glob("model*.safetensors"), dst / INDEX, dst / CONFIG, dst / PARTS]:
+    for old in [*dst.glob("model*.safetensors"), dst / INDEX, dst / CONFIG, dst / GENERATION_CONFIG, dst / PARTS]:
         if old.is_dir():
             shutil.rmtree(old)
         elif old.exists():

@@ -20,6 +20,7 @@ from lightning_moe_overlap._install import install_hint
 
 INDEX = "model.safetensors.index.json"
 CONFIG = "config.json"
+GENERATION_CONFIG = "generation_config.json"  # the decoding defaults `from_pretrained` reads next to the model
 
 DTYPES = {
     "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
@@ -91,11 +92,45 @@ def safetensors_files(path: Path, owner: str) -> list[Path]:
     return files
 
 
+def check_complete(file: Path, owner: str) -> None:
+    """Refuse a safetensors file whose header or data is cut short (an interrupted download or copy) with one error
+    naming it, before safetensors' own "incomplete metadata, file not fully covered" on every rank.
+
+    Raises:
+        ValueError: the file is shorter than its header says, or its header is not safetensors'.
+    """
+    size = file.stat().st_size
+    problem = None
+    with open(file, "rb") as f:
+        head = f.read(8)
+        length = int.from_bytes(head, "little") if len(head) == 8 else -1
+        if length < 0 or 8 + length > size:
+            problem = f"its header needs {max(length, 0) + 8} bytes and the file has {size}"
+        else:
+            try:
+                header = json.loads(f.read(length))
+            except ValueError:
+                header = None
+                problem = "its header is not a safetensors header (JSON)"
+            if header is not None:
+                ends = [t["data_offsets"][1] for k, t in header.items() if k != "__metadata__" and "data_offsets" in t]
+                needed = 8 + length + max(ends, default=0)
+                if needed > size:
+                    problem = f"its header says its tensors need {needed} bytes and the file has {size}"
+    if problem is not None:
+        raise ValueError(
+            f"{owner}: {file} is incomplete or not a safetensors file: {problem}. Rule: every file of the checkpoint "
+            "is read whole by some rank. Fix: download or copy the file again (an interrupted transfer leaves it "
+            "short)."
+        )
+
+
 def read_keys(path: Path, owner: str) -> dict[str, FileTensor]:
     """Every key of the checkpoint with its file, shape and dtype (headers only).
 
     Raises:
-        ValueError: a key is in two files, or a dtype is not one torch reads from safetensors.
+        ValueError: a file is incomplete (:func:`check_complete`), a key is in two files, or a dtype is not one torch
+            reads from safetensors.
         ImportError: ``safetensors`` is not installed.
     """
     try:
@@ -105,6 +140,7 @@ def read_keys(path: Path, owner: str) -> dict[str, FileTensor]:
         raise ImportError(f"{owner} needs `safetensors`, which is not installed. Install {hint}.") from err
     keys: dict[str, FileTensor] = {}
     for file in safetensors_files(path, owner):
+        check_complete(file, owner)
         with safe_open(str(file), framework="pt") as f:
             for key in f.keys():
                 view = f.get_slice(key)

@@ -47,6 +47,7 @@ from lightning_moe_overlap.hf.export import (
     PARTS,
     check_destination,
     clear,
+    write_generation_config,
     config_dict_of,
     parse_size,
 )
@@ -107,6 +108,7 @@ def export_hf_sharded(
     max_shard_bytes: int | str = DEFAULT_SHARD,
     dtype: torch.dtype | None = None,
     overwrite: bool = False,
+    generation_config: Any = None,
 ) -> ExportReport:
     """Write the model whose tensors the ranks hold as a Hugging Face checkpoint folder ``dst``; collective.
 
@@ -114,7 +116,8 @@ def export_hf_sharded(
         held: name -> the tensor this rank holds (plain or ``DTensor``, never on meta); names of the unsplit model.
         shapes: every name of the whole model -> its global shape (the same on every rank); names outside
             ``prefix`` are left out.
-        dst, config, family, prefix, max_shard_bytes, dtype, overwrite: as :func:`~.export.export_hf`.
+        dst, config, family, prefix, max_shard_bytes, dtype, overwrite, generation_config: as
+            :func:`~.export.export_hf`.
 
     Returns:
         What this rank wrote.
@@ -159,6 +162,7 @@ def export_hf_sharded(
     _barrier()
     if rank == 0:
         _finish(plan.out, plan.config, shards, names, itemsize)
+        write_generation_config(plan.out, generation_config, config)
     _barrier()
     return ExportReport(plan.out, tuple(sorted(names)), len(entries), written, time.perf_counter() - started)
 
@@ -297,6 +301,7 @@ def export_checkpoint_hf(
     dtype: torch.dtype | None = None,
     overwrite: bool = False,
     weights_only: bool = True,
+    generation_config: Any = None,
 ) -> ExportReport:
     """Write the model of a sharded checkpoint directory this package saved as a Hugging Face folder, each process
     reading and writing ``1 / world`` of every tensor (rows of its first dimension): collective over the default
@@ -305,7 +310,8 @@ def export_checkpoint_hf(
 
     Args:
         checkpoint: the committed sharded checkpoint directory (format version 2).
-        dst, config, prefix, family, max_shard_bytes, dtype, overwrite: as :func:`export_hf_sharded`.
+        dst, config, prefix, family, max_shard_bytes, dtype, overwrite, generation_config: as
+            :func:`export_hf_sharded`.
         weights_only: read every file without running code from it.
 
     Raises:
@@ -318,5 +324,5 @@ def export_checkpoint_hf(
     held, shapes = read_parts(Path(checkpoint), prefix, weights_only=weights_only, owner=OWNER)
     return export_hf_sharded(
         held, shapes, dst, config=config, family=family, prefix=prefix, max_shard_bytes=max_shard_bytes,
-        dtype=dtype, overwrite=overwrite,
+        dtype=dtype, overwrite=overwrite, generation_config=generation_config,
     )  # fmt: skip

@@ -96,11 +96,13 @@ def test_the_layout_is_the_one_process_exports(results, kind, tmp_path) -> None:
                       prefix="model.", max_shard_bytes="20KB")  # fmt: skip
     for source in ("live", "saved"):
         folder = root / kind / source
-        assert sorted(p.name for p in folder.iterdir()) == sorted(p.name for p in whole.iterdir())
+        names = sorted(p.name for p in folder.iterdir() if p.name != "generation_config.json")
+        assert names == sorted(p.name for p in whole.iterdir())
         index = json.loads((folder / "model.safetensors.index.json").read_text())
         expected = json.loads((whole / "model.safetensors.index.json").read_text())
         assert index == expected
     assert len(per_rank[0][kind]["files"]) > 2
+    assert (root / kind / "live" / "generation_config.json").is_file()  # the live model's decoding defaults
 
 
 @pytest.mark.parametrize("kind", KINDS)

@@ -164,3 +164,33 @@ def test_the_files_are_readable_by_others_as_the_umask_allows(tmp_path):
     assert {p.name: p.stat().st_mode & 0o777 for p in out.iterdir()} == {
         "config.json": 0o644, "model.safetensors": 0o644
     }  # fmt: skip
+
+
+def test_the_generation_config_is_written_from_the_model_or_next_to_the_config(tmp_path):
+    from transformers import GenerationConfig
+
+    model = tiny_model("mixtral", seed=0)
+    state = model.state_dict()
+    generation = GenerationConfig(max_new_tokens=7, do_sample=True, temperature=0.5)
+    out = export_hf_sharded(state, _shapes(state), tmp_path / "a", config=model.config, generation_config=generation)
+    assert GenerationConfig.from_pretrained(out.folder).max_new_tokens == 7
+    model.config.save_pretrained(tmp_path / "source")
+    generation.save_pretrained(tmp_path / "source")  # a folder a run started from holds both
+    copied = export_hf(state, tmp_path / "b", config=tmp_path / "source")
+    assert GenerationConfig.from_pretrained(copied).temperature == 0.5
+    assert not (export_hf(state, tmp_path / "c", config=model.config) / "generation_config.json").exists()
+
+
+def test_an_incomplete_file_is_named_before_anything_is_read(tmp_path):
+    from lightning_moe_overlap.hf import HFWeights
+
+    model = tiny_model("qwen3_moe", seed=0)
+    model.save_pretrained(tmp_path / "hf")
+    file = tmp_path / "hf" / "model.safetensors"
+    file.write_bytes(file.read_bytes()[:-100])  # an interrupted copy
+    shapes = {f"model.{k}": tuple(v.shape) for k, v in model.state_dict().items()}
+    with pytest.raises(ValueError, match=r"model\.safetensors is incomplete .* the file has .* Fix: download or copy"):
+        HFWeights(tmp_path / "hf").check(shapes)
+    file.write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00not json at all!")
+    with pytest.raises(ValueError, match=r"its header is not a safetensors header"):
+        HFWeights(tmp_path / "hf").check(shapes)
