@@ -96,6 +96,7 @@ def export_hf(
     """
     limit = parse_size(max_shard_bytes)
     out = check_destination(Path(dst), overwrite)
+    generation = generation_text(generation_config, config)
     config_dict = config_dict_of(config)
     config_dict.pop("quantization_config", None)  # the tensors are written as they are: high precision, no scales
     if dtype is not None:
@@ -120,7 +121,8 @@ def export_hf(
         index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
         (out / INDEX).write_text(json.dumps(index, indent=2) + "\n")
     (out / CONFIG).write_text(json.dumps(config_dict, indent=2, sort_keys=True) + "\n")
-    write_generation_config(out, generation_config, config)
+    if generation is not None:
+        (out / GENERATION_CONFIG).write_text(generation)
     return out
 
 
@@ -136,25 +138,31 @@ def check_destination(dst: Path, overwrite: bool) -> Path:
     return dst
 
 
-def write_generation_config(out: Path, generation_config: Any, config: Any) -> None:
-    """``out/generation_config.json`` from ``generation_config`` (a ``GenerationConfig``, a dict, or a path to the
-    file or its folder), or else the one next to ``config`` when that is a path; nothing when there is none."""
-    source = generation_config
-    if source is None and isinstance(config, (str, os.PathLike)):
-        source = config
-    if source is None:
-        return
-    if hasattr(source, "to_json_string"):  # a transformers GenerationConfig
-        text = source.to_json_string(use_diff=True)
-    elif isinstance(source, Mapping):
-        text = json.dumps(dict(source), indent=2, sort_keys=True) + "\n"
-    else:
-        path = Path(source)
-        file = path / GENERATION_CONFIG if path.is_dir() else path.with_name(GENERATION_CONFIG)
-        if not file.is_file():
-            return
-        text = file.read_text()
-    (out / GENERATION_CONFIG).write_text(text)
+def generation_text(generation_config: Any, config: Any) -> str | None:
+    """The ``generation_config.json`` to write: from ``generation_config`` (a ``GenerationConfig``, a dict, or a path
+    to the file or its folder), or else the one next to ``config`` when that is a path; None when there is none.
+
+    Raises:
+        ValueError: ``generation_config`` is a path with no such file.
+    """
+    source = generation_config if generation_config is not None else config
+    if hasattr(source, "to_json_string") and generation_config is not None:  # a transformers GenerationConfig
+        return source.to_json_string(use_diff=True)
+    if isinstance(source, Mapping) and generation_config is not None:
+        return json.dumps(dict(source), indent=2, sort_keys=True) + "\n"
+    if not isinstance(source, (str, os.PathLike)):
+        return None
+    path = Path(source)
+    explicit = generation_config is not None
+    file = path / GENERATION_CONFIG if path.is_dir() else (path if explicit else path.with_name(GENERATION_CONFIG))
+    if file.is_file():
+        return file.read_text()
+    if explicit:
+        raise ValueError(
+            f"{OWNER}: generation_config={str(source)!r} is neither a generation_config.json nor a folder holding "
+            "one. Pass the file, its folder, a `GenerationConfig` or a dict, or leave it out."
+        )
+    return None
 
 
 def readable(path: Path) -> None:

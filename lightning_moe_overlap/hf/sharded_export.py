@@ -47,12 +47,13 @@ from lightning_moe_overlap.hf.export import (
     PARTS,
     check_destination,
     clear,
-    write_generation_config,
+    generation_text,
     config_dict_of,
     parse_size,
 )
 from lightning_moe_overlap.hf.families import select_family
 from lightning_moe_overlap.hf.file_layout import file_entries, file_names, file_shards
+from lightning_moe_overlap.hf.files import GENERATION_CONFIG
 from lightning_moe_overlap.hf.keys import HFFamily, Piece
 from lightning_moe_overlap.hf.planner import Chunk, chunk_of
 from lightning_moe_overlap.hf.save_planner import PieceSavePlanner
@@ -95,6 +96,7 @@ class _Plan:
     limit: int
     chunks: dict[str, Chunk]
     itemsize: dict[str, int]
+    generation: str | None
 
 
 def export_hf_sharded(
@@ -133,7 +135,8 @@ def export_hf_sharded(
     plan: _Plan | None = None
     error: Exception | None = None
     try:
-        plan = _plan(held, shapes, Path(dst), config, family, prefix, max_shard_bytes, dtype, overwrite)
+        plan = _plan(held, shapes, Path(dst), config, family, prefix, max_shard_bytes, dtype, overwrite,
+                     generation_config)  # fmt: skip
     except (ValueError, TypeError, NotImplementedError) as err:
         error = err
     agree(error)
@@ -161,8 +164,7 @@ def export_hf_sharded(
                                          [piece.key for _, piece in shards[k]])  # fmt: skip
     _barrier()
     if rank == 0:
-        _finish(plan.out, plan.config, shards, names, itemsize)
-        write_generation_config(plan.out, generation_config, config)
+        _finish(plan.out, plan.config, shards, names, itemsize, plan.generation)
     _barrier()
     return ExportReport(plan.out, tuple(sorted(names)), len(entries), written, time.perf_counter() - started)
 
@@ -210,10 +212,12 @@ def _plan(
     max_shard_bytes: int | str,
     dtype: torch.dtype | None,
     overwrite: bool,
+    generation_config: Any,
 ) -> _Plan:
     """Everything a rank can check alone, before any rank writes."""
     limit = parse_size(max_shard_bytes)
     out = check_destination(dst, overwrite)
+    generation = generation_text(generation_config, config)
     found = config_dict_of(config)
     found.pop("quantization_config", None)  # written in high precision, as export_hf
     if dtype is not None:
@@ -236,7 +240,7 @@ def _plan(
         k: (dtype.itemsize if dtype is not None and c.data.is_floating_point() else c.data.element_size())
         for k, c in chunks.items()
     }  # fmt: skip
-    return _Plan(out, found, chosen, limit, chunks, itemsize)
+    return _Plan(out, found, chosen, limit, chunks, itemsize, generation)
 
 
 def _gather_itemsizes(mine: dict[str, int]) -> dict[str, int]:
@@ -268,9 +272,10 @@ def _finish(
     shards: list[list[tuple[str, Piece]]],
     names: list[str],
     itemsize: Mapping[str, int],
+    generation: str | None,
 ) -> None:
     """Rank 0, once every file is joined: the parts removed, the index (as :func:`~.export.export_hf` writes it)
-    past one file, ``config.json``."""
+    past one file, ``config.json`` and ``generation_config.json`` (when there is one)."""
     shutil.rmtree(out / PARTS, ignore_errors=True)
     if len(shards) > 1:
         weight_map = {p.key: name for name, shard in zip(names, shards) for _, p in shard}
@@ -278,6 +283,8 @@ def _finish(
         index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
         (out / INDEX).write_text(json.dumps(index, indent=2) + "\n")
     (out / CONFIG).write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+    if generation is not None:
+        (out / GENERATION_CONFIG).write_text(generation)
 
 
 def _distributed() -> bool:

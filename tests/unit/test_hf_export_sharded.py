@@ -179,6 +179,8 @@ def test_the_generation_config_is_written_from_the_model_or_next_to_the_config(t
     copied = export_hf(state, tmp_path / "b", config=tmp_path / "source")
     assert GenerationConfig.from_pretrained(copied).temperature == 0.5
     assert not (export_hf(state, tmp_path / "c", config=model.config) / "generation_config.json").exists()
+    with pytest.raises(ValueError, match=r"generation_config='.*nowhere' is neither a generation_config.json"):
+        export_hf(state, tmp_path / "d", config=model.config, generation_config=tmp_path / "nowhere")
 
 
 def test_an_incomplete_file_is_named_before_anything_is_read(tmp_path):
