@@ -97,10 +97,7 @@ def export_hf(
     limit = parse_size(max_shard_bytes)
     out = check_destination(Path(dst), overwrite)
     generation = generation_text(generation_config, config)
-    config_dict = config_dict_of(config)
-    config_dict.pop("quantization_config", None)  # the tensors are written as they are: high precision, no scales
-    if dtype is not None:
-        config_dict["dtype"] = str(dtype).removeprefix("torch.")
+    config_dict = written_config(config, dtype)
     chosen = select_family(family, config_dict.get("model_type"), OWNER)
     tensors = _hf_tensors(state_dict, prefix, dtype)
     shapes = {k: tuple(v.shape) for k, v in tensors.items()}
@@ -182,6 +179,16 @@ def clear(dst: Path) -> None:
         elif old.exists():
             old.unlink()
     dst.mkdir(parents=True, exist_ok=True)
+
+
+def written_config(config: Any, dtype: torch.dtype | None) -> dict[str, Any]:
+    """The ``config.json`` an export writes: ``config`` (:func:`config_dict_of`) without its ``quantization_config``
+    (the tensors are written as they are: high precision, no scales), with ``dtype`` recorded when given."""
+    found = config_dict_of(config)
+    found.pop("quantization_config", None)
+    if dtype is not None:
+        found["dtype"] = str(dtype).removeprefix("torch.")
+    return found
 
 
 def config_dict_of(config: Any) -> dict[str, Any]:

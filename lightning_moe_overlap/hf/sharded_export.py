@@ -48,8 +48,8 @@ from lightning_moe_overlap.hf.export import (
     check_destination,
     clear,
     generation_text,
-    config_dict_of,
     parse_size,
+    written_config,
 )
 from lightning_moe_overlap.hf.families import select_family
 from lightning_moe_overlap.hf.file_layout import file_entries, file_names, file_shards
@@ -218,10 +218,7 @@ def _plan(
     limit = parse_size(max_shard_bytes)
     out = check_destination(dst, overwrite)
     generation = generation_text(generation_config, config)
-    found = config_dict_of(config)
-    found.pop("quantization_config", None)  # written in high precision, as export_hf
-    if dtype is not None:
-        found["dtype"] = str(dtype).removeprefix("torch.")
+    found = written_config(config, dtype)
     chosen = select_family(family, found.get("model_type"), OWNER)
     mine = {k: v for k, v in held.items() if k.startswith(prefix)}
     if not any(k.startswith(prefix) for k in shapes):
