@@ -4,7 +4,9 @@
 applies every validation rule for a world size without starting any process or building the model's weights (the
 model is instantiated on the meta device), and prints every problem with its fix. At ``pp > 1`` it also cuts the
 meta model as the strategy will and prints the pipeline layout and the parameters one process of each pp rank
-holds (``pipeline/report.py``).
+holds (``pipeline/report.py``). Where the model and the world size are known it prints the memory one process of
+each pp rank needs (parameters, gradients, optimizer state, activations; ``cli/memory/``) and warns where it exceeds
+the device's memory (``--memory-gb``, else the current GPU's).
 """
 
 from __future__ import annotations
@@ -138,6 +140,7 @@ class CheckResult:
 
     problems: list[Problem]
     pipeline: str | None = None
+    memory: str | None = None
 
 
 def collect_problems(
@@ -152,8 +155,17 @@ def collect_problems(
     return run_checks(config, world_size, machine_checks=machine_checks).problems
 
 
-def run_checks(config: dict[str, Any], world_size: int | None = None, *, machine_checks: bool = True) -> CheckResult:
-    """:func:`collect_problems`, plus the pipeline layout report at ``pp > 1``."""
+def run_checks(
+    config: dict[str, Any],
+    world_size: int | None = None,
+    *,
+    machine_checks: bool = True,
+    memory_limit: tuple[int | None, str] = (None, ""),
+) -> CheckResult:
+    """:func:`collect_problems`, plus the pipeline layout report at ``pp > 1`` and the memory table.
+
+    ``memory_limit``: ``(bytes, where the number comes from)`` of the device memory per process; a pp rank whose
+    estimate exceeds it is a warning (rule ``memory``). ``(None, ...)``: no comparison."""
     trainer = config.get("trainer") or {}
     cfg = _strategy_config(trainer.get("strategy", "auto"))
     if cfg is None:
@@ -186,7 +198,7 @@ def run_checks(config: dict[str, Any], world_size: int | None = None, *, machine
     if machine_checks:
         problems += check_fp8_machine(fp8, "cuda" if trainer.get("accelerator") in ("gpu", "cuda") else "cpu")
     problems += check_launch(cfg, _batch_size(config.get("data")), config.get("ckpt_path"))
-    report = None
+    report = memory = None
     if model_problem is not None:
         problems.append(model_problem)
     else:
@@ -196,12 +208,17 @@ def run_checks(config: dict[str, Any], world_size: int | None = None, *, machine
         known = world is not None and model_parallel and world % model_parallel == 0
         ep_span = world // cfg.pp if known else None
         problems += check_model(cfg, experts, ep_span, ep_choices)
+        split = None
         if _pipeline_known(cfg, problems):
             report, found = pipeline_findings(cfg, model)
             problems += found
+            split = _split(cfg, model) if not found else None
+        if world is not None and (cfg.pp == 1 or split is not None) and not any(p.is_error for p in problems):
+            memory, found = memory_findings(config, cfg, model, world, split, memory_limit)
+            problems += found
     problems += check_trainer(cfg, automatic_optimization=automatic)
     problems += component_problems(trainer)
-    return CheckResult(problems, report)
+    return CheckResult(problems, report, memory)
 
 
 def _meta_model_or_problem(model_spec: Any) -> tuple[tuple[Any, bool, dict[str, int]] | None, Problem | None]:
@@ -279,6 +296,42 @@ def pipeline_findings(cfg: OverlapConfig, model: Any) -> tuple[str | None, list[
     return layout_report(split, cfg.ep, schedule=schedule), []
 
 
+def _split(cfg: OverlapConfig, model: Any) -> Any:
+    """The meta model cut as the strategy will (:func:`pipeline_findings` found that it can be)."""
+    from lightning_moe_overlap.config.pipeline_layout import build_layout
+    from lightning_moe_overlap.pipeline.report import placement_for
+    from lightning_moe_overlap.pipeline.split import split_model
+    from lightning_moe_overlap.pipeline.splitters import count_layers
+
+    placement = placement_for(cfg.resolved_schedule)
+    layout = build_layout(count_layers(model), cfg.pp, cfg.resolved_vpp, cfg.pipeline_layout, placement=placement)
+    return split_model(model, layout)
+
+
+def memory_findings(
+    config: dict[str, Any], cfg: OverlapConfig, model: Any, world: int, split: Any, limit: tuple[int | None, str]
+) -> tuple[str | None, list[Problem]]:
+    """The memory table (``cli/memory/``) and a ``memory`` warning per pp rank above ``limit``; a failure of the
+    estimate is a line of the table's place, never a traceback."""
+    from lightning_moe_overlap.cli.memory import estimate_memory, memory_table, memory_warnings, settings_from_config
+
+    try:
+        rows, notes = estimate_memory(model, cfg, settings_from_config(config, world), split)
+    except Exception as err:  # noqa: BLE001 - the estimate reads the user's model: a note, never a traceback
+        return f"Memory per process: not estimated ({type(err).__name__}: {err})", []
+    warnings_ = memory_warnings(rows, *limit)
+    return memory_table(rows, notes), [Problem("memory", w.removeprefix("warning: "), None) for w in warnings_]
+
+
+def _memory_gb(text: str) -> float:
+    from lightning_moe_overlap.cli.memory.table import parse_memory_gb
+
+    try:
+        return parse_memory_gb(text)
+    except ValueError as err:
+        raise argparse.ArgumentTypeError(str(err)) from None
+
+
 def check_main(argv: Sequence[str]) -> int:
     parser = argparse.ArgumentParser(
         prog="lightning-moe-overlap check",
@@ -290,16 +343,25 @@ def check_main(argv: Sequence[str]) -> int:
     parser.add_argument(
         "--no-machine-checks", action="store_true", help="skip the rules about this machine (DeepEP, CUDA installed)"
     )
+    parser.add_argument(
+        "--memory-gb", type=_memory_gb, default=None,
+        help="device memory per process in GiB to compare the memory estimate with (default: the current GPU's, "
+        "when CUDA is available)",
+    )  # fmt: skip
     args, overrides = parser.parse_known_args(argv)
     config, parse_error = parse_fit_config(args.config, overrides)
     if parse_error is not None:
         problems = [parse_error]
     else:
         assert config is not None
-        result = run_checks(config, args.world_size, machine_checks=not args.no_machine_checks)
+        from lightning_moe_overlap.cli.memory import device_memory_bytes
+
+        result = run_checks(config, args.world_size, machine_checks=not args.no_machine_checks,
+                            memory_limit=device_memory_bytes(args.memory_gb))  # fmt: skip
         problems = result.problems
-        if result.pipeline is not None:
-            print(result.pipeline)
+        for text in (result.pipeline, result.memory):
+            if text is not None:
+                print(text)
     errors = [p for p in problems if p.is_error]
     for p in problems:
         print(p)
