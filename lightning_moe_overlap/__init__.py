@@ -10,6 +10,7 @@ from lightning_moe_overlap.callbacks import ActivationOffload, MoEMonitor, Overl
 from lightning_moe_overlap.config import OverlapConfig
 from lightning_moe_overlap.loss.tokens import step_tokens
 from lightning_moe_overlap.parallel import ParallelDims, ParallelGroups
+from lightning_moe_overlap.resumable_loader import ResumableDataLoader
 from lightning_moe_overlap.strategy import MoEOverlapStrategy
 
 __version__ = "0.1.0"
@@ -24,6 +25,7 @@ __all__ = [
     "OverlapTimeline",
     "ParallelDims",
     "ParallelGroups",
+    "ResumableDataLoader",
     "SelectiveRecompute",
     "__version__",
     "step_tokens",

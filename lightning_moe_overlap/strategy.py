@@ -15,10 +15,12 @@ from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
 from lightning.fabric.utilities.types import ReduceOp
 from lightning.pytorch import Trainer
 from lightning.pytorch.accelerators import Accelerator
+from lightning.pytorch.plugins.io import AsyncCheckpointIO
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies.parallel import ParallelStrategy
 from lightning.pytorch.strategies.strategy import TBroadcast
-from lightning.pytorch.trainer.states import RunningStage, TrainerFn
+from lightning.pytorch.trainer.states import RunningStage, TrainerFn, TrainerStatus
+from lightning.pytorch.utilities.exceptions import SIGTERMException
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_only
 from torch import Tensor
 from torch.distributed.fsdp import MixedPrecisionPolicy
@@ -29,6 +31,7 @@ from lightning_moe_overlap._compat import lightning as pl_compat
 from lightning_moe_overlap._noise import quiet_third_party_noise
 from lightning_moe_overlap.accumulation import Accumulation
 from lightning_moe_overlap.checkpoint import checkpointer
+from lightning_moe_overlap.checkpoint.background import BackgroundSaves
 from lightning_moe_overlap.config import (
     CheckpointFormat,
     Dispatcher,
@@ -142,6 +145,10 @@ class MoEOverlapStrategy(ParallelStrategy):
             rank writes its own experts and a share of the rest, loadable at any ep/dp layout) or
             ``"consolidated"`` (one file with the full experts, as an unsharded run writes it; for inference and
             export). Both are committed atomically; loading reads either (docs/checkpoints.md).
+        async_save: Write sharded checkpoints in the background while training goes on (DCP's ``async_save``: the
+            save returns once this rank's tensors are copied to host memory; at most one save in flight; committed
+            atomically when every rank's files are written). Lightning's ``AsyncCheckpointIO`` plugin turns it on
+            too (docs/checkpoints.md, "Saving in the background").
         expert_backend: Kernels of the experts' GEMMs: ``"torch"`` (pure PyTorch grouped GEMMs, runs everywhere)
             or ``"te"`` (NVIDIA Transformer Engine's ``GroupedLinear``, CUDA only, with ``delay_wgrad`` through its
             ``backward_dw``; the ``te`` extra). Parameters and checkpoints are the same.
@@ -213,6 +220,7 @@ class MoEOverlapStrategy(ParallelStrategy):
         timeout: float | timedelta | None = None,
         start_method: StartMethod = "popen",
         checkpoint_format: CheckpointFormat = "sharded",
+        async_save: bool = False,
         expert_backend: ExpertBackend = "torch",
         shard: ShardMode = "none",
         sequence_parallel: bool = True,
@@ -265,6 +273,7 @@ class MoEOverlapStrategy(ParallelStrategy):
             fp8=fp8,
             fsdp_mp_policy=fsdp_mp_policy,
             checkpoint_format=checkpoint_format,
+            async_save=async_save,
             optimizer_cpu_offload=optimizer_cpu_offload,
             optimizer_offload_fraction=optimizer_offload_fraction,
             timeout=timeout,
@@ -280,6 +289,7 @@ class MoEOverlapStrategy(ParallelStrategy):
         self._prepared: PreparedModel | None = None  # what `setup` built or adopted (parallelize/prepared_model.py)
         self._failed = False  # set by `on_exception`: the teardown then does no more work than it must
         self._signals = SignalAgreement()  # SIGTERM acted on at a batch boundary, by every rank together
+        self._saves: BackgroundSaves | None = None  # the background checkpoint saves of a run (`async_save`)
         self._path: StepPath | None = None  # how the step methods run (loop.py, pipeline/path.py)
         self._loop_trainer: Trainer | None = None  # whose automatic optimization skips backward for the loop
         self.token_scope = TokenScope()  # the step's token count, for `step_tokens` (loss/tokens.py)
@@ -618,8 +628,13 @@ class MoEOverlapStrategy(ParallelStrategy):
     @override
     def batch_to_device(self, batch: Any, device: torch.device | None = None, dataloader_idx: int = 0) -> Any:
         """Every rank agrees first whether a SIGTERM arrived since the last batch (one all-reduce of a flag); if
-        one did, every rank stops here together (``processes/signals.py``)."""
-        self._signals.agree(self.root_device)
+        one did, every rank stops here together (``processes/signals.py``), once the checkpoint being written in
+        the background (if any) is committed."""
+        try:
+            self._signals.agree(self.root_device)
+        except SIGTERMException:
+            self.wait_for_checkpoint()  # every rank is here, no step collective in flight: the save completes
+            raise
         return super().batch_to_device(batch, device, dataloader_idx)
 
     def _step_hooks(self, trainer: Trainer) -> StepHooks:
@@ -789,9 +804,30 @@ class MoEOverlapStrategy(ParallelStrategy):
                 "format with `checkpoint_format`."
             )
         checkpointer.save(checkpoint, filepath, self.config.checkpoint_format, self.lightning_module, self.optimizers,
-                          self.parallel_groups)  # fmt: skip
+                          self.parallel_groups, background=self._background_saves())  # fmt: skip
         if self._prepared is not None:  # `state_dict()` leaves `fully_shard`'s modules sharded
             self._prepared.sharded.release()
+
+    @property
+    def saves_in_background(self) -> bool:
+        """Whether saves during ``fit`` / ``validate`` / ... write in the background: ``async_save=True``, or Lightning's
+        ``AsyncCheckpointIO`` among the Trainer's plugins (docs/checkpoints.md, "Saving in the background")."""
+        return self.config.async_save or isinstance(self.checkpoint_io, AsyncCheckpointIO)
+
+    def wait_for_checkpoint(self) -> None:
+        """Block until the checkpoint being written in the background (if any) is committed under its name; raises
+        its error if it failed. Every rank calls it (a load, a removal, the next save and the run's end do)."""
+        if self._saves is not None:
+            self._saves.wait()
+
+    def _background_saves(self) -> BackgroundSaves | None:
+        """The run's background saves while a Trainer runs with them on; ``None`` (a synchronous save) otherwise."""
+        trainer = pl_compat.attached_trainer(self.lightning_module)
+        if not self.saves_in_background or trainer is None or trainer.state.status != TrainerStatus.RUNNING:
+            return None
+        if self._saves is None:
+            self._saves = BackgroundSaves(_as_timedelta(self.config.timeout))
+        return self._saves
 
     @override
     def load_checkpoint(self, checkpoint_path: str | os.PathLike, weights_only: bool | None = None) -> dict[str, Any]:
@@ -803,14 +839,17 @@ class MoEOverlapStrategy(ParallelStrategy):
         given (this strategy restores after setup); with the Trainer, opt out with
         ``TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD=1`` (docs/checkpoints.md).
         """
+        self.wait_for_checkpoint()
         module = self.lightning_module
         assert module is not None
         trainer = pl_compat.attached_trainer(module)
         fitting = trainer is not None and trainer.state.fn == TrainerFn.FITTING
-        return checkpointer.load(
+        checkpoint = checkpointer.load(
             checkpoint_path, module, self.optimizers, strict=module.strict_loading, restore_rng_state=fitting,
             weights_only=weights_only,
         )
+        # a checkpoint of an epoch's end resumes at the next epoch's first batch (docs/checkpoints.md, "Exact resume")
+        return pl_compat.finish_saved_epoch(checkpoint) if fitting else checkpoint
 
     @override
     def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
@@ -822,6 +861,7 @@ class MoEOverlapStrategy(ParallelStrategy):
 
     @override
     def remove_checkpoint(self, filepath: str | os.PathLike) -> None:
+        self.wait_for_checkpoint()  # the one being written may be the one removed
         checkpointer.remove(filepath, self.global_rank)
 
     def full_state_dict(self) -> dict[str, Any] | None:
@@ -905,6 +945,33 @@ class MoEOverlapStrategy(ParallelStrategy):
     @override
     def teardown(self) -> None:
         self._signals.uninstall()
+        failed_save = self._finish_saves()
+        try:
+            self._teardown()
+        finally:
+            if failed_save is not None:
+                raise failed_save
+
+    def _finish_saves(self) -> RuntimeError | None:
+        """The end of a run: the checkpoint in flight is written and committed (a run stopped by a signal committed
+        it before its ranks stopped: ``batch_to_device``). Its failure is returned (to raise after the teardown) or,
+        when the run failed (its process groups may be gone), logged. Where the run ended normally, every rank waits
+        for the commit, so every rank sees it."""
+        saves, self._saves = self._saves, None
+        if saves is None:
+            return None
+        try:
+            saves.close()
+        except RuntimeError as err:
+            if not self._failed:
+                return err
+            log.warning(str(err))
+            return None
+        if not self._failed:
+            self.barrier("checkpoint committed")
+        return None
+
+    def _teardown(self) -> None:
         if self._loop_trainer is not None:
             pl_compat.set_skip_backward(self._loop_trainer, False)
             self._loop_trainer = None

@@ -321,6 +321,23 @@ def rule_torch_version(cfg: OverlapConfig, version: str | None = None) -> list[P
     return []
 
 
+def rule_async_save(cfg: OverlapConfig) -> list[Problem]:
+    """``async_save``: a bool; the background applies to the sharded format (a consolidated save gathers first)."""
+    return [
+        *_when(not isinstance(cfg.async_save, bool), "async-save",
+               f"`async_save={cfg.async_save!r}` must be a bool (True or False).", TypeError),  # fmt: skip
+        *_when(
+            cfg.async_save is True and cfg.checkpoint_format == "consolidated",
+            "async-save-consolidated",
+            "`async_save=True` with `checkpoint_format='consolidated'`: a consolidated save gathers the whole model "
+            "on rank 0 and writes it before returning; only sharded saves are written in the background. Use "
+            "`checkpoint_format='sharded'` (the default) for background saves, and export a consolidated file once at "
+            "the end.",
+            None,
+        ),
+    ]
+
+
 CONFIG_RULES: tuple[Callable[[OverlapConfig], list[Problem]], ...] = (
     rule_sizes,
     rule_choices,
@@ -333,6 +350,7 @@ CONFIG_RULES: tuple[Callable[[OverlapConfig], list[Problem]], ...] = (
     rule_tensor_parallel,
     rule_shard,
     rule_overlap_grad_reduce,
+    rule_async_save,
     rule_torch_version,
 )
 

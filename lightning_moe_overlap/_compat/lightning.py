@@ -7,6 +7,7 @@ when Lightning renames or changes one.
 
 from __future__ import annotations
 
+import copy
 from typing import Any
 
 import torch
@@ -54,6 +55,55 @@ def replace_sigterm_notifier(trainer: Any, handler: Any) -> bool:
 def mark_sigterm_received(trainer: Any) -> None:
     """``trainer._signal_connector.received_sigterm = True``: what ``trainer.received_sigterm`` reads."""
     trainer._signal_connector.received_sigterm = True
+
+
+# -- the loops' saved progress --------------------------------------------------------------------------------------
+_COUNTERS = ("ready", "started", "processed", "completed")
+
+
+def finish_saved_epoch(checkpoint: dict[str, Any]) -> dict[str, Any]:
+    """``checkpoint`` with its fit loop's progress closed where it was saved at the end of an epoch (a copy), else
+    ``checkpoint`` itself.
+
+    Lightning 2.6's ``_FitLoop`` increments ``epoch_progress``'s ``processed`` before the epoch-end hooks (where
+    ``ModelCheckpoint(every_n_epochs=...)`` saves) and ``completed`` after them. Restored with ``max_steps`` set
+    (``_FitLoop._iteration_based_training`` forces ``restarting``), that state re-enters the finished epoch: one
+    step on the next epoch's first batch labelled as the old epoch, then that batch again, a step short at the end.
+    The saved state that says so: the epoch's counters ``ready == started == processed == completed + 1`` and the
+    epoch loop's batch counters all equal. The copy has the epoch completed and the epoch loop's per-epoch
+    (``current``) counters at zero, as ``_TrainingEpochLoop.reset`` leaves them at the start of an epoch, and its
+    validation loop's batch progress reset as each epoch's start resets it: the next epoch starts at its first batch
+    with or without ``max_steps``. Keys: ``loops.fit_loop`` (``epoch_progress``, ``epoch_loop.batch_progress``,
+    ``epoch_loop.scheduler_progress``, ``epoch_loop.automatic_optimization.optim_progress``,
+    ``epoch_loop.manual_optimization.optim_step_progress``, ``epoch_loop.val_loop.batch_progress``)."""
+    loop = checkpoint.get("loops", {}).get("fit_loop")
+    if not isinstance(loop, dict) or "epoch_progress" not in loop or "epoch_loop.batch_progress" not in loop:
+        return checkpoint
+    epochs, batches = loop["epoch_progress"], loop["epoch_loop.batch_progress"]
+    try:
+        ended = all(
+            epochs[t]["ready"] == epochs[t]["started"] == epochs[t]["processed"] == epochs[t]["completed"] + 1
+            and len({batches[t][k] for k in _COUNTERS}) == 1
+            for t in ("total", "current")
+        )
+    except (KeyError, TypeError):  # another Lightning's layout: left as it is
+        return checkpoint
+    if not ended:
+        return checkpoint
+    loop = copy.deepcopy(loop)
+    for t in ("total", "current"):
+        loop["epoch_progress"][t]["completed"] = loop["epoch_progress"][t]["processed"]
+    loop["epoch_loop.batch_progress"]["is_last_batch"] = False
+    optimizer = loop.get("epoch_loop.automatic_optimization.optim_progress", {}).get("optimizer", {})
+    for progress in (loop["epoch_loop.batch_progress"], loop.get("epoch_loop.scheduler_progress"),
+                     optimizer.get("step"), optimizer.get("zero_grad"),
+                     loop.get("epoch_loop.manual_optimization.optim_step_progress")):  # fmt: skip
+        if isinstance(progress, dict) and isinstance(progress.get("current"), dict):
+            progress["current"] = dict.fromkeys(progress["current"], 0)
+    validation = loop.get("epoch_loop.val_loop.batch_progress")
+    if isinstance(validation, dict):
+        validation.update(total=dict.fromkeys(_COUNTERS, 0), current=dict.fromkeys(_COUNTERS, 0), is_last_batch=False)
+    return {**checkpoint, "loops": {**checkpoint["loops"], "fit_loop": loop}}
 
 
 # -- process groups ------------------------------------------------------------------------------------------------
@@ -190,6 +240,7 @@ __all__ = [
     "default_pg_timeout",
     "default_process_group_backend",
     "distributed_is_initialized",
+    "finish_saved_epoch",
     "fit_arguments",
     "mark_sigterm_received",
     "init_dist_connection",

@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import os
 import uuid
+from functools import partial
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -23,10 +25,11 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import nn
 
 from lightning_moe_overlap.checkpoint import atomic, fit_checks, legacy, safe_load, state
+from lightning_moe_overlap.checkpoint.background import BackgroundSaves, Commit, serialise
 from lightning_moe_overlap.checkpoint.consolidated import gather_full, read_consolidated, write_file
 from lightning_moe_overlap.checkpoint.optimizer import merge_param_groups, named_groups
 from lightning_moe_overlap.checkpoint.rng_state import capture_rng, read_rng, restore_rng
-from lightning_moe_overlap.checkpoint.sharded import VERSION, read_sharded, write_sharded
+from lightning_moe_overlap.checkpoint.sharded import VERSION, read_sharded, sharded_state, write_sharded
 from lightning_moe_overlap.config import CHECKPOINT_FORMATS, CheckpointFormat
 from lightning_moe_overlap.parallel import ParallelGroups
 
@@ -58,12 +61,18 @@ def save(
     module: nn.Module,
     optimizers: list[torch.optim.Optimizer],
     groups: ParallelGroups | None,
+    background: BackgroundSaves | None = None,
 ) -> None:
     """Write a checkpoint (every rank calls it): sharded directory or consolidated file, committed last.
 
     ``groups``: the run's process groups (``None`` for a single process); at pp > 1 they are required.
+    ``background``: write a sharded checkpoint in the background (:mod:`.background`): this returns once this
+    rank's tensors are copied to host memory, and the checkpoint appears under its name when every rank's files
+    are written. ``None`` (and every consolidated save) writes before returning.
     """
     fmt = check_format(checkpoint_format)
+    if background is not None:
+        background.wait()  # at most one in flight
     final, token = _broadcast((atomic.local_path(path, f"{_OWNER}.save_checkpoint"), uuid.uuid4().hex[:8]))
     rank, world_size = _rank_world()
     rng_state = capture_rng()
@@ -79,13 +88,26 @@ def save(
     if rank == 0:
         staging.mkdir(parents=True)
     _barrier()
+    if background is not None:
+        state, meta = sharded_state(checkpoint, named, rank=rank, rng=rng_state)
+        commit = None
+        if rank == 0:
+            finish = partial(_commit, staging, final, token, _marker(module, world_size, groups))
+            commit = Commit(staging, serialise(meta), finish)
+        background.start(state, staging, commit)
+        return
     write_sharded(staging, checkpoint, named, rank=rank, rng=rng_state)
     _barrier()  # every rank's files are on disk before the commit
     if rank == 0:
-        atomic.write_marker(staging, _marker(module, world_size, groups))
-        atomic.publish(staging, final, token)
-        _remove_leftovers(final, token)
+        _commit(staging, final, token, _marker(module, world_size, groups))
     _barrier()
+
+
+def _commit(staging: Path, final: Path, token: str, marker: dict[str, Any]) -> None:
+    """The coordinator, once every rank's files are in ``staging``: mark it complete, publish it as ``final``."""
+    atomic.write_marker(staging, marker)
+    atomic.publish(staging, final, token)
+    _remove_leftovers(final, token)
 
 
 def load(

@@ -75,8 +75,10 @@ def single_process_quiet() -> Iterator[None]:
         yield
 
 
-def write_sharded(staging: Path, checkpoint: dict[str, Any], groups: list[Any], *, rank: int, rng: bytes) -> None:
-    """Write this rank's part of a Lightning checkpoint into ``staging`` (collective over all ranks).
+def sharded_state(
+    checkpoint: dict[str, Any], groups: list[Any], *, rank: int, rng: bytes
+) -> tuple[dict[str, Any], dict[str, Any]]:
+    """This rank's DCP state of a Lightning checkpoint and ``meta.pt``'s content (rank 0 writes it).
 
     ``checkpoint["state_dict"]`` and each ``checkpoint["optimizer_states"][i]`` are what :mod:`.state` gives (the
     held entries); ``groups``: each optimizer's parameter groups by name (rank 0's are written).
@@ -87,6 +89,13 @@ def write_sharded(staging: Path, checkpoint: dict[str, Any], groups: list[Any], 
     meta = {k: v for k, v in checkpoint.items() if k not in ("state_dict", "optimizer_states")}
     if "optimizer_states" in checkpoint:
         meta["optimizer_states"] = [{"param_groups": g} for g in groups]
+    return state, meta
+
+
+def write_sharded(staging: Path, checkpoint: dict[str, Any], groups: list[Any], *, rank: int, rng: bytes) -> None:
+    """Write this rank's part of a Lightning checkpoint into ``staging`` (collective over all ranks); see
+    :func:`sharded_state` for the arguments."""
+    state, meta = sharded_state(checkpoint, groups, rank=rank, rng=rng)
     with single_process_quiet():
         dcp.save(state, checkpoint_id=staging, no_dist=_no_dist())
     if rank == 0:
@@ -203,4 +212,5 @@ def read_all(path: Path, *, weights_only: bool = True) -> tuple[dict[str, Any], 
 
 
 __all__ = ["META_FILE", "MODEL", "RNG", "VERSION", "load_everything", "optimizer_key", "read_all", "read_meta",
-           "read_sharded", "saved_entries", "write_sharded"]
+           "read_sharded", "saved_entries", "sharded_state",
+           "single_process_quiet", "write_sharded"]

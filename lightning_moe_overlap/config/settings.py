@@ -85,6 +85,7 @@ class OverlapConfig:
     fp8: str | None = None
     fsdp_mp_policy: Any = None  # torch's `MixedPrecisionPolicy` (a frozen dataclass, compared by value) or None
     checkpoint_format: str = "sharded"
+    async_save: bool = False
     optimizer_cpu_offload: bool = False
     optimizer_offload_fraction: float = 1.0
     timeout: float | timedelta | None = None

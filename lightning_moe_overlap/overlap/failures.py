@@ -162,11 +162,15 @@ class FailureWatch:
 
     # -- after the step failed -----------------------------------------------------------------------------------
     def explain(self, err: BaseException) -> BaseException:
-        """The exception this rank raises for ``err``: ``err`` itself if this rank failed first (after posting it),
-        else a :class:`PeerFailure` naming the rank that did, chained from ``err``."""
+        """The exception this rank raises for ``err``: ``err`` itself if this rank failed first (after posting it)
+        or met the same error as the rank that did (the same type and message: an error every rank meets), else a
+        :class:`PeerFailure` naming the rank that did, chained from ``err``."""
         if isinstance(err, PeerFailure) or self._board is None:
             return err
-        if self._read_peer() is not None:
+        peer = self._read_peer()
+        if peer is not None and peer.split(": ", 1)[-1] == describe(self._rank, err).split(": ", 1)[-1]:
+            return err
+        if peer is not None:
             failure = self.peer_failure()
             failure.__cause__ = err
             return failure

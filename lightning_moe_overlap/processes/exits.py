@@ -7,6 +7,8 @@ other ranks with gloo's ``Connection closed by peer`` or a timeout. Here, on the
 - the launching process posts ``rank r was killed by SIGKILL`` when one of its children ends abnormally;
 - a rank that fails posts ``rank r failed: <type>: <message>`` unless another rank's report is already there;
 - a rank whose error follows another's reads that report and says, in one line, which rank ended it and why;
+- a rank started by this package's launcher whose error is rank 0's own (the same type and message: a user error in
+  ``training_step`` that every rank meets) says so in one line; rank 0 shows it in full;
 - an error marked ``_checks.same_on_every_rank`` (a configuration error, found alike by every rank: the validation
   rules, the split of a batch into micro-batches) is shown once, by rank 0; the other ranks post it too (in case
   rank 0 did not find it after all) and say in one line that rank 0 shows it.
@@ -49,7 +51,22 @@ class ExitBoard:
         _quietly(lambda: store.append(f"{NAMESPACE}/ranks", f"{rank}\n"))
 
     def post_failure(self, err: BaseException) -> None:
-        self.post(self.rank, "failed: " + describe(self.rank, err).split(": ", 1)[1])
+        self.post(self.rank, self.failure_text(err))
+
+    def failure_text(self, err: BaseException) -> str:
+        """What :meth:`post_failure` posts for ``err``: the same for the same error on any rank."""
+        return "failed: " + describe(self.rank, err).split(": ", 1)[1]
+
+    def report(self, rank: int, wait_s: float = 0.0, poll_s: float = 0.05) -> str | None:
+        """What ``rank`` posted (``"failed: ..."``), waiting up to ``wait_s`` for it; None if nothing."""
+        deadline = time.monotonic() + wait_s
+        store, key = self.store, f"{NAMESPACE}/rank{rank}"
+        while True:
+            if _quietly(lambda: store.check([key])):
+                return _quietly(lambda: store.get(key).decode())
+            if time.monotonic() >= deadline:
+                return None
+            time.sleep(poll_s)
 
     def first_peer(self, wait_s: float = 0.0, poll_s: float = 0.05) -> str | None:
         """``"rank r <why>"`` for the first other rank that posted, waiting up to ``wait_s`` for one; else None."""

@@ -161,6 +161,8 @@ class ExpertParallelScriptLauncher(pl_compat.SubprocessScriptLauncher):
                 line = f"[rank {rank}] stopped because {peer}. This rank's own error: {_one_line(err)}"
             else:
                 board.post_failure(err)
+                if self._child and rank != 0 and board.report(0, wait_s=PEER_WAIT_S) == board.failure_text(err):
+                    line = f"[rank {rank}] stopped by the same error as rank 0 (rank 0 shows it): {_one_line(err)}"
         if self._reaper is not None:
             self._release_children(board)
         if line is None:

@@ -120,6 +120,16 @@ def test_a_failure_inside_the_step_is_attributed_and_the_teardown_leaves_fsdp_al
     assert _wait_gone(pids, wait_s=5) == []
 
 
+def test_the_same_error_on_every_rank_inside_the_step_is_shown_once(tmp_path):
+    """Every rank raises the same ``ValueError`` in ``training_step``: rank 0's traceback, one line from rank 1 (not
+    a second traceback, nor a ``PeerFailure`` chained to rank 0's own error)."""
+    job = _start("raise-in-step", -1, tmp_path, devices=2, timeout_s=120)
+    code, out, _ = _finish(job, limit_s=120)
+    assert code != 0
+    assert out.count("Traceback") == 1 and "PeerFailure:" not in out, out[-3000:]
+    assert "[rank 1] stopped by the same error as rank 0 (rank 0 shows it): ValueError: boom inside the step" in out
+
+
 def test_an_error_every_rank_finds_after_spawning_is_shown_once(tmp_path):
     job = _start("late-config", -1, tmp_path, devices=2, timeout_s=120)
     code, out, _ = _finish(job, limit_s=120)

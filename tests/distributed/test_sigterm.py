@@ -29,8 +29,9 @@ REPO = Path(__file__).resolve().parents[2]
 HANG = 120  # seconds: far below the 10-minute timeout a hang waits out, far above a loaded machine's exit
 
 
-def _start(root: Path, mode: str, slow: bool = False) -> subprocess.Popen:
-    env = {**os.environ, "PYTHONPATH": str(REPO), "SLOW_SAVE": "1" if slow else "0"}
+def _start(root: Path, mode: str, slow: bool = False, background: bool = False) -> subprocess.Popen:
+    env = {**os.environ, "PYTHONPATH": str(REPO), "SLOW_SAVE": "1" if slow else "0",
+           "ASYNC_SAVE": "1" if background else "0"}  # fmt: skip
     log = open(root / f"{mode}.log", "w")  # noqa: SIM115 - closed with the process
     return subprocess.Popen([sys.executable, "-m", "tests.helpers.sigterm_run", str(root), mode], cwd=REPO, env=env,
                             stdout=log, stderr=subprocess.STDOUT)  # fmt: skip
@@ -52,10 +53,12 @@ def _alive(pid: int) -> bool:
     return True
 
 
-@pytest.fixture(scope="module")
-def stopped(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    root = tmp_path_factory.mktemp("stopped")
-    proc = _start(root, "run", slow=True)
+@pytest.fixture(scope="module", params=["sync", "async"])
+def stopped(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The run stopped by SIGTERM while its save of step 2 is written: synchronously, or in the background
+    (``async_save=True``: then the signal lands while the steps go on and the save's thread writes)."""
+    root = tmp_path_factory.mktemp(f"stopped-{request.param}")
+    proc = _start(root, "run", slow=True, background=request.param == "async")
     deadline = time.monotonic() + HANG
     while not (root / "saving-0-3").exists():  # the first save of step 2 (each step saves its own and last.ckpt)
         assert proc.poll() is None and time.monotonic() < deadline, (root / "run.log").read_text()[-3000:]

@@ -3,7 +3,8 @@
 
 Every DCP save first writes ``ROOT/saving-<local rank>-<n>`` (the process id); with ``SLOW_SAVE=1`` rank 1 then
 sleeps 2 s inside it, so a signal sent once ``saving-0-<n>`` appears lands while rank 0 waits in the save's
-collectives. ``MODE``: ``run`` (train up to 4 steps), ``resume`` (from ``ckpt_path="last"``, up to 3 steps); each
+collectives. With ``ASYNC_SAVE=1`` the strategy saves in the background (``async_save=True``): the DCP save, and the
+sleep, run in the save's thread while the steps go on. ``MODE``: ``run`` (train up to 4 steps), ``resume`` (from ``ckpt_path="last"``, up to 3 steps); each
 writes ``ROOT/<mode>.json`` with the global step it started from and the losses it logged, if it ends.
 """
 
@@ -18,6 +19,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed.checkpoint as dcp
+import torch.distributed.checkpoint.state_dict_saver as dcp_saver
 from lightning.pytorch import Callback, Trainer
 from lightning.pytorch.callbacks import ModelCheckpoint
 
@@ -54,7 +56,7 @@ def slow_save(root: Path):
 
 
 def main(root: Path, mode: str) -> None:
-    dcp.save = slow_save(root)
+    dcp.save = dcp_saver.save = slow_save(root)  # the second: what `async_save`'s thread calls
     torch.manual_seed(0)
     model = MoEGPT(vocab_size=64, hidden_size=16, num_layers=2, num_heads=2, num_experts=4, top_k=2,
                    ffn_hidden_size=16, seed=0)  # fmt: skip
@@ -62,7 +64,7 @@ def main(root: Path, mode: str) -> None:
     checkpoints = ModelCheckpoint(dirpath=root / "ckpt", every_n_train_steps=1, save_last=True, save_top_k=-1)
     trainer = Trainer(
         accelerator="cpu", devices=2, max_steps=4 if mode == "run" else 3, logger=False, enable_progress_bar=False,
-        enable_model_summary=False, strategy=MoEOverlapStrategy(ep=2, timeout=timedelta(minutes=10)),
+        enable_model_summary=False, strategy=MoEOverlapStrategy(ep=2, timeout=timedelta(minutes=10), async_save=os.environ.get("ASYNC_SAVE") == "1"),
         callbacks=[checkpoints, record],
     )  # fmt: skip
     data = SyntheticTokens(vocab_size=64, seq_len=8, batch_size=4, num_samples=400)

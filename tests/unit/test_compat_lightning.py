@@ -255,6 +255,7 @@ def test_replace_sigterm_notifier_and_mark_sigterm_received() -> None:
 
 
 TESTED = {
+    "finish_saved_epoch",  # tests/unit/test_exact_resume.py
     "set_device_mesh",
     "mark_sigterm_received",
     "replace_sigterm_notifier",

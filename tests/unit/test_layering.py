@@ -19,7 +19,7 @@ from tests.helpers.import_graph import PACKAGE, import_graph, strongly_connected
 # validation rules and the run's processes; the orchestration that parallelises a model; the strategy; the entry
 # points (callbacks, the console script, the demos, the package's public names).
 FLOORS: tuple[tuple[str, ...], ...] = (
-    ("_checks", "_compat", "_install", "_noise", "registry", "step_logs"),
+    ("_checks", "_compat", "_install", "_noise", "registry", "step_logs", "resumable_loader"),
     ("config", "float8", "loss", "parallel"),
     ("overlap", "accumulation", "loop"),
     ("moe",),
