@@ -133,6 +133,12 @@ def load(
             more than plain data (the message names the file and the opt-out).
     """
     src = atomic.local_path(path, f"{_OWNER}.load_checkpoint")
+    if src.is_symlink() and not src.exists():
+        raise FileNotFoundError(
+            f"{_OWNER}.load_checkpoint: {src} links to {os.readlink(src)}, which does not exist: the save it links to "
+            "was not committed (`ModelCheckpoint(save_last='link')` links as the save starts; a run killed before "
+            f"its background save was committed leaves the link). Resume from an earlier checkpoint in {src.parent}."
+        )
     ignored_leftovers(src)
     safe = safe_load.resolve(weights_only)
     rank, world_size = _rank_world()

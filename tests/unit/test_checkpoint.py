@@ -240,6 +240,10 @@ def test_path_and_format_errors(tmp_path):
         checkpointer.load(tmp_path / "missing", model, [opt])
     with pytest.raises(FileNotFoundError, match=r"no checkpoint at .*gone\. Check the path"):
         atomic.read_marker(tmp_path / "gone")
+    (tmp_path / "last.ckpt").symlink_to(tmp_path / "epoch=0-step=9.ckpt")  # a link to a save never committed
+    with pytest.raises(FileNotFoundError, match=r"last\.ckpt links to .*step=9\.ckpt, which does not exist: the save "
+                                                r"it links to was not committed.*Resume from an earlier checkpoint"):
+        checkpointer.load(tmp_path / "last.ckpt", model, [opt])
     with pytest.raises(NotImplementedError, match=r"'s3://b/ck' is a URL; expert-parallel checkpoints are written"):
         checkpointer.load("s3://b/ck", model, [opt])
     with pytest.raises(ValueError, match=r"`checkpoint_format='zip'` is not one of \['sharded', 'consolidated'\]"):
