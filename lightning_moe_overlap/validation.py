@@ -410,8 +410,30 @@ def check_offload_optimizer(optimizer: object) -> list[Problem]:
                         f"`configure_optimizers` returned a `{name}`. {fix}", TypeError)]  # fmt: skip
     why = next((_NOT_PER_PARAMETER[c.__name__] for c in type(optimizer).__mro__ if c.__name__ in _NOT_PER_PARAMETER),
                None)  # fmt: skip
-    return _when(why is not None, "offload-optimizer", f"`optimizer_cpu_offload=True` cannot wrap `{name}`: {why}. "
-                 f"{fix}", TypeError)  # fmt: skip
+    device_bound = _device_bound_groups(optimizer)
+    return [
+        *_when(why is not None, "offload-optimizer", f"`optimizer_cpu_offload=True` cannot wrap `{name}`: {why}. "
+               f"{fix}", TypeError),  # fmt: skip
+        *_when(
+            bool(device_bound), "offload-optimizer-device-state",
+            f"`optimizer_cpu_offload=True` cannot wrap `{name}` with {', '.join(device_bound)}: torch's update then "
+            "asserts that every parameter and step counter is on the accelerator (CUDA graph capture), and the "
+            "offloaded part runs on the host. Use `capturable=False` and a float learning rate (the defaults), or set "
+            "`optimizer_cpu_offload=False`.",
+            TypeError,
+        ),
+    ]
+
+
+def _device_bound_groups(optimizer: torch.optim.Optimizer) -> list[str]:
+    """What of ``optimizer``'s groups binds its update to the accelerator: ``capturable=True``, a tensor ``lr``."""
+    found = []
+    for i, group in enumerate(optimizer.param_groups):
+        if group.get("capturable"):
+            found.append(f"`capturable=True` (group {i})")
+        if isinstance(group.get("lr"), torch.Tensor) and group["lr"].device.type != "cpu":
+            found.append(f"a `{group['lr'].device.type}` tensor learning rate (group {i})")
+    return found
 
 
 # -- rules on the world ----------------------------------------------------------------------------------------
@@ -539,6 +561,9 @@ def rule_overlap_pp_max_connections(cfg: OverlapConfig, device_type: str) -> lis
 # -- rules on DeepEP (dispatcher="flex") ----------------------------------------------------------------------
 DEEPEP_INTRANODE_EP: tuple[int, ...] = (2, 4, 8)  # ranks DeepEP's intranode kernels are compiled for
 DEEPEP_GPUS_PER_NODE = 8  # NVLink peers per node DeepEP's internode (RDMA) kernels assume
+# the ranks DeepEP's `Buffer.get_dispatch_config` / `get_combine_config` have a tuned config for (any other size
+# fails there, at the first dispatch)
+DEEPEP_CONFIGURED_EP: tuple[int, ...] = (2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 144, 160)
 _PRECISION_ALIASES = {"16": "16-mixed", "bf16": "bf16-mixed", "32": "32-true", "64": "64-true", "half": "16-true"}
 
 
@@ -549,7 +574,8 @@ def normalize_precision(precision: object) -> str:
 
 
 def rule_flex_ep_size(cfg: OverlapConfig, devices_per_node: int | None) -> list[Problem]:
-    """DeepEP runs on 2, 4 or 8 ranks of one node, or on a multiple of 8 ranks across nodes of 8 GPUs."""
+    """DeepEP runs on 2, 4 or 8 ranks of one node, or across nodes of 8 GPUs on the sizes its dispatch and combine
+    have a config for (16, 24, 32, 48, 64, 96, 128, 144, 160)."""
     if cfg.resolved_flex_backend != "deepep" or not is_positive_int(cfg.ep):
         return []
     ep = cfg.ep
@@ -569,14 +595,15 @@ def rule_flex_ep_size(cfg: OverlapConfig, devices_per_node: int | None) -> list[
                 f"{DEEPEP_GPUS_PER_NODE} across nodes), or use `dispatcher='alltoall'`.",
             )
         ]
-    if not in_one_node and (ep % DEEPEP_GPUS_PER_NODE or devices_per_node not in (None, DEEPEP_GPUS_PER_NODE)):
+    internode = [n for n in DEEPEP_CONFIGURED_EP if n > DEEPEP_GPUS_PER_NODE]
+    if not in_one_node and (ep not in internode or devices_per_node not in (None, DEEPEP_GPUS_PER_NODE)):
         return [
             Problem(
                 "flex-ep-size",
                 f"{OWNER}: `dispatcher='flex'` with `ep={ep}` ({per_node}) spans nodes: DeepEP's internode "
-                f"(RDMA) kernels need ep to be a multiple of {DEEPEP_GPUS_PER_NODE} with {DEEPEP_GPUS_PER_NODE} "
-                f"GPUs per node. Use ep in {list(DEEPEP_INTRANODE_EP)} inside a node or a multiple of "
-                f"{DEEPEP_GPUS_PER_NODE} on nodes of {DEEPEP_GPUS_PER_NODE} GPUs, or `dispatcher='alltoall'`.",
+                f"(RDMA) kernels need {DEEPEP_GPUS_PER_NODE} GPUs per node, and its dispatch and combine have a "
+                f"config for ep in {internode} only. Use ep in {list(DEEPEP_INTRANODE_EP)} inside a node or one of "
+                f"{internode} on nodes of {DEEPEP_GPUS_PER_NODE} GPUs, or `dispatcher='alltoall'`.",
             )
         ]
     return []

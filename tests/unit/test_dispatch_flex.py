@@ -25,6 +25,7 @@ from lightning_moe_overlap.moe.dispatch import (
     build_dispatcher,
     require_flex_backend,
 )
+from lightning_moe_overlap.moe.dispatch.deepep_buffers import index_dtype
 from lightning_moe_overlap.moe.grouped import grouped_mlp
 from lightning_moe_overlap.overlap.observers import CommTimer
 from lightning_moe_overlap.overlap.runtime import CommRuntime
@@ -254,6 +255,30 @@ def test_require_flex_backend_without_deep_ep(monkeypatch: pytest.MonkeyPatch) -
         require_flex_backend()
     with pytest.raises(ImportError, match="DeepEP package"):
         build_dispatcher("flex", None, 4, None)
+
+
+def test_a_deep_ep_whose_import_fails_is_named_with_the_fix(monkeypatch: pytest.MonkeyPatch) -> None:
+    import importlib
+
+    real = importlib.import_module
+
+    def failing(name, *args):
+        if name == "deep_ep":
+            raise AssertionError("NCCL version mismatch")  # what DeepEP's own import check raises
+        return real(name, *args)
+
+    monkeypatch.setattr(importlib, "import_module", failing)
+    with pytest.raises(ImportError, match=r"is installed but its import failed \(AssertionError: NCCL version "
+                                          r"mismatch\).*reinstall it for this torch and CUDA with .*deepep.*"
+                                          r"dispatcher='alltoall'"):
+        require_flex_backend()
+
+
+def test_the_index_dtype_is_deep_eps_build_option() -> None:
+    build = types.ModuleType("deep_ep")
+    assert index_dtype(build) == torch.int64  # a build that does not say
+    build.topk_idx_t = torch.int32
+    assert index_dtype(build) == torch.int32
 
 
 def test_require_flex_backend_without_cuda(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -207,3 +207,19 @@ def test_an_optimizer_it_cannot_wrap_is_refused_by_name(build, match):
         offload_optimizers([optimizer], 1.0, CPU)
     assert [p.rule for p in check_offload_optimizer(optimizer)] == ["offload-optimizer"]
     assert check_offload_optimizer(_adamw(_model())) == []
+
+
+def test_an_optimizer_bound_to_the_accelerator_is_refused_by_name():
+    """``capturable=True``: torch's own update asserts that the parameters are on an accelerator (the host copies of
+    an offload are not), which the oracle below shows on this machine's CPU parameters."""
+    params = list(_model().parameters())
+    captured = torch.optim.AdamW(params, capturable=True)
+    for p in params:
+        p.grad = torch.zeros_like(p)
+    with pytest.raises(Exception, match=r"capturable"):
+        captured.step()  # torch's own rule, on host tensors
+    problems = check_offload_optimizer(torch.optim.AdamW(params, capturable=True))
+    assert [p.rule for p in problems] == ["offload-optimizer-device-state"]
+    with pytest.raises(TypeError, match=r"cannot wrap `AdamW` with `capturable=True` \(group 0\): torch's update then "
+                                        r"asserts.*Use `capturable=False` and a float learning rate"):
+        offload_optimizers([torch.optim.AdamW(params, capturable=True)], 1.0, CPU)

@@ -189,7 +189,10 @@ def test_validation_trainer_rules():
         (1, 8, r"`dispatcher='flex'` with `ep=1` \(devices per node=8\) \(ep=1 moves no token between processes\)"),
         (6, 6, r"`ep=6` \(devices per node=6\): DeepEP's intranode kernels run on \[2, 4, 8\] ranks of one node"),
         (3, None, r"`ep=3` \(devices per node unknown\).*Set `ep` to one of \[2, 4, 8\]"),
-        (12, 8, r"`ep=12` \(devices per node=8\) spans nodes: .*multiple of 8 with 8 GPUs per node"),
+        (12, 8, r"`ep=12` \(devices per node=8\) spans nodes: .*need 8 GPUs per node.*config for ep in \[16, 24, 32, "
+                r"48, 64, 96, 128, 144, 160\] only"),
+        (40, 8, r"`ep=40` \(devices per node=8\) spans nodes: .*config for ep in \[16, 24, "),  # a multiple of 8
+        (72, None, r"`ep=72` \(devices per node unknown\) spans nodes"),
         (8, 4, r"`ep=8` \(devices per node=4\) spans nodes"),
         (16, 4, r"`ep=16` \(devices per node=4\) spans nodes.*or `dispatcher='alltoall'`"),
         (4, 6, r"`ep=4` \(devices per node=6\) spans nodes"),  # ranks 4-7 straddle two nodes
@@ -201,7 +204,9 @@ def test_validation_flex_ep_size(ep, per_node, match):
         _raise(check_flex(cfg, devices_per_node=per_node))
 
 
-@pytest.mark.parametrize("ep,per_node", [(2, 8), (4, 8), (8, 8), (8, None), (16, 8), (64, 8), (2, 2), (4, 4)])
+@pytest.mark.parametrize(
+    "ep,per_node", [(2, 8), (4, 8), (8, 8), (8, None), (16, 8), (24, 8), (64, 8), (144, 8), (160, None), (2, 2), (4, 4)]
+)
 def test_validation_flex_ep_sizes_deepep_runs(ep, per_node):
     assert check_flex(OverlapConfig(dispatcher="flex", ep=ep), devices_per_node=per_node) == []
     # Other dispatchers have no such rule.

@@ -41,12 +41,26 @@ def require_flex_backend() -> Any:
             "dispatcher='flex' needs the DeepEP package (`deep_ep`), which is not installed. Install it with "
             f"{INSTALL_HINT} on a CUDA machine (Hopper GPUs with NVLink/RDMA), or use dispatcher='alltoall'."
         ) from err
+    except Exception as err:  # its import checks its NCCL library (an assertion) and sets up its JIT
+        raise ImportError(
+            f"dispatcher='flex': the DeepEP package (`deep_ep`) is installed but its import failed "
+            f"({type(err).__name__}: {err}). DeepEP checks at import that it was built against the NCCL library "
+            f"torch loads, and sets up its kernels' compilation: reinstall it for this torch and CUDA with "
+            f"{INSTALL_HINT}, or use dispatcher='alltoall'."
+        ) from err
     if not torch.cuda.is_available():
         raise ImportError(
             "dispatcher='flex' needs CUDA: DeepEP's kernels run on Hopper GPUs over NVLink/RDMA, but no CUDA device "
             "is available. Run on such a machine, or use dispatcher='alltoall' (runs everywhere, gloo included)."
         )
     return deep_ep
+
+
+def index_dtype(deep_ep: Any) -> torch.dtype:
+    """The dtype of DeepEP's top-k expert indices: ``deep_ep.topk_idx_t`` (a build option of DeepEP), int64 where a
+    build does not say."""
+    dtype = getattr(deep_ep, "topk_idx_t", None)
+    return dtype if isinstance(dtype, torch.dtype) else torch.int64
 
 
 def check_num_sms(num_sms: object, *, owner: str) -> None:

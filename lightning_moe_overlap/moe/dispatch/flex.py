@@ -46,6 +46,7 @@ from lightning_moe_overlap.moe.dispatch.comm import handoff, wait
 from lightning_moe_overlap.moe.dispatch.deepep_buffers import (
     INSTALL_HINT,
     DeepEPBuffers,
+    index_dtype,
     require_flex_backend,
 )
 from lightning_moe_overlap.moe.grouped import RowSplits
@@ -220,8 +221,9 @@ class FlexDispatcher(DispatcherBase):
                 if deepep_buffer is None
                 else DeepEPBuffers(deepep_num_sms, wire_dtype=None, buffer_factory=lambda group, nbytes: deepep_buffer)
             )
+        self._index_dtype = torch.int64  # a stand-in buffer's; DeepEP's own build says (`topk_idx_t`)
         if deepep_buffers.builds_deepep:
-            require_flex_backend()
+            self._index_dtype = index_dtype(require_flex_backend())
             if ep_group is None:
                 raise ValueError(
                     "`FlexDispatcher`: ep_group=None; DeepEP builds its buffer on a process group. Pass the "
@@ -261,8 +263,9 @@ class FlexDispatcher(DispatcherBase):
         return x_RD, RowSplits.of(counts), handle
 
     def _dispatch_preprocess(self, indices_TK: Tensor, weights_TK: Tensor) -> tuple[Tensor, Tensor]:
-        """No comm: DeepEP's conventions, int64 indices with ``-1`` for dropped choices and float32 weights."""
-        idx = indices_TK.long()
+        """No comm: DeepEP's conventions, indices of its build's dtype (``topk_idx_t``) with ``-1`` for dropped
+        choices, and float32 weights."""
+        idx = indices_TK.to(self._index_dtype)
         dropped = (idx < 0) | (idx >= self.num_experts)
         return torch.where(dropped, torch.full_like(idx, -1), idx), weights_TK.float()
 
