@@ -45,6 +45,9 @@ __all__ = ["EXPERT_BACKENDS", "ExpertBackend", "TEExperts", "TEProjection", "che
 TE_INSTALL_HINT = install_hint("te")
 
 
+_OWNER = "`expert_backend='te'`"
+
+
 def te_available() -> bool:
     """Whether ``transformer_engine`` is importable (without importing it)."""
     return importlib.util.find_spec("transformer_engine") is not None
@@ -91,24 +94,32 @@ class TEProjection:
         self._te = te_module
         self._linear: Any = None
         self._bound: tuple[int, torch.dtype, torch.device] | None = None
+        self._linear_dtype: torch.dtype | None = None
+        self._queued = 0  # backwards whose weight-gradient work TE holds for `backward_dw`
 
     def linear(self) -> Any:
-        """The TE module, (re)bound to the parameter's current memory."""
+        """The TE module, bound to the parameter's current memory.
+
+        Built once, on the meta device (no allocation, no draw from the CUDA generator), then its weights are made
+        views of the parameter's memory; when that memory changes (FSDP frees and gathers it around every step)
+        the same module is bound again."""
         w = local(self.weight).detach()
         key = (w.data_ptr(), w.dtype, w.device)
-        if self._linear is None or self._bound != key:
+        if self._linear is None or self._linear_dtype != w.dtype:
             te = self._te if self._te is not None else import_te()
             num_gemms, out_features, in_features = w.shape
-            linear = te.GroupedLinear(
-                num_gemms, in_features, out_features, bias=False, params_dtype=w.dtype, device=w.device,
+            self._linear = te.GroupedLinear(
+                num_gemms, in_features, out_features, bias=False, params_dtype=w.dtype, device="meta",
                 delay_wgrad_compute=True,
             )
-            if getattr(linear, "single_grouped_parameter", False):  # one [e, out, in] parameter: ours as is
-                linear.weight.data = w.data
+            self._linear_dtype, self._bound = w.dtype, None
+        if self._bound != key:
+            if getattr(self._linear, "single_grouped_parameter", False):  # one [e, out, in] parameter: ours as is
+                _bind(self._linear, "weight", w.data)
             else:
-                for i in range(num_gemms):  # weight{i} is expert i's slice: same memory, TE's [out, in] layout
-                    getattr(linear, f"weight{i}").data = w.data[i]
-            self._linear, self._bound = linear, key
+                for i in range(w.shape[0]):  # weight{i} is expert i's slice: same memory, TE's [out, in] layout
+                    _bind(self._linear, f"weight{i}", w.data[i])
+            self._bound = key
         return self._linear
 
     def __call__(self, x_RI: Tensor, sizes: Sequence[int], runtime: CommRuntime | None) -> Tensor:
@@ -120,6 +131,8 @@ class TEProjection:
         return y_RO
 
     def _after_backward(self, linear: Any, runtime: CommRuntime | None) -> None:
+        self._queued += 1  # TE's backward queued this one's weight-gradient work
+
         def finish() -> None:
             self.finish_wgrad(linear)
 
@@ -128,23 +141,51 @@ class TEProjection:
 
     @torch.no_grad()
     def finish_wgrad(self, linear: Any) -> None:
-        """Run TE's delayed weight-gradient GEMMs and accumulate them into the 3-D parameter's ``.grad``."""
+        """Run TE's delayed weight-gradient GEMMs and accumulate them into the 3-D parameter's ``.grad``.
+
+        Raises:
+            RuntimeError: no backward of this projection is waiting for its weight gradient, or TE's
+                ``backward_dw`` set none (it returns silently on an empty queue: the gradient would be zeros).
+        """
+        if self._queued == 0:
+            raise RuntimeError(
+                f"{_OWNER}: a weight-gradient run of the experts' {tuple(local(self.weight).shape)} projection was "
+                "asked for with no backward of it waiting: TE's `backward_dw` would run on an empty queue and leave "
+                "zeros. Each backward through the projection queues one run; report this with the schedule used."
+            )
+        self._queued -= 1
         linear.backward_dw()
         if getattr(linear, "single_grouped_parameter", False):
-            dw = linear.weight.grad if linear.weight.grad is not None else torch.zeros_like(linear.weight)
+            grads = [linear.weight.grad]
             linear.weight.grad = None
         else:
-            pieces = []
+            grads = []
             for i in range(local(self.weight).shape[0]):
                 w_i = getattr(linear, f"weight{i}")
-                pieces.append(torch.zeros_like(w_i) if w_i.grad is None else w_i.grad)  # (set, not added, by TE)
+                grads.append(w_i.grad)  # (set, not added, by TE)
                 w_i.grad = None
-            dw = torch.stack(pieces)
-        dw = dw.to(self.weight.dtype)
+        if any(g is None for g in grads):
+            raise RuntimeError(
+                f"{_OWNER}: TE's `backward_dw` set no weight gradient for the experts' "
+                f"{tuple(local(self.weight).shape)} projection although a backward of it was queued: its queue and "
+                "this backend's disagree, and the gradient would be zeros. Check that nothing else calls "
+                "`backward_dw` on these modules."
+            )
+        dw = (grads[0] if len(grads) == 1 and grads[0].dim() == 3 else torch.stack(grads)).to(self.weight.dtype)
         if self.weight.grad is None:
             self.weight.grad = like(self.weight, dw)
         else:
             local(self.weight.grad).add_(dw)
+
+
+def _bind(linear: nn.Module, name: str, memory: Tensor) -> None:
+    """Make ``linear``'s parameter ``name`` a view of ``memory``: the meta one it was built with is replaced (a meta
+    tensor cannot take another device's data), a bound one takes the new memory."""
+    current = getattr(linear, name)
+    if current.device == memory.device:
+        current.data = memory
+    else:
+        setattr(linear, name, nn.Parameter(memory, requires_grad=current.requires_grad))
 
 
 class TEExperts:

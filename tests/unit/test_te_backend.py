@@ -54,7 +54,7 @@ class FakeGroupedLinear(nn.Module):
         super().__init__()
         assert bias is False and delay_wgrad_compute is True
         FakeGroupedLinear.built += 1
-        self.num_gemms = num_gemms
+        self.num_gemms, self.built_on = num_gemms, str(device)
         for i in range(num_gemms):
             w = torch.empty(out_features, in_features, dtype=params_dtype, device=device)
             self.register_parameter(f"weight{i}", nn.Parameter(w))
@@ -66,6 +66,8 @@ class FakeGroupedLinear(nn.Module):
         return _FakeGroupedLinearFn.apply(inp, m_splits, self, *weights)
 
     def backward_dw(self) -> None:
+        if not self.store:
+            return  # as TE: an empty queue returns silently
         x, g, m_splits = self.store.popleft()
         for i, (x_e, g_e) in enumerate(zip(x.split(m_splits), g.split(m_splits))):
             getattr(self, f"weight{i}").grad = g_e.T @ x_e  # set, not accumulated (as TE without fused accumulation)
@@ -135,8 +137,9 @@ def test_te_weights_are_views_and_checkpoints_are_unchanged(fake_te: None) -> No
     built = FakeGroupedLinear.built
     assert projection.linear() is linear and FakeGroupedLinear.built == built
     te_ep.gate_up_proj.data = te_ep.gate_up_proj.data.clone()  # e.g. model.to(device): new memory
-    rebound = projection.linear()
-    assert rebound is not linear and rebound.get_parameter("weight2").data_ptr() == te_ep.gate_up_proj[2].data_ptr()
+    rebound = projection.linear()  # the same module, bound again: no new build (no allocation, no RNG draw)
+    assert rebound is linear and FakeGroupedLinear.built == built and linear.built_on == "meta"
+    assert rebound.get_parameter("weight2").data_ptr() == te_ep.gate_up_proj[2].data_ptr()
 
 
 def test_te_path_overlap_is_bitwise_equal_to_sequential(fake_te: None) -> None:
@@ -208,3 +211,21 @@ def test_te_projection_accumulates_into_existing_grad() -> None:
         projection(x, [2, 3], None).sum().backward()
     per_expert = [torch.ones(n, 3, dtype=torch.float64).T @ x_e for n, x_e in zip((2, 3), x.detach().split([2, 3]))]
     torch.testing.assert_close(weight.grad, 2 * torch.stack(per_expert))
+
+
+def test_a_weight_gradient_run_with_nothing_queued_is_an_error_not_zeros() -> None:
+    """TE's ``backward_dw`` returns silently on an empty queue (the stand-in does the same): a run asked for with
+    no backward waiting, or one whose queued work something else consumed, raises instead of leaving zeros."""
+    weight = nn.Parameter(torch.randn(2, 3, 4, dtype=torch.float64))
+    projection = TEProjection(weight, FAKE_TE)
+    with pytest.raises(RuntimeError, match=r"weight-gradient run of the experts' \(2, 3, 4\) projection was asked "
+                                           r"for with no backward of it waiting"):
+        projection.finish_wgrad(projection.linear())
+    runtime = CommRuntime(delay_wgrad=True)
+    x = torch.randn(5, 4, dtype=torch.float64, requires_grad=True)
+    projection(x, [2, 3], runtime).sum().backward()  # the weight-gradient run is queued in the runtime
+    projection.linear().backward_dw()  # another caller runs TE's queued work and takes its gradients
+    projection.linear().zero_grad(set_to_none=True)
+    with pytest.raises(RuntimeError, match=r"set no weight gradient .* its queue and this backend's disagree"):
+        runtime.flush_wgrad()
+    assert weight.grad is None
