@@ -141,7 +141,9 @@ def convert_linears(
     if convert:
         float8 = import_float8()
         chosen = frozenset(convert)
-        config = float8.Float8LinearConfig.from_recipe_name(recipe.name)
+        # the weight gradient contracts over the micro-batch's tokens, which CUDA's FP8 GEMM wants a multiple of 16
+        # of (as every contraction): torchao pads each contraction to it (zeros: the sums are unchanged)
+        config = dataclasses.replace(float8.Float8LinearConfig.from_recipe_name(recipe.name), pad_inner_dim=True)
         if float8_all_gather:
             config = dataclasses.replace(config, enable_fsdp_float8_all_gather=True)
         float8.float8_linear_utils.swap_linear_layers(

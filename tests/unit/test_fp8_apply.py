@@ -7,6 +7,7 @@ import sys
 
 import pytest
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from lightning_moe_overlap.demo import MoEGPT
@@ -159,3 +160,30 @@ def test_hugging_face_experts_not_yet_expert_parallel_are_reported_with_the_fix(
     with torch.device("meta"):  # another pipeline rank's chunk: not this rank's to report
         on_meta = HFMoECausalLM("qwen3_moe")
     assert not set(hf_experts) & set(apply_fp8(on_meta, "rowwise", dense=False).skipped)
+
+
+@pytest.mark.parametrize("recipe", ["tensorwise", "rowwise"])
+def test_dense_linears_meet_cudas_fp8_gemm_rule_at_any_token_count(recipe: str, monkeypatch) -> None:
+    """CUDA's ``_scaled_mm`` wants the contraction (``mat1``'s columns, ``mat2``'s rows) and ``mat2``'s columns in
+    multiples of 16; torch's CPU kernel does not check it, so the rule is applied here around it. The weight
+    gradient contracts over the tokens: 9 tokens (an odd sequence, a cp shard, a short batch) must still pass, with
+    the gradients of the unpadded product."""
+    real, shapes = torch._scaled_mm, []
+
+    def cuda_rule(mat1, mat2, *args, **kwargs):
+        shapes.append((tuple(mat1.shape), tuple(mat2.shape)))
+        assert mat1.shape[1] % 16 == 0 and mat2.shape[0] % 16 == 0 and mat2.shape[1] % 16 == 0, shapes[-1]
+        return real(mat1, mat2, *args, **kwargs)
+
+    model = nn.Sequential(nn.Linear(32, 48, bias=False))
+    reference = nn.Linear(32, 48, bias=False)
+    reference.load_state_dict(model[0].state_dict())
+    apply_fp8(model, recipe, module_filter=lambda module, fqn: True)
+    assert type(model[0]).__name__ == "Float8Linear"
+    monkeypatch.setattr(torch, "_scaled_mm", cuda_rule)
+    x = torch.randn(9, 32, generator=torch.Generator().manual_seed(0))
+    model(x).square().sum().backward()
+    assert len(shapes) == 3 and shapes[2][0][1] % 16 == 0  # forward, input gradient, weight gradient (padded)
+    reference(x).square().sum().backward()
+    cosine = F.cosine_similarity(model[0].weight.grad.flatten(), reference.weight.grad.flatten(), dim=0)
+    assert cosine > 0.99  # FP8's quantisation error, not a wrong contraction
