@@ -147,7 +147,18 @@ class ExpertParallelScriptLauncher(pl_compat.SubprocessScriptLauncher):
         rank = self.strategy.global_rank
         board = ExitBoard.for_default_group()
         line: str | None = None
-        if isinstance(err, PeerFailure):
+        own = _own_error(err)
+        if own is not None:  # another rank failed first, and this rank met an error of its own as well
+            if board is not None:
+                board.post_failure(own)
+            peer = str(err).split(". Its traceback", 1)[0]
+            if self._child:
+                line = f"[rank {rank}] {peer}. This rank's own error: {_one_line(own)}"
+            else:  # this process's own error, whole, with what the other rank did as a note
+                own.add_note(f"[rank {rank}] {peer}; its traceback is in that rank's output.")
+                own.__suppress_context__ = True
+                err = own
+        elif isinstance(err, PeerFailure):
             line = str(err)
         elif getattr(err, SAME_ON_EVERY_RANK, False):
             if rank != 0:
@@ -192,6 +203,15 @@ class ExpertParallelScriptLauncher(pl_compat.SubprocessScriptLauncher):
                 f"[rank {self.strategy.global_rank}] ended {listed}: still running {self.failure_grace_s:g} s "
                 "after the failure (the last signal sent is named).\n"
             )
+
+
+def _own_error(err: BaseException) -> Exception | None:
+    """The error of this rank's own behind a :class:`PeerFailure` (its cause), unless that error is only the sign of
+    the lost peer (a failed collective); None otherwise."""
+    own = err.__cause__ if isinstance(err, PeerFailure) else None
+    if isinstance(own, Exception) and not isinstance(own, PeerFailure) and not _looks_like_peer_loss(own):
+        return own
+    return None
 
 
 def _looks_like_peer_loss(err: BaseException) -> bool:

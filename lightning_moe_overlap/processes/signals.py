@@ -9,7 +9,8 @@ up, and every rank waits out the process group's timeout (30 minutes by default)
 signal and forwards it to the processes this one launched, as Lightning's does. What is in flight, a checkpoint save
 included, runs to its end. At the start of the next batch, where every rank is and no collective is in flight, the
 ranks agree on it with one all-reduce of a flag; if any rank received the signal, every rank marks it (Lightning's
-``trainer.received_sigterm``) and raises Lightning's ``SIGTERMException`` there together, so Lightning's interrupt
+``trainer.received_sigterm``) and raises Lightning's ``SIGTERMException`` there together (exit status 143 rather
+than Lightning's 0, so a job script tells a preempted run from a finished one), so Lightning's interrupt
 path (the callbacks' ``on_exception``, teardown) runs on all of them and the run ends within seconds. A checkpoint
 is therefore never left half written by the signal itself; a save killed harder (SIGKILL after a scheduler's grace
 period) leaves a ``.partial-`` entry that no loader accepts (``checkpoint/atomic.py``).
@@ -18,6 +19,7 @@ period) leaves a ``.partial-`` entry that no loader accepts (``checkpoint/atomic
 from __future__ import annotations
 
 import contextlib
+import signal
 from types import FrameType
 
 import torch
@@ -26,6 +28,9 @@ from lightning.pytorch.utilities.exceptions import SIGTERMException
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
 from lightning_moe_overlap._compat import lightning as pl_compat
+
+
+EXIT_STATUS = 128 + signal.SIGTERM  # 143, as a shell reports a process SIGTERM ended: preempted, not finished
 
 
 class SignalAgreement:
@@ -80,7 +85,7 @@ class SignalAgreement:
             stop = bool(flag.item())
         if stop:
             pl_compat.mark_sigterm_received(self._trainer)
-            raise SIGTERMException()
+            raise SIGTERMException(EXIT_STATUS)
 
     def uninstall(self) -> None:
         """At teardown (Lightning restores the handlers it replaced): the next run installs again."""

@@ -130,6 +130,17 @@ def test_the_same_error_on_every_rank_inside_the_step_is_shown_once(tmp_path):
     assert "[rank 1] stopped by the same error as rank 0 (rank 0 shows it): ValueError: boom inside the step" in out
 
 
+def test_an_error_of_its_own_on_every_rank_is_shown_once_per_rank(tmp_path):
+    """Every rank raises an error of its own in ``training_step`` (the messages differ): each is shown once, in
+    full, whichever rank posted first; none behind a ``PeerFailure``."""
+    job = _start("raise-in-step", -2, tmp_path, devices=2, timeout_s=120)
+    code, out, _ = _finish(job, limit_s=120)
+    assert code != 0
+    assert out.count("Traceback") == 2 and "PeerFailure:" not in out, out[-3000:]
+    for rank in (0, 1):
+        assert f"ValueError: boom inside the step on rank {rank}" in out, out[-3000:]
+
+
 def test_an_error_every_rank_finds_after_spawning_is_shown_once(tmp_path):
     job = _start("late-config", -1, tmp_path, devices=2, timeout_s=120)
     code, out, _ = _finish(job, limit_s=120)

@@ -65,7 +65,7 @@ def stopped(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFac
         time.sleep(0.05)
     time.sleep(0.3)  # rank 0 is in the save's collectives, rank 1 sleeps in it
     os.kill(proc.pid, signal.SIGTERM)
-    _wait(proc, root, "run")
+    assert _wait(proc, root, "run") == 143, (root / "run.log").read_text()[-3000:]  # preempted, not finished
     time.sleep(1)
     pids = [int(p.read_text()) for p in root.glob("saving-*")]
     assert not [pid for pid in set(pids) if _alive(pid)], pids

@@ -175,4 +175,7 @@ def test_table_and_warning():
     assert rows[0].activations is not None and rows[0].activations > 0
     (warning,) = memory_warnings(rows, 1000, "--memory-gb 1e-06")
     assert "pp rank 0 needs about" in warning and "--memory-gb 1e-06" in warning
+    assert "more than the 0.001 MiB of the device" in warning  # in the limit's scale: not "0.000 GiB"
+    mib = rows[0].device_total / (1 << 20)
+    assert f"needs about {mib:.3f} MiB per process" in warning
     assert memory_warnings(rows, None, "") == []

@@ -86,9 +86,10 @@ def memory_warnings(rows: Sequence[RankMemory], limit: int | None, source: str) 
     """One line per pp rank whose device total exceeds ``limit`` bytes (none when ``limit`` is None)."""
     if limit is None:
         return []
+    unit, name = (GIB, "GiB") if limit >= GIB else (1 << 20, "MiB")  # the limit's scale: both numbers readable
     return [
-        f"warning: pp rank {r.pp_rank} needs about {_gib(r.device_total)} GiB per process, more than the "
-        f"{_gib(limit)} GiB of the device ({source}). Shard more (`shard='full'`), raise ep / pp / tp, recompute "
+        f"warning: pp rank {r.pp_rank} needs about {_gib(r.device_total, unit)} {name} per process, more than the "
+        f"{_gib(limit, unit)} {name} of the device ({source}). Shard more (`shard='full'`), raise ep / pp / tp, recompute "
         "or offload activations (SelectiveRecompute, ActivationOffload), or use fewer micro-batches in flight."
         for r in rows
         if r.device_total > limit
