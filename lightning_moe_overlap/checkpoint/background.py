@@ -62,7 +62,7 @@ class BackgroundSaves:
     def __init__(self, timeout: timedelta) -> None:
         self._timeout = timeout
         self._group: dist.ProcessGroup | None = None
-        self._executor: ThreadPoolExecutor | None = None
+        self._executor: ThreadPoolExecutor | None = None  # one thread per save, ended by `wait`
         self._job: Future[None] | None = None
 
     @property
@@ -83,8 +83,7 @@ class BackgroundSaves:
         with single_process_quiet():
             written = dcp.async_save(state, checkpoint_id=staging, process_group=self._group, async_stager=stager,
                                      no_dist=not distributed)  # fmt: skip
-        if self._executor is None:
-            self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="moe-overlap-checkpoint")
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="moe-overlap-checkpoint")
         self._job = self._executor.submit(_finish, written, commit)
 
     def wait(self) -> None:
@@ -96,6 +95,7 @@ class BackgroundSaves:
         job, self._job = self._job, None
         if job is None:
             return
+        executor, self._executor = self._executor, None
         try:
             job.result()
         except (Exception, dcp.CheckpointException) as err:  # DCP's error of a rank's write is a BaseException
@@ -104,15 +104,15 @@ class BackgroundSaves:
                 "staging entry was not committed, so no loader reads it; the previous checkpoint is intact. Fix the "
                 "cause (disk space, permissions) or save synchronously (`async_save=False`)."
             ) from err
+        finally:
+            if executor is not None:
+                executor.shutdown(wait=True)  # its one job is done: no thread outlives the save
 
     def close(self) -> None:
-        """Wait for the save in flight, then release the thread and the process group."""
+        """Wait for the save in flight, then release the save's process group."""
         try:
             self.wait()
         finally:
-            if self._executor is not None:
-                self._executor.shutdown(wait=True)
-                self._executor = None
             if self._group is not None and dist.is_available() and dist.is_initialized():
                 dist.destroy_process_group(self._group)
             self._group = None

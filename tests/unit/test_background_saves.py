@@ -3,6 +3,7 @@ the live tensors may change once it returns, and a failed write is raised with i
 
 from __future__ import annotations
 
+import threading
 import warnings
 from datetime import timedelta
 from pathlib import Path
@@ -80,3 +81,4 @@ def test_a_failed_background_save_is_raised_with_its_cause_and_nothing_is_commit
     assert not (tmp_path / "b.ckpt").exists()
     assert [p.name for p in atomic.leftovers(tmp_path)] and not saves.in_flight
     saves.wait()  # raised once; nothing in flight now
+    assert not [t for t in threading.enumerate() if t.name.startswith("moe-overlap-checkpoint")]  # none outlives
