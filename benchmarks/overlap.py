@@ -75,7 +75,7 @@ ALL_MODES = {**MODES, MONITOR_MODE: (True, False), **PLAIN_MODES}
 def modes_of(cfg: Config) -> list[str]:
     """The modes a run measures."""
     if cfg.pp > 1:
-        return pipelined.pp_modes(cfg.schedule_name)
+        return list(pipelined.pp_modes(cfg))
     return [*MODES, *([MONITOR_MODE] if cfg.monitor else []), *(PLAIN_MODES if cfg.compare_dedup else [])]
 
 
@@ -112,6 +112,10 @@ class Config:
             (``shared_expert_overlap=True``).
         deterministic: with ``simulate_ep_ms``, deterministic kernels for the bitwise comparison of the modes;
             ``False`` asks whether overlapped and sequential steps still agree bitwise without them.
+        compare_schedules: with ``pp > 1``: 1F1B, interleaved 1F1B (vpp=2) and DualPipeV (vpp=2), each sequential and
+            overlapped, in one run (``pipelined.COMPARED``); ``vpp`` and ``pipeline_schedule`` are ignored.
+        a2a_delay_ms: with ``pp > 1``: every EP all-to-all lasts at least this long (a wait returns no earlier than
+            this after the issue), so the communication is large enough to see on CPU.
     """
 
     ranks: int = 2
@@ -141,6 +145,8 @@ class Config:
     compare_dedup: bool = False
     shared_ffn: int = 0
     deterministic: bool = True
+    compare_schedules: bool = False
+    a2a_delay_ms: float = 0.0
 
     @property
     def ep_size(self) -> int:
@@ -634,6 +640,14 @@ def parse_args(argv: list[str] | None = None) -> tuple[Config, bool]:
     )
     parser.add_argument("--shared-ffn", type=int, default=0, help="ffn size of a shared expert per MoE layer (0: none)")
     parser.add_argument(
+        "--compare-schedules", action="store_true",
+        help="with --pp: 1f1b, interleaved_1f1b (vpp 2) and dualpipev (vpp 2), sequential and overlapped, in one run",
+    )
+    parser.add_argument(
+        "--a2a-delay-ms", type=float, default=0.0, metavar="MS",
+        help="with --pp: every EP all-to-all lasts at least MS milliseconds (simulated network latency)",
+    )
+    parser.add_argument(
         "--nondeterministic", dest="deterministic", action="store_false",
         help="with --simulate-ep: leave deterministic algorithms off (is overlapped still bitwise sequential?)",
     )
@@ -644,7 +658,7 @@ def parse_args(argv: list[str] | None = None) -> tuple[Config, bool]:
     if args["compare_dedup"]:
         args["dedup"] = True
     cfg = Config(**args)
-    if cfg.pp != 1 or cfg.vpp != 1 or cfg.pipeline_schedule is not None:
+    if cfg.pp != 1 or cfg.vpp != 1 or cfg.pipeline_schedule is not None or cfg.compare_schedules or cfg.a2a_delay_ms:
         problem = pipeline_problem(cfg)
         if problem:
             parser.error(problem)
@@ -656,24 +670,26 @@ def pipeline_problem(cfg: Config) -> str | None:
     if cfg.pp < 1 or cfg.vpp < 1:
         return f"--pp {cfg.pp} / --vpp {cfg.vpp}: both must be >= 1."
     if cfg.pp == 1:
-        return f"--vpp {cfg.vpp} / --pipeline-schedule {cfg.pipeline_schedule} need --pp >= 2, got --pp 1."
+        return (
+            f"--vpp {cfg.vpp} / --pipeline-schedule {cfg.pipeline_schedule} / --compare-schedules / --a2a-delay-ms "
+            "need --pp >= 2, got --pp 1."
+        )
+    if cfg.a2a_delay_ms < 0:
+        return f"--a2a-delay-ms {cfg.a2a_delay_ms:g}: must be >= 0."
     extras = [flag for flag, on in (("--simulate-ep", cfg.simulate_ep_ms > 0), ("--monitor", cfg.monitor),
                                     ("--compare-dedup", cfg.compare_dedup)) if on]
     if extras:
         return f"--pp {cfg.pp} measures overlap off and on only; drop {', '.join(extras)} or use --pp 1."
     if cfg.device != "cpu":
         return f"--pp {cfg.pp} runs on CPU (gloo) only so far; use --device cpu or --pp 1."
-    if cfg.layers % (cfg.pp * cfg.vpp):
-        return (
-            f"--layers {cfg.layers} must split evenly into pp * vpp = {cfg.pp * cfg.vpp} chunks; use a multiple "
-            f"of {cfg.pp * cfg.vpp}."
-        )
+    runs = pipelined.pp_modes(cfg).values()
+    chunks = max(cfg.pp * vpp for _, vpp, _ in runs)
+    if cfg.layers % chunks:
+        return f"--layers {cfg.layers} must split evenly into pp * vpp = {chunks} chunks; use a multiple of {chunks}."
     try:
         ParallelDims.from_world_size(cfg.ranks, pp=cfg.pp, ep=cfg.ep_size)
-        validate_schedule(
-            cfg.schedule_name, pp=cfg.pp, vpp=cfg.vpp, num_microbatches=cfg.microbatches,
-            overlap=cfg.schedule_name != "1f1b",
-        )
+        for schedule, vpp, overlap in runs:
+            validate_schedule(schedule, pp=cfg.pp, vpp=vpp, num_microbatches=cfg.microbatches, overlap=overlap)
     except (ParallelDimsError, ValueError, NotImplementedError) as err:
         return str(err)
     return None

@@ -7,8 +7,11 @@ of ``stage_indices`` and runs torch's schedule (``build_stages`` + ``build_sched
 
 - ``sequential``: ``OverlapEngine(overlap=False)``: torch's schedule as it is;
 - ``overlap``: ``overlap=True``: every ``OVERLAP_F_B`` action (interleaved 1F1B rewritten into pairs, DualPipeV's
-  own) runs its forward and backward as the engine's two contexts. Not with ``1f1b``: one stage per rank never
-  pairs a forward with a backward.
+  own, 1F1B's paired order) runs its forward and backward as the engine's two contexts.
+
+With ``--compare-schedules`` the runs are those of :data:`COMPARED` instead (each schedule sequential and overlapped,
+``--vpp`` ignored), their steps interleaved in one run, every ratio against ``1f1b/sequential``. ``--a2a-delay-ms``
+makes each EP all-to-all last at least that long (:class:`DelayedCommunicator`), as a slower network would.
 
 Per rank and step it records the step time, the time inside the schedule's ``step``, the time inside compute
 actions (every ``forward_one_chunk`` / ``backward_one_chunk`` / ``backward_weight_one_chunk`` of the rank's
@@ -31,23 +34,61 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from lightning_moe_overlap.parallel.grads import sync_gradients
 from lightning_moe_overlap.moe.ep import apply_expert_parallel
+from lightning_moe_overlap.overlap.communicator import TORCH
 from lightning_moe_overlap.overlap.engine import OverlapEngine
 from lightning_moe_overlap.overlap.observers import CommTimer
 from lightning_moe_overlap.overlap.runtime import CommRuntime
 from lightning_moe_overlap.parallel import ParallelGroups
+from lightning_moe_overlap.parallel.grads import sync_gradients
 from lightning_moe_overlap.pipeline.executor import PipelineExecutor
 from lightning_moe_overlap.pipeline.schedules import build_schedule, build_stages, render_order, stage_indices
 
 SCHEDULES = ("1f1b", "interleaved_1f1b", "dualpipev")  # those that run a full backward (no split into I / W)
 PP_MODES: dict[str, bool] = {"sequential": False, "overlap": True}  # name -> overlap
 TIMED_ACTIONS = ("forward_one_chunk", "backward_one_chunk", "backward_weight_one_chunk")
+Run = tuple[str, int, bool]  # (schedule, vpp, overlap)
+COMPARED: dict[str, Run] = {
+    "1f1b/sequential": ("1f1b", 1, False),
+    "1f1b/overlap": ("1f1b", 1, True),
+    "interleaved/sequential": ("interleaved_1f1b", 2, False),
+    "interleaved/overlap": ("interleaved_1f1b", 2, True),
+    "dualpipev/sequential": ("dualpipev", 2, False),
+    "dualpipev/overlap": ("dualpipev", 2, True),
+}
 
 
-def pp_modes(schedule: str) -> list[str]:
-    """The modes a pipeline run measures: no overlapped mode for ``1f1b``."""
-    return ["sequential"] if schedule == "1f1b" else list(PP_MODES)
+def pp_modes(cfg: Any) -> dict[str, Run]:
+    """The runs a pipeline benchmark measures, by name; the first is the one every ratio divides by."""
+    if cfg.compare_schedules:
+        return dict(COMPARED)
+    return {mode: (cfg.schedule_name, cfg.vpp, overlap) for mode, overlap in PP_MODES.items()}
+
+
+class DelayedCommunicator:
+    """torch's collectives, each all-to-all's wait returning no earlier than ``delay_s`` after its issue (a slower
+    network's latency; the rank sleeps, leaving its core to the others)."""
+
+    def __init__(self, delay_s: float) -> None:
+        self.delay_s = delay_s
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(TORCH, name)
+
+    def all_to_all(self, *args: Any, **kwargs: Any) -> Any:
+        return _Delayed(TORCH.all_to_all(*args, **kwargs), time.perf_counter() + self.delay_s)
+
+
+class _Delayed:
+    def __init__(self, work: Any, until: float) -> None:
+        self.work, self.until = work, until
+
+    def wait(self) -> Any:
+        out = self.work.wait()
+        remaining = self.until - time.perf_counter()
+        if remaining > 0:
+            time.sleep(remaining)
+        return out
 
 
 class Chunk(nn.Module):
@@ -130,22 +171,23 @@ class PipeTrainer:
     dense: list[nn.Parameter]
     expert: list[nn.Parameter]
     indices: list[int] = field(default_factory=list)
+    num_stages: int = 1
 
 
 def loss_fn(output: Tensor, target: Tensor) -> Tensor:
     return nn.functional.mse_loss(output, target)
 
 
-def build_pipe_trainer(
-    cfg: Any, mode: str, groups: ParallelGroups, device: torch.device, net: nn.Module
-) -> PipeTrainer:
-    """This rank's chunks of ``net`` (a stack of ``cfg.layers`` blocks), expert-parallel over ``groups.ep``."""
-    overlap = PP_MODES[mode]
-    name, num_stages = cfg.schedule_name, cfg.pp * cfg.vpp
+def build_pipe_trainer(cfg: Any, run: Run, groups: ParallelGroups, device: torch.device, net: nn.Module) -> PipeTrainer:
+    """This rank's chunks of ``net`` (a stack of ``cfg.layers`` blocks) for ``run``, expert-parallel over
+    ``groups.ep``."""
+    name, vpp, overlap = run
+    num_stages = cfg.pp * vpp
     per = cfg.layers // num_stages
-    indices = stage_indices(name, pp=cfg.pp, vpp=cfg.vpp, pp_rank=groups.coords.pp)
+    indices = stage_indices(name, pp=cfg.pp, vpp=vpp, pp_rank=groups.coords.pp)
     chunks = [Chunk(list(net.blocks[i * per : (i + 1) * per])) for i in indices]
-    runtime = CommRuntime()
+    delay = getattr(cfg, "a2a_delay_ms", 0.0)
+    runtime = CommRuntime(communicator=DelayedCommunicator(delay / 1e3)) if delay > 0 else CommRuntime()
     knobs = {"dedup": cfg.dedup} if cfg.dispatcher == "alltoall" else {}
     expert_ids = {
         id(p)
@@ -172,13 +214,14 @@ def build_pipe_trainer(
         dense=[p for p in params if id(p) not in expert_ids],
         expert=[p for p in params if id(p) in expert_ids],
         indices=indices,
+        num_stages=num_stages,
     )
 
 
 def pipe_step(t: PipeTrainer, cfg: Any, groups: ParallelGroups, batch: tuple[Tensor, Tensor]) -> dict[str, float]:
     """One optimizer step; returns its wall time, the schedule's, the compute actions' and the EP waits'."""
     x_ND, y_ND = batch  # N = microbatches * tokens; the schedule splits dim 0 into micro-batches
-    num_stages = cfg.pp * cfg.vpp
+    num_stages = t.num_stages
     args = (x_ND,) if 0 in t.indices else ()
     target = y_ND if num_stages - 1 in t.indices else None
     t.timer.reset()
@@ -226,8 +269,9 @@ def rank_main(
     align: Callable[[torch.device], None],
 ) -> dict[str, Any]:
     """Run both modes, steps interleaved; this rank's per-step records, the schedules' orders and bubble counts."""
-    modes = pp_modes(cfg.schedule_name)
-    trainers = {mode: build_pipe_trainer(cfg, mode, groups, device, make_net()) for mode in modes}
+    runs = pp_modes(cfg)
+    modes = list(runs)
+    trainers = {mode: build_pipe_trainer(cfg, runs[mode], groups, device, make_net()) for mode in modes}
     batch = tuple(t.flatten(0, 1) for t in batch_MTD)  # [M * T, D]
     records: dict[str, list[dict[str, float]]] = {mode: [] for mode in modes}
     for step in range(cfg.warmup + cfg.steps):
@@ -236,15 +280,17 @@ def rank_main(
             record = pipe_step(trainer, cfg, groups, batch)
             if step >= cfg.warmup:
                 records[mode].append(record)
-    nets = [t.net for t in trainers.values()]
-    reference = list(nets[0].parameters())
-    equal = all(torch.equal(p, q) for net in nets[1:] for p, q in zip(reference, net.parameters(), strict=True))
+    equal = True  # overlapped bitwise its schedule run sequentially
+    for mode, trainer in trainers.items():
+        plain = next(m for m in modes if runs[m][0] == runs[mode][0])
+        pairs = zip(trainers[plain].net.parameters(), trainer.net.parameters(), strict=True)
+        equal = equal and all(torch.equal(p, q) for p, q in pairs)
     orders = {mode: getattr(t.schedule, "pipeline_order", None) for mode, t in trainers.items()}
     return {
         "records": records,
         "bitwise_equal": equal,
         "coords": asdict(groups.coords),
-        "indices": trainers[modes[0]].indices,
+        "indices": {mode: t.indices for mode, t in trainers.items()},
         "slots": {mode: slot_bubble(order) if order else None for mode, order in orders.items()},
         "orders": {mode: render_order(order) if order else None for mode, order in orders.items()},
     }
@@ -254,7 +300,8 @@ def rank_main(
 def summarise(results: list[dict[str, Any]], cfg: Any) -> dict[str, Any]:
     """Per mode: medians over steps of the slowest rank's step; the ratio; per rank the bubble and EP waits."""
     median = statistics.median
-    modes = pp_modes(cfg.schedule_name)
+    runs = pp_modes(cfg)
+    modes = list(runs)
     out: dict[str, Any] = {}
     for mode in modes:
         per_rank = [r["records"][mode] for r in results]
@@ -266,11 +313,20 @@ def summarise(results: list[dict[str, Any]], cfg: Any) -> dict[str, Any]:
             "ranks": [rank_figures(r, mode) for r in results],
             "concurrency": pipeline_concurrency(results, mode),
         }
-    seq = out["sequential"]["steps_s"]
-    for values in out.values():
-        values["ratio"] = median(a / b for a, b in zip(values["steps_s"], seq, strict=True))
+    base = out[modes[0]]["steps_s"]
+    for mode, values in out.items():
+        values["ratio"] = median(a / b for a, b in zip(values["steps_s"], base, strict=True))
+        plain = out[next(m for m in modes if runs[m][0] == runs[mode][0])]  # its schedule, sequential
+        exposed = statistics.fmean(r["blocked_s"] for r in values["ranks"])
+        plain_exposed = statistics.fmean(r["blocked_s"] for r in plain["ranks"])
+        values["exposed_s"] = exposed
+        values["bubble_mean"] = statistics.fmean(r["bubble"] for r in values["ranks"])
+        values["hidden"] = 1.0 - exposed / plain_exposed if plain_exposed else 0.0
+        # every all-to-all hidden, nothing else changed: the schedule's sequential step less its exposed waits
+        values["limit"] = (plain["step_s"] - plain_exposed) / out[modes[0]]["step_s"]
     return {
-        "config": {**asdict(cfg), "schedule": cfg.schedule_name, "dp": cfg.ranks // cfg.pp},
+        "config": {**asdict(cfg), "schedule": "compared" if cfg.compare_schedules else cfg.schedule_name,
+                   "dp": cfg.ranks // cfg.pp},
         "torch": torch.__version__,
         "bitwise_equal": all(r["bitwise_equal"] for r in results),
         "orders": results[0]["orders"],
@@ -301,7 +357,7 @@ def rank_figures(result: dict[str, Any], mode: str) -> dict[str, Any]:
     idle, total = slots[result["coords"]["pp"]] if slots else (None, None)
     return {
         "coords": result["coords"],
-        "stages": result["indices"],
+        "stages": result["indices"][mode],
         "step_s": median(r["step_s"] for r in records),
         "schedule_s": median(r["schedule_s"] for r in records),
         "busy_s": median(r["busy_s"] for r in records),
@@ -327,7 +383,13 @@ def print_summary(summary: dict[str, Any]) -> None:
         f"torch={summary['torch']}; medians of {cfg['steps']} steps after {cfg['warmup']}"
     )
     modes = summary["modes"]
-    print(f"parameters after the run bitwise equal in every mode: {summary['bitwise_equal']}")
+    print(f"each overlapped run bitwise its schedule run sequentially: {summary['bitwise_equal']}")
+    base = next(iter(modes))
+    print(f"{'run':<23} {'step ms':>8} {'/ ' + base:>20} {'bubble':>7} {'exposed a2a ms':>15} {'hidden':>7} "
+          f"{'limit':>6}")  # fmt: skip
+    for mode, v in modes.items():
+        print(f"{mode:<23} {1e3 * v['step_s']:8.1f} {v['ratio']:20.3f} {v['bubble_mean']:7.3f} "
+              f"{1e3 * v['exposed_s']:15.1f} {v['hidden']:7.2f} {v['limit']:6.3f}")  # fmt: skip
     print(f"{'mode':<11} {'step ms':>8} {'ratio':>6} {'schedule ms':>12}  stage concurrency per pipeline")
     for mode, v in modes.items():
         together = " ".join(f"{c:.2f}" for c in v["concurrency"])

@@ -99,9 +99,8 @@ class MoEOverlapStrategy(ParallelStrategy):
             (docs/tensor_parallel.md). Must divide the attention heads.
         pp: Pipeline-parallel size: the model is cut into ``pp * vpp`` chunks (docs/pipeline.md), each rank builds
             and trains only its own, and each step runs as torch's pipeline schedule ``pipeline_schedule``.
-        vpp: Virtual pipeline stages (chunks) per pp rank; None is 1, or the layout's chunks / ``pp``. With
-            ``overlap``, ``pp > 1`` needs ``vpp >= 2`` (the forward of one chunk's micro-batch runs against the
-            backward of another chunk's). Ignored (warning) at ``pp=1``.
+        vpp: Virtual pipeline stages (chunks) per pp rank; None is 1, or the layout's chunks / ``pp``. Ignored
+            (warning) at ``pp=1``.
         cp: Context-parallel size: each sequence is split over ``cp`` ranks (head-tail chunks) and attention runs as
             torch's ring over them (docs/context_parallel.md). The LightningModule shards its micro-batches with the
             ``context_parallel`` handle the strategy sets on it (``MoEGPT`` does); ``2 * cp`` must divide the
@@ -117,7 +116,8 @@ class MoEOverlapStrategy(ParallelStrategy):
             hand over at every all-to-all, so one's communication hides behind the other's compute (at ``pp > 1``:
             each forward / backward pair of the pipeline schedule). None (the default) turns it on whenever
             ``num_microbatches > 1``, at ``pp > 1`` only for ``dualpipev``: ``interleaved_1f1b`` overlaps when
-            asked, but its pairs make the pp ranks take turns (docs/pipeline.md).
+            asked, but its pairs make the pp ranks take turns; ``1f1b`` overlaps when asked, its steady state all
+            pairs at the cost of more micro-batches' activations in flight (docs/pipeline.md, "1F1B overlapped").
         delay_wgrad: Queue expert weight-gradient GEMMs during backward and run them while the next all-to-all
             is in flight.
         num_microbatches: Micro-batches per optimizer step; each batch from the dataloader is split evenly along

@@ -289,6 +289,14 @@ def action_kind(action: Any) -> str:
     return str(action.computation_type.value)
 
 
+def pipeline_runtime(stages: list[Any], num_microbatches: int, loss_fn: Any, *, scale_grads: bool) -> Any:
+    """``_PipelineScheduleRuntime(stages, num_microbatches, loss_fn=..., scale_grads=...)``: torch's runtime of an
+    action order, before an order is installed (:func:`relower_pipeline_order`)."""
+    return pipeline_schedules()._PipelineScheduleRuntime(
+        list(stages), num_microbatches, loss_fn=loss_fn, scale_grads=scale_grads
+    )
+
+
 def register_pipeline_action(schedule: Any, kind: str, fn: Callable[[Any, Any], None]) -> None:
     """``_PipelineScheduleRuntime.register_custom_function``: ``fn(action, ctx)`` runs every ``kind`` action."""
     schedule.register_custom_function(pipeline_schedules()._ComputationType(kind), fn)

@@ -12,7 +12,9 @@ name                 torch class                        stages per rank (``vpp``
 ==================== ================================== =========================================================
 
 With overlap, a pair is a forward task and a backward task of the same rank that run as the engine's two contexts
-(an ``OVERLAP_F_B`` action). DualPipeV emits such actions itself. Interleaved 1F1B does not: its steady state
+(an ``OVERLAP_F_B`` action). DualPipeV emits such actions itself. ``1f1b`` with overlap runs on torch's runtime of
+actions (``_PipelineScheduleRuntime``) with the paired order of :mod:`.paired_1f1b` (two more micro-batches in
+flight per stage boundary, so the steady state is all pairs). Interleaved 1F1B does not pair itself: its steady state
 alternates one forward and one full backward, and :func:`overlap_pairs` merges adjacent ``F``, ``B`` (in either
 order) into an ``OVERLAP_F_B`` action unless the backward needs the forward (same stage and micro-batch, on the
 last stage) or the merge would hold back a send that another rank waits for (torch's own lowering pass says so:
@@ -41,6 +43,7 @@ from lightning_moe_overlap._compat import torch as torch_compat
 from lightning_moe_overlap.config import PIPELINE_SCHEDULES as SCHEDULES
 from lightning_moe_overlap.config import default_schedule
 from lightning_moe_overlap.moe.router import not_counted
+from lightning_moe_overlap.pipeline.paired_1f1b import paired_1f1b_order
 from lightning_moe_overlap.step_logs import logs_paused
 
 _CLASSES = {
@@ -119,11 +122,6 @@ def _size_problems(name: str, pp: int, vpp: int, num_microbatches: int) -> list[
 def _overlap_problems(name: str, pp: int, overlap: bool) -> list[Exception]:
     """The rules on ``overlap``: a schedule with no pair of a forward and a full backward cannot overlap."""
     out: list[Exception] = []
-    if overlap and pp > 1 and name == "1f1b":
-        out.append(NotImplementedError(
-            f"Overlap at pp={pp} with vpp=1 (`1f1b`): a rank holds one stage, so a forward and a backward never "
-            "run side by side. Set vpp >= 2 (`interleaved_1f1b`) or use `dualpipev` (vpp=2), or overlap=False."
-        ))  # fmt: skip
     if overlap and name == "zero_bubble":
         out.append(NotImplementedError(
             "Overlap with `zero_bubble`: its backwards are split into input and weight gradients, so it has no "
@@ -229,6 +227,11 @@ def build_schedule(
     """
     pp, vpp = stages[0].group_size, len(stages)
     validate_schedule(name, pp=pp, vpp=vpp, num_microbatches=num_microbatches, overlap=overlap)
+    if overlap and name == "1f1b":  # torch's runtime of actions, running the paired order (`paired_1f1b.py`)
+        schedule = torch_compat.pipeline_runtime(stages, num_microbatches, loss_fn, scale_grads=scale_grads)
+        torch_compat.wrap_pipeline_stage_init(schedule, _metadata_inference)
+        torch_compat.relower_pipeline_order(schedule, paired_1f1b_order(pp, num_microbatches))
+        return schedule
     stage_arg: Any = stages[0] if name == "1f1b" else list(stages)
     schedule = _CLASSES[name](stage_arg, num_microbatches, loss_fn=loss_fn, scale_grads=scale_grads)
     torch_compat.wrap_pipeline_stage_init(schedule, _metadata_inference)
@@ -315,7 +318,8 @@ def _cell(action: Any) -> str:
 
 def docs_orders() -> str:
     """The orders shown in docs/pipeline.md, computed from torch's schedules (pp=2, vpp=2, 4 micro-batches):
-    interleaved 1F1B rewritten into pairs, and DualPipeV as torch emits it. Needs no process group."""
+    interleaved 1F1B rewritten into pairs, and DualPipeV as torch emits it; and 1F1B's paired order at pp=4 with 8
+    micro-batches (:mod:`.paired_1f1b`). Needs no process group."""
     from types import SimpleNamespace
 
     def local_stages(name: str) -> list[Any]:
@@ -329,4 +333,6 @@ def docs_orders() -> str:
         + render_order(overlap_pairs(interleaved))
         + "\n\ndualpipev (pp=2, vpp=2, M=4)\n"
         + render_order(dualpipev.pipeline_order)
+        + "\n\n1f1b, overlap (pp=4, vpp=1, M=8)\n"
+        + render_order(paired_1f1b_order(4, 8))
     )

@@ -1,14 +1,16 @@
 """Pipeline schedules with the overlapped pair on 4 gloo ranks: pp=2 x ep=2 (dp=2), chunks of MoE blocks.
 
 One spawn runs every check on the same process groups:
-- interleaved 1F1B (vpp=2) and DualPipeV: parameters after the steps with overlap on are ``torch.equal`` to the
-  same schedule run by torch alone (overlap off);
+- interleaved 1F1B (vpp=2), DualPipeV and 1F1B (vpp=1, the paired order of ``pipeline/paired_1f1b.py``):
+  parameters after the steps with overlap on are ``torch.equal`` to the same schedule run by torch alone (overlap
+  off); 1F1B's pairs per stage are those its rule gives, at M = 4 and at M = 2, 3, 5 with one stage slow (no
+  deadlock), and the engine's record shows each pair's forward and backward handing over to each other in turn;
 - the same two schedules with each memory callback attached to every rank's chunks (``callback.apply(chunks)``):
   selective recompute (the routed experts, whose recomputation re-runs their all-to-alls inside the backward
   context, and the experts' activation nested in it), full-layer recompute, activation offload. One step each;
   with overlap on and off, parameters and losses are ``torch.equal`` to each other and to the run without the
   callback, and the callback did act (recomputations ran, tensors moved to the host and back);
-- those runs and plain 1F1B (vpp=1) match a single-process run of the unsplit stack on the same global batches:
+- those runs match a single-process run of the unsplit stack on the same global batches:
   per-step losses within 1e-5, parameters allclose;
 - last, rank 3 raises inside a stage's forward during an overlapped pair: every rank ends, before the process-group
   timeout, rank 3 with its own error and the others with a ``PeerFailure`` naming it.
@@ -19,6 +21,7 @@ tests/distributed/test_pipeline_8procs.py.
 
 from __future__ import annotations
 
+import dataclasses
 import time
 
 import pytest
@@ -44,7 +47,9 @@ from tests.helpers.pipeline import (
 WORLD = 4
 SIZES = Sizes(pp=2, ep=2, dp=2, layers=4, microbatches=4)
 PG_TIMEOUT_S = SIZES.timeout_s
-OVERLAPPED = ("interleaved_1f1b", "dualpipev")  # vpp=2
+VPP = {"interleaved_1f1b": 2, "dualpipev": 2, "1f1b": 1}  # the schedules run with overlap, their stages per rank
+OVERLAPPED = tuple(VPP)
+SLOW = ((2, 0), (3, 1), (5, 0))  # (M, the pp rank whose stage is slow): M = pp, pp + 1, 2 pp + 1 under 1F1B
 MEMORY = {
     "selective": lambda: SelectiveRecompute(modules=["routed_experts", "moe_act"]),
     "full": lambda: SelectiveRecompute(granularity="full"),
@@ -60,14 +65,14 @@ def worker(rank: int, world_size: int) -> dict:
     groups = mesh_groups(ParallelDims.from_world_size(world_size, pp=SIZES.pp, ep=SIZES.ep), rank)
     runs, problems, memory = {}, [], {}
     for name in OVERLAPPED:
-        off = train_pipeline(groups, SIZES, name, 2, overlap=False)
-        on = train_pipeline(groups, SIZES, name, 2, overlap=True)
+        off = train_pipeline(groups, SIZES, name, VPP[name], overlap=False)
+        on = train_pipeline(groups, SIZES, name, VPP[name], overlap=True)
         problems += bitwise_problems(f"rank {rank} {name}", on, off)
         runs[name] = on
         plain = {"params": off["first"], "losses": off["losses"][:1]}  # one step, no callback, overlap off
         for label, callback in MEMORY.items():
-            mem_off = train_pipeline(groups, SIZES, name, 2, overlap=False, memory=callback, steps=1)
-            mem_on = train_pipeline(groups, SIZES, name, 2, overlap=True, memory=callback, steps=1)
+            mem_off = train_pipeline(groups, SIZES, name, VPP[name], overlap=False, memory=callback, steps=1)
+            mem_on = train_pipeline(groups, SIZES, name, VPP[name], overlap=True, memory=callback, steps=1)
             memory[(name, label)] = {
                 "problems": bitwise_problems(f"rank {rank} {name} {label} on vs off", mem_on, mem_off)
                 + bitwise_problems(f"rank {rank} {name} {label} vs no callback", mem_on, plain),
@@ -75,8 +80,16 @@ def worker(rank: int, world_size: int) -> dict:
                 "offload": (mem_off["offload"], mem_on["offload"]),
                 "pairs": mem_on["pairs"],
             }
-    runs["1f1b"] = train_pipeline(groups, SIZES, "1f1b", 1, overlap=False)
-    return {"runs": runs, "problems": problems, "memory": memory, "failure": failing_step(rank, groups)}
+    slow = {}
+    for m, slow_rank in SLOW:  # 1F1B paired at other M, one stage slow: no deadlock, bitwise the plain order
+        sizes = dataclasses.replace(SIZES, microbatches=m)
+        delay = 0.05 if groups.coords.pp == slow_rank else 0.0
+        off = train_pipeline(groups, sizes, "1f1b", 1, overlap=False, steps=1, slow_s=delay)
+        on = train_pipeline(groups, sizes, "1f1b", 1, overlap=True, steps=1, slow_s=delay)
+        problems += bitwise_problems(f"rank {rank} 1f1b M={m} slow pp rank {slow_rank}", on, off)
+        slow[m] = on["pairs"]
+    return {"runs": runs, "problems": problems, "memory": memory, "slow": slow, "pp_rank": groups.coords.pp,
+            "failure": failing_step(rank, groups)}
 
 
 def failing_step(rank: int, groups) -> dict:
@@ -116,10 +129,40 @@ def results() -> list[dict]:
 
 def test_pipeline_schedules_overlapped_pairs_bitwise_and_match_the_unsplit_model(results: list[dict]) -> None:
     assert [r["problems"] for r in results] == [[]] * WORLD
-    for name in (*OVERLAPPED, "1f1b"):
-        assert_matches_reference(SIZES, results, name)
     for name in OVERLAPPED:
+        assert_matches_reference(SIZES, results, name)
         assert all(results[r]["runs"][name]["pairs"] > 0 for r in range(WORLD)), name  # pairs ran on every rank
+
+
+def test_1f1b_pairs_as_its_rule_says_at_every_m_without_deadlock(results: list[dict]) -> None:
+    """The pairs of each stage, counted by the run (warm-up ``min(2 (pp - 1 - s) + 1, M)``, the rest paired), at
+    M = 4 and at the slow-stage runs of M = 2, 3, 5 (each ended, bitwise the plain 1F1B order)."""
+    for result in results:
+        s = result["pp_rank"]
+        expected = {m: m - min(2 * (SIZES.pp - 1 - s) + 1, m) for m in (SIZES.microbatches, *dict(SLOW))}
+        got = {SIZES.microbatches: result["runs"]["1f1b"]["pairs"], **result["slow"]}
+        assert got == expected, (s, got, expected)
+
+
+def test_each_1f1b_pair_alternates_its_forward_and_backward_at_the_all_to_alls(results: list[dict]) -> None:
+    """The engine's record of the last step: every pair starts with the backward, the forward starts at the
+    backward's first hand-over, and the two hand the baton to each other in turn, at least once per all-to-all
+    of the forward (two per MoE layer) before either ends."""
+    layers = SIZES.layers // SIZES.pp
+    for rank, result in enumerate(results):
+        events = result["runs"]["1f1b"]["handovers"]
+        pairs = 0
+        for k, (kind, name) in enumerate(events):
+            if kind != "start" or "B" not in name:
+                continue
+            assert events[k + 1] == ("handoff", "B") and events[k + 2][0] == "start" and "F" in events[k + 2][1]
+            rest = events[k + 3 :]
+            until_end = rest[: next(i for i, e in enumerate(rest) if e[0] == "end")]
+            letters = [who for _, who in until_end]
+            assert letters[:: 2] == ["F"] * len(letters[:: 2]) and letters[1:: 2] == ["B"] * len(letters[1:: 2])
+            assert len(letters) >= 2 * layers, (rank, letters)
+            pairs += 1
+        assert pairs == result["runs"]["1f1b"]["pairs"] > 0, (rank, events)
 
 
 @pytest.mark.parametrize("label", list(MEMORY))

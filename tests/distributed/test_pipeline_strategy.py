@@ -2,9 +2,9 @@
 
 One spawn, several fits on the same processes:
 - overlap on vs off under the same schedule, parameters after the steps ``torch.equal`` on every rank: interleaved
-  1F1B and DualPipeV (with ``SelectiveRecompute`` attached by the Trainer to each rank's chunks) on ``MoEGPT``, and
-  interleaved 1F1B on HF Qwen3-MoE;
-- those runs and plain 1F1B (vpp=1) against a single-process run of the unsplit model on the same global batches
+  1F1B, DualPipeV and 1F1B (vpp=1, its paired order; DualPipeV and 1F1B with ``SelectiveRecompute`` attached by
+  the Trainer to each rank's chunks) on ``MoEGPT``, and interleaved 1F1B on HF Qwen3-MoE;
+- those runs, plain 1F1B (vpp=1) and 1F1B overlapped on HF Qwen3-MoE against a single-process run of the unsplit model on the same global batches
   (the batches each rank saw, recorded): per-step losses within 1e-5, parameters allclose, with gradient clipping
   by the global norm (across pp, ep and dp) active;
 - the Lightning contract: the loss Lightning gets is the same on every rank, ``train_loss`` (logged by the loss
@@ -44,10 +44,13 @@ RUNS = (  # (name, model, schedule, vpp, overlap)
     ("dualpipev", "gpt", "dualpipev", 2, True),
     ("dualpipev-off", "gpt", "dualpipev", 2, False),
     ("1f1b", "gpt-meta", "1f1b", 1, False),  # built on meta: each rank initialises only its own chunks
+    ("1f1b-overlap", "gpt-meta", "1f1b", 1, True),  # the paired order (pipeline/paired_1f1b.py), with recompute
+    ("hf-1f1b", "qwen3_moe", "1f1b", 1, True),
     ("hf-interleaved", "qwen3_moe", "interleaved_1f1b", 2, True),
     ("hf-interleaved-off", "qwen3_moe", "interleaved_1f1b", 2, False),
 )
-PAIRS = (("interleaved", "interleaved-off"), ("dualpipev", "dualpipev-off"), ("hf-interleaved", "hf-interleaved-off"))
+PAIRS = (("interleaved", "interleaved-off"), ("dualpipev", "dualpipev-off"), ("hf-interleaved", "hf-interleaved-off"),
+         ("1f1b-overlap", "1f1b"))  # fmt: skip
 
 
 class MetaGPT(SGDGPT):
@@ -89,7 +92,7 @@ def fit(kind: str, schedule: str, vpp: int, overlap: bool, validate: bool, save_
     model = build(kind)
     record = Record()
     # recompute attached by the Trainer to this rank's chunks (its values are the oracle's: recompute is exact)
-    recompute = SelectiveRecompute(modules=["moe_act"]) if schedule == "dualpipev" else None  # on and off alike
+    recompute = SelectiveRecompute(modules=["moe_act"]) if schedule in ("dualpipev", "1f1b") else None  # on and off
     strategy = MoEOverlapStrategy(
         ep=EP, pp=PP, vpp=vpp, pipeline_schedule=schedule, overlap=overlap, num_microbatches=M, timeout=120
     )
@@ -206,7 +209,7 @@ def test_overlap_on_equals_off_bitwise_on_every_rank(results: list[dict]) -> Non
 def test_pipeline_runs_match_the_unsplit_model(results: list[dict]) -> None:
     first = [r for r in results if r["1f1b"]["coords"][0] == 0]  # one rank per dp index on pp rank 0
     by_dp = {r["1f1b"]["coords"][1]: r for r in first}
-    for name, kind, *_ in RUNS:
+    for name, kind, _, vpp, _ in RUNS:
         batches = [b for d in range(DP) for b in by_dp[d][name]["batches"]]
         val_batches = [b for d in range(DP) for b in by_dp[d][name]["val_batches"]]
         ref_losses, ref_params, ref_val = reference(kind, batches, val_batches)
@@ -228,8 +231,8 @@ def test_pipeline_runs_match_the_unsplit_model(results: list[dict]) -> None:
                 want = _expert_slice(pname, ref_params[pname], got, run["coords"][2])
                 torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5, msg=lambda m: f"{name} {pname}: {m}")
                 seen.add(pname)
-            assert run["chunks"] == (1 if name == "1f1b" else 2), (name, rank, run["chunks"])
-            if name.startswith("dualpipev"):
+            assert run["chunks"] == vpp, (name, rank, run["chunks"])
+            if name.startswith("dualpipev") or name.startswith("1f1b"):
                 installed, on_chunks = run["recompute_handles"][0]
                 assert installed == on_chunks > 0, run["recompute_handles"]  # what apply(held chunks) installs
             assert set(run["meta"]).isdisjoint(run["params"])

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import copy
 import functools
+import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -18,10 +20,11 @@ import torch
 from torch import nn
 
 from lightning_moe_overlap.callbacks import ExpertStage, register_layer_names
-from lightning_moe_overlap.parallel.grads import sync_gradients
 from lightning_moe_overlap.moe.ep import apply_expert_parallel
 from lightning_moe_overlap.moe.layer import MoELayer
 from lightning_moe_overlap.overlap import CommRuntime, OverlapEngine
+from lightning_moe_overlap.overlap.observers import CommObserver
+from lightning_moe_overlap.parallel.grads import sync_gradients
 from lightning_moe_overlap.pipeline.executor import PipelineExecutor
 from lightning_moe_overlap.pipeline.schedules import build_schedule, build_stages, count_pairs, stage_indices
 
@@ -151,12 +154,14 @@ def train_pipeline(
     *,
     memory: Callable[[], object] | None = None,
     steps: int | None = None,
+    slow_s: float = 0.0,
 ) -> dict:
     """``steps`` (default ``sizes.steps``) optimizer steps of this rank's chunks.
 
     Args:
         memory: builds a memory callback, applied to this rank's chunks (``callback.apply(chunks)``) after expert
             parallelism, as the strategy does.
+        slow_s: each forward of this rank's chunks sleeps that long first (a slow stage).
 
     Returns:
         ``losses``: per step, the per-micro-batch losses (on the last stage's ranks, else empty); ``params``:
@@ -178,6 +183,10 @@ def train_pipeline(
     for chunk in chunks:
         for block in chunk.blocks:
             block.moe.experts.stage("act").register_forward_pre_hook(count)
+        if slow_s:
+            chunk.register_forward_pre_hook(lambda module, args: time.sleep(slow_s))
+    handovers = HandOvers()
+    runtime.attach(handovers)
     params = [p for c in chunks for p in c.parameters()]
     dense = [p for p in params if id(p) not in expert_ids]
     local = [p for p in params if id(p) in expert_ids]
@@ -189,6 +198,7 @@ def train_pipeline(
     holds_first, holds_last = 0 in indices, num_stages - 1 in indices
     step_losses, history = [], []
     for step in range(sizes.steps if steps is None else steps):
+        handovers.clear()
         x, y = global_batches(sizes, step)
         losses: list[torch.Tensor] = []
         opt.zero_grad()
@@ -212,8 +222,34 @@ def train_pipeline(
     stats = engine_of_offload.stats if engine_of_offload is not None else None
     return {
         "losses": step_losses, "params": history[-1], "first": history[0], "pairs": pairs, "act_calls": act_calls[0],
-        "offload": stats,
+        "offload": stats, "handovers": handovers.events,
     }
+
+
+class HandOvers(CommObserver):
+    """The last step's engine events in order: ``("start", task name)``, ``("end", task name)`` and ``("handoff",
+    "F" | "B")`` (the role handing the baton over, at a comm point)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self.events: list[tuple[str, str]] = []
+
+    def clear(self) -> None:
+        with self._lock:
+            self.events = []
+
+    def on_task_start(self, task) -> None:
+        with self._lock:
+            self.events.append(("start", task.name))
+
+    def on_task_end(self, task) -> None:
+        with self._lock:
+            self.events.append(("end", task.name))
+
+    def on_handoff(self, holder) -> None:
+        if holder is not None:
+            with self._lock:
+                self.events.append(("handoff", holder.letter))
 
 
 def bitwise_problems(label: str, on: dict, off: dict) -> list[str]:

@@ -642,3 +642,21 @@ def test_loss_parallel_enabled() -> None:
         )  # fmt: skip
     assert not torch_compat.loss_parallel_enabled()
 
+
+
+def test_the_runtime_of_an_action_order_with_one_stage_per_rank() -> None:
+    """``pipeline_runtime``: torch's ``_PipelineScheduleRuntime`` over a rank's one stage, running the order it is
+    given (what ``1f1b`` with overlap installs)."""
+    from types import SimpleNamespace
+
+    stage = SimpleNamespace(num_stages=2, group_size=2, group_rank=1, stage_index=1, is_last=True)
+    schedule = torch_compat.pipeline_runtime([stage], 3, lambda out, target: out, scale_grads=False)
+    assert torch_compat.pipeline_stages(schedule) == [stage] and torch_compat.pipeline_microbatches(schedule) == 3
+    order = {
+        r: [torch_compat.pipeline_action(r, "F", j) for j in range(3)]
+        + [torch_compat.pipeline_action(r, "B", k) for k in range(3)]
+        for r in range(2)
+    }
+    torch_compat.relower_pipeline_order(schedule, order)
+    kinds = [torch_compat.action_kind(a) for a in torch_compat.lowered_pipeline_order(schedule)[1]]
+    assert kinds.count("RECV_F") == 3 and kinds.count("SEND_B") == 3 and kinds.count("F") == kinds.count("B") == 3

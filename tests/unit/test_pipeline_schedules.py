@@ -93,7 +93,6 @@ def test_render_shows_pairs_and_bubbles_from_the_schedule() -> None:
         (dict(name="1f1b", vpp=2, num_microbatches=4), ValueError, r"one stage per rank, got vpp=2"),
         (dict(name="dualpipev", vpp=3, num_microbatches=8), ValueError, r"exactly two stages per rank.*vpp=3\. Set vpp=2"),
         (dict(name="dualpipev", vpp=2, num_microbatches=3), ValueError, r"stages \(pp \* vpp = 4\), got 3\. Use num_microbatches >= 4"),
-        (dict(name="1f1b", vpp=1, num_microbatches=4, overlap=True), NotImplementedError, r"Overlap at pp=2 with vpp=1.*vpp >= 2"),
         (dict(name="zero_bubble", vpp=2, num_microbatches=4, overlap=True), NotImplementedError, r"zero_bubble.*input and weight"),
         (dict(name="1f1b", vpp=1, num_microbatches=0), ValueError, r"`num_microbatches=0`: must be an int >= 1"),
     ],
@@ -108,6 +107,7 @@ def test_valid_combinations_pass() -> None:
     validate_schedule("interleaved_1f1b", pp=2, vpp=2, num_microbatches=4, overlap=True)
     validate_schedule("dualpipev", pp=2, vpp=2, num_microbatches=4, overlap=True)
     validate_schedule("1f1b", pp=2, vpp=1, num_microbatches=3, overlap=False)
+    validate_schedule("1f1b", pp=2, vpp=1, num_microbatches=2, overlap=True)  # the paired order (paired_1f1b.py)
     validate_schedule("1f1b", pp=1, vpp=1, num_microbatches=3, overlap=True)  # pp=1: the engine's own schedule
 
 

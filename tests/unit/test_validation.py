@@ -40,7 +40,8 @@ def _raise(problems):
         ({"shared_expert_overlap": True, "overlap": None, "num_microbatches": 2}, ValueError,
          r"conflicts with `overlap=True` \(on by default with num_microbatches=2\): the dispatch overlap"),
         ({"pp": 2}, ValueError, r"'1f1b'` needs at least one micro-batch per stage.*Use num_microbatches >= 2"),
-        ({"pp": 2, "num_microbatches": 2}, NotImplementedError, r"Overlap at pp=2 with vpp=1.*Set vpp >= 2"),
+        ({"pp": 2, "vpp": 2, "pipeline_schedule": "zero_bubble", "num_microbatches": 2}, NotImplementedError,
+         r"Overlap with `zero_bubble`: its backwards are split"),
         (
             {"pp": 2, "vpp": 2, "num_microbatches": 3},
             ValueError,

@@ -14,10 +14,10 @@ from lightning_moe_overlap.pipeline.schedules import schedule_problems, validate
 from lightning_moe_overlap.validation import check_config
 
 
-def test_one_microbatch_and_overlap_at_pp2_are_reported_together():
-    with pytest.raises(ValueError, match=r"(?s)2 problems:.*1\. .*needs at least one micro-batch per stage, got "
-                       r"num_microbatches=1 for pp=2.*2\. .*Overlap at pp=2 with vpp=1.*Set vpp >= 2"):
-        MoEOverlapStrategy(pp=2, overlap=True, num_microbatches=1)
+def test_a_microbatch_count_and_overlap_at_pp2_are_reported_together():
+    with pytest.raises(ValueError, match=r"(?s)2 problems:.*1\. .*needs num_microbatches a multiple of pp, got 3 "
+                       r"micro-batches and pp=2.*2\. .*Overlap with `zero_bubble`"):
+        MoEOverlapStrategy(pp=2, vpp=2, pipeline_schedule="zero_bubble", overlap=True, num_microbatches=3)
 
 
 def test_layout_schedule_and_tp_rules_are_reported_together():

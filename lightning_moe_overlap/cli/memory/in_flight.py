@@ -31,6 +31,7 @@ def compute_order(schedule: str, *, pp: int, vpp: int, num_microbatches: int, ov
     Raises:
         ValueError, NotImplementedError: sizes the schedule refuses (``pipeline/schedules.py``'s rules).
     """
+    from lightning_moe_overlap.pipeline.paired_1f1b import paired_1f1b_order
     from lightning_moe_overlap.pipeline.schedules import _CLASSES, overlap_pairs, stage_indices, validate_schedule
 
     validate_schedule(schedule, pp=pp, vpp=vpp, num_microbatches=num_microbatches, overlap=overlap)
@@ -43,7 +44,12 @@ def compute_order(schedule: str, *, pp: int, vpp: int, num_microbatches: int, ov
         ]  # fmt: skip
         built = _CLASSES[schedule](stages[0] if schedule == "1f1b" else stages, num_microbatches,
                                    loss_fn=lambda out, target: out)  # fmt: skip
-        actions = overlap_pairs(built) if overlap and schedule == "interleaved_1f1b" else built.pipeline_order
+        if overlap and schedule == "1f1b":
+            actions = paired_1f1b_order(pp, num_microbatches)
+        elif overlap and schedule == "interleaved_1f1b":
+            actions = overlap_pairs(built)
+        else:
+            actions = built.pipeline_order
         order[rank] = list(actions[rank])
     return order
 
