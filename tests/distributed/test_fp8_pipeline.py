@@ -50,6 +50,7 @@ RUNS = (  # (name, model, schedule, vpp, overlap, recipe)
 SCHEDULE_RUNS = (  # the other schedules (``long``)
     ("dualpipev", "gpt", "dualpipev", 2, True, "rowwise"),
     ("1f1b-meta", "gpt-meta", "1f1b", 1, False, "rowwise"),
+    ("1f1b-overlap", "gpt-meta", "1f1b", 1, True, "rowwise"),  # its paired order
     ("zero-bubble", "gpt", "zero_bubble", 2, False, "rowwise"),
 )
 WIDE_RUNS = (  # at pp=2 x ep=2 (``long``)

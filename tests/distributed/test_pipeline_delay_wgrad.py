@@ -1,6 +1,6 @@
 """``MoEOverlapStrategy(pp=2, vpp=2, ep=2, delay_wgrad=True)`` on 4 gloo ranks (dp=2 per stage), under interleaved
-1F1B (overlapped), DualPipeV (overlapped) and zero-bubble: the experts' weight-gradient GEMMs are queued during each
-stage backward, run at its comm points, and what is left is the stage's weight work, run at the end of a full
+1F1B (overlapped), DualPipeV (overlapped), zero-bubble and 1F1B (vpp=1, its paired order, overlapped): the experts'
+weight-gradient GEMMs are queued during each stage backward, run at its comm points, and what is left is the stage's weight work, run at the end of a full
 backward or in the schedule's weight action (``W``) after a split one.
 
 Oracles, from one spawn:
@@ -31,7 +31,7 @@ from tests.distributed.test_pipeline_sharded import GPT, PP, STEPS, WORLD, M, fi
 from tests.helpers.distributed import run_distributed
 from tests.helpers.runs import assert_same_training
 
-SCHEDULES = {"interleaved_1f1b": True, "dualpipev": True, "zero_bubble": False}  # schedule: overlap
+SCHEDULES = {"interleaved_1f1b": True, "dualpipev": True, "zero_bubble": False, "1f1b": True}  # schedule: overlap
 SPLIT = ("dualpipev", "zero_bubble")  # schedules with weight actions
 HF = ("qwen3", "deepseek")  # HF Qwen3-MoE and DeepSeek-V3 (its correction bias) under interleaved 1F1B
 GEMMS_PER_RANK = STEPS * M * (GPT["num_layers"] // PP) * 2  # fc1 and fc2 of each held MoE layer, every micro-batch
@@ -73,7 +73,7 @@ def worker(rank: int, world: int) -> dict:
     torch.use_deterministic_algorithms(True)
     out: dict = {}
     for schedule, overlap in SCHEDULES.items():
-        settings = {"pipeline_schedule": schedule}
+        settings = {"pipeline_schedule": schedule, **({"vpp": 1} if schedule == "1f1b" else {})}
         out[f"{schedule}-off"] = fit("gpt", "none", overlap, {**settings, "delay_wgrad": False})
         counter = WgradCounter()
         with counter.installed(), InWeightAction().installed() as weight:
