@@ -1,7 +1,7 @@
 """``MoEOverlapStrategy(pp=2, vpp=2, ep=2, delay_wgrad=True)`` on 4 gloo ranks (dp=2 per stage), under interleaved
 1F1B (overlapped), DualPipeV (overlapped), zero-bubble and 1F1B (vpp=1, its paired order, overlapped): the experts'
-weight-gradient GEMMs are queued during each stage backward, run at its comm points, and what is left is the stage's weight work, run at the end of a full
-backward or in the schedule's weight action (``W``) after a split one.
+weight-gradient GEMMs are queued during each stage backward, run at its comm points, and what is left is the
+stage's weight work, run at the end of a full backward or in the schedule's weight action (``W``) after a split one.
 
 Oracles, from one spawn:
 - a count of what ran (a counter installed at test time around the wgrad GEMM and what the runtime queues, and
