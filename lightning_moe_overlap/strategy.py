@@ -810,8 +810,9 @@ class MoEOverlapStrategy(ParallelStrategy):
 
     @property
     def saves_in_background(self) -> bool:
-        """Whether saves during ``fit`` / ``validate`` / ... write in the background: ``async_save=True``, or Lightning's
-        ``AsyncCheckpointIO`` among the Trainer's plugins (docs/checkpoints.md, "Saving in the background")."""
+        """Whether saves during ``fit`` / ``validate`` / ... write in the background: ``async_save=True``, or
+        Lightning's ``AsyncCheckpointIO`` among the Trainer's plugins (docs/checkpoints.md, "Saving in the
+        background")."""
         return self.config.async_save or isinstance(self.checkpoint_io, AsyncCheckpointIO)
 
     def wait_for_checkpoint(self) -> None:
@@ -848,7 +849,7 @@ class MoEOverlapStrategy(ParallelStrategy):
             checkpoint_path, module, self.optimizers, strict=module.strict_loading, restore_rng_state=fitting,
             weights_only=weights_only,
         )
-        # a checkpoint of an epoch's end resumes at the next epoch's first batch (docs/checkpoints.md, "Exact resume")
+        # an epoch-end checkpoint resumes at the next epoch's first batch (docs/checkpoints.md, "Resuming exactly")
         return pl_compat.finish_saved_epoch(checkpoint) if fitting else checkpoint
 
     @override
