@@ -43,8 +43,8 @@ if TYPE_CHECKING:
 
 ATTRIBUTE = "moe_overlap_prepared"
 # Settings a later run may change: how processes start, whether `overlap` was set (it decides warnings only), the
-# checkpoint format and whether saves run in the background, the collectives' timeout, the optimizer offload (the optimizer is built per run), and at pp = 1
-# the micro-batch schedule (built per run).
+# checkpoint format and whether saves run in the background, the collectives' timeout, the optimizer offload (the
+# optimizer is built per run), and at pp = 1 the micro-batch schedule (built per run).
 _PER_RUN = ("start_method", "overlap_requested", "checkpoint_format", "async_save", "timeout",
             "optimizer_cpu_offload", "optimizer_offload_fraction")  # fmt: skip
 _PER_RUN_AT_PP1 = ("overlap", "num_microbatches")

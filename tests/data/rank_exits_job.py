@@ -2,13 +2,13 @@
 
     python rank_exits_job.py <mode> <rank> <pid_dir> <devices> <timeout_s>
 
-Modes: ``hang`` (sleeps in ``training_step``, ignoring SIGTERM), ``sigkill`` (kills itself with SIGKILL),
-``raise`` (raises ValueError in ``on_train_batch_end``, outside the micro-batch schedule), ``raise-in-step`` (the demo
-MoE model at ep=2 raises ValueError in ``training_step`` at the first step: the other rank stops inside the
-overlapped schedule, its parameters gathered mid-step; with rank -1 every rank raises it, with -2 every rank its own), ``wait`` (every rank
+Modes: ``hang`` (sleeps in ``training_step``, ignoring SIGTERM), ``sigkill`` (kills itself with SIGKILL), ``raise``
+(raises ValueError in ``on_train_batch_end``, outside the micro-batch schedule), ``raise-in-step`` (the demo MoE model
+at ep=2 raises ValueError in ``training_step`` at the first step: the other rank stops inside the overlapped schedule,
+its parameters gathered mid-step; with rank -1 every rank raises it, with -2 every rank its own), ``wait`` (every rank
 sleeps in ``training_step``, for a test that kills the launching process), ``late-config`` (the model builds, in
-``configure_model``, experts that ep=2 does not divide: an error every rank finds after spawning). Each rank writes its pid to
-``<pid_dir>/rank<r>.pid`` before it starts training.
+``configure_model``, experts that ep=2 does not divide: an error every rank finds after spawning). Each rank writes its
+pid to ``<pid_dir>/rank<r>.pid`` before it starts training.
 """
 
 import os

@@ -4,9 +4,9 @@ One spawn, several fits on the same processes:
 - overlap on vs off under the same schedule, parameters after the steps ``torch.equal`` on every rank: interleaved
   1F1B, DualPipeV and 1F1B (vpp=1, its paired order; DualPipeV and 1F1B with ``SelectiveRecompute`` attached by
   the Trainer to each rank's chunks) on ``MoEGPT``, and interleaved 1F1B on HF Qwen3-MoE;
-- those runs, plain 1F1B (vpp=1) and 1F1B overlapped on HF Qwen3-MoE against a single-process run of the unsplit model on the same global batches
-  (the batches each rank saw, recorded): per-step losses within 1e-5, parameters allclose, with gradient clipping
-  by the global norm (across pp, ep and dp) active;
+- those runs, plain 1F1B (vpp=1) and 1F1B overlapped on HF Qwen3-MoE against a single-process run of the unsplit model
+  on the same global batches (the batches each rank saw, recorded): per-step losses within 1e-5, parameters allclose,
+  with gradient clipping by the global norm (across pp, ep and dp) active;
 - the Lightning contract: the loss Lightning gets is the same on every rank, ``train_loss`` (logged by the loss
   function on the last stage) reaches every rank's ``callback_metrics``, validation runs the forward-only pipeline
   and logs ``val_loss`` everywhere, each rank holds only its own chunks (the others on meta); a model built on

@@ -1,11 +1,11 @@
 """A 2-process ``MoEGPT`` run (ep=2, the process group's timeout 10 minutes) that saves a checkpoint every step, for
 ``tests/distributed/test_sigterm.py``: ``python -m tests.helpers.sigterm_run ROOT MODE``.
 
-Every DCP save first writes ``ROOT/saving-<local rank>-<n>`` (the process id); with ``SLOW_SAVE=1`` rank 1 then
-sleeps 2 s inside it, so a signal sent once ``saving-0-<n>`` appears lands while rank 0 waits in the save's
-collectives. With ``ASYNC_SAVE=1`` the strategy saves in the background (``async_save=True``): the DCP save, and the
-sleep, run in the save's thread while the steps go on. ``MODE``: ``run`` (train up to 4 steps), ``resume`` (from ``ckpt_path="last"``, up to 3 steps); each
-writes ``ROOT/<mode>.json`` with the global step it started from and the losses it logged, if it ends.
+Every DCP save first writes ``ROOT/saving-<local rank>-<n>`` (the process id); with ``SLOW_SAVE=1`` rank 1 then sleeps 2
+s inside it, so a signal sent once ``saving-0-<n>`` appears lands while rank 0 waits in the save's collectives. With
+``ASYNC_SAVE=1`` the strategy saves in the background (``async_save=True``): the DCP save, and the sleep, run in the
+save's thread while the steps go on. ``MODE``: ``run`` (train up to 4 steps), ``resume`` (from ``ckpt_path="last"``, up
+to 3 steps); each writes ``ROOT/<mode>.json`` with the global step it started from and the losses it logged, if it ends.
 """
 
 from __future__ import annotations
@@ -64,7 +64,10 @@ def main(root: Path, mode: str) -> None:
     checkpoints = ModelCheckpoint(dirpath=root / "ckpt", every_n_train_steps=1, save_last=True, save_top_k=-1)
     trainer = Trainer(
         accelerator="cpu", devices=2, max_steps=4 if mode == "run" else 3, logger=False, enable_progress_bar=False,
-        enable_model_summary=False, strategy=MoEOverlapStrategy(ep=2, timeout=timedelta(minutes=10), async_save=os.environ.get("ASYNC_SAVE") == "1"),
+        enable_model_summary=False,
+        strategy=MoEOverlapStrategy(
+            ep=2, timeout=timedelta(minutes=10), async_save=os.environ.get("ASYNC_SAVE") == "1"
+        ),
         callbacks=[checkpoints, record],
     )  # fmt: skip
     data = SyntheticTokens(vocab_size=64, seq_len=8, batch_size=4, num_samples=400)

@@ -1,15 +1,17 @@
 """How many micro-batches' activations a pp rank holds at its peak, from the schedule's own order of actions.
 
 At ``pp = 1`` the overlap engine's schedule ``F0, (F1|B0), ..., B[M-1]`` runs two micro-batches at once, but the
-backward of ``i`` takes the baton first at every hand-over (``overlap/schedule.py``, ``PAIR_STARTER``) and frees
-its layers' activations as the forward of ``i+1`` allocates its own, one segment between two comm points at a
-time: the peak is one micro-batch plus about half a layer (a layer has two comm points; measured on gloo,
-``benchmarks/memory_check.py``), not two micro-batches. The sequential schedule ``F0, B0, F1, ...`` holds one. At ``pp > 1`` torch's schedule is built with stand-in stages of each pp rank (no process
-group; as ``pipeline/schedules.py``'s ``docs_orders``), interleaved 1F1B rewritten into overlapped pairs as the
-strategy does, and its compute order walked: a forward adds its chunk's micro-batch activations, a full or
-input-gradient backward frees them, a pair adds its forward's before freeing its backward's. The peak of that walk
-is the rank's. (A pair is counted whole, its forward before its backward frees: an upper bound. Zero bubble's split
-backward keeps the weight GEMMs' inputs until the weight half: not counted.)
+backward of ``i`` takes the baton first at every hand-over (``overlap/schedule.py``, ``PAIR_STARTER``) and frees its
+layers' activations as the forward of ``i+1`` allocates its own, one segment between two comm points at a time: the peak
+is one micro-batch plus about half a layer (a layer has two comm points; measured on gloo,
+``benchmarks/memory_check.py``), not two micro-batches. The sequential schedule ``F0, B0, F1, ...`` holds one. At
+``pp > 1`` torch's schedule is built with stand-in stages of each pp rank (no process group; as
+``pipeline/schedules.py``'s ``docs_orders``), interleaved 1F1B rewritten into overlapped pairs as the strategy does
+(1F1B overlapped: its paired order, ``pipeline/paired_1f1b.py``), and its compute order walked: a
+forward adds its chunk's micro-batch activations, a full or input-gradient backward frees them, a pair adds its
+forward's before freeing its backward's. The peak of that walk is the rank's. (A pair is counted whole, its forward
+before its backward frees: an upper bound. Zero bubble's split backward keeps the weight GEMMs' inputs until the weight
+half: not counted.)
 """
 
 from __future__ import annotations

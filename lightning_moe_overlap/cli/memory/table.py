@@ -1,9 +1,10 @@
 """The printed memory table of ``check`` and its warning against the device's memory.
 
-Columns (bytes of one process of each pp rank, in GiB = 2**30 bytes, or MiB when every total is under 1 GiB): ``params`` (as kept: the shards in the sharded
-modes), ``gathered`` (the unsharded copies a sharded mode holds during the step), ``grads`` (at the step's peak:
-unsharded in the gathered parameters), ``optim`` (the optimizer's state on the device), ``activ`` (the activations
-at the schedule's peak), ``total`` (the device's sum) and ``host`` (the offloaded optimizer state and activations).
+Columns (bytes of one process of each pp rank, in GiB = 2**30 bytes, or MiB when every total is under 1 GiB): ``params``
+(as kept: the shards in the sharded modes), ``gathered`` (the unsharded copies a sharded mode holds during the step),
+``grads`` (at the step's peak: unsharded in the gathered parameters), ``optim`` (the optimizer's state on the device),
+``activ`` (the activations at the schedule's peak), ``total`` (the device's sum) and ``host`` (the offloaded optimizer
+state and activations).
 """
 
 from __future__ import annotations
@@ -89,8 +90,9 @@ def memory_warnings(rows: Sequence[RankMemory], limit: int | None, source: str) 
     unit, name = (GIB, "GiB") if limit >= GIB else (1 << 20, "MiB")  # the limit's scale: both numbers readable
     return [
         f"warning: pp rank {r.pp_rank} needs about {_gib(r.device_total, unit)} {name} per process, more than the "
-        f"{_gib(limit, unit)} {name} of the device ({source}). Shard more (`shard='full'`), raise ep / pp / tp, recompute "
-        "or offload activations (SelectiveRecompute, ActivationOffload), or use fewer micro-batches in flight."
+        f"{_gib(limit, unit)} {name} of the device ({source}). Shard more (`shard='full'`), raise ep / pp / tp, "
+        "recompute or offload activations (SelectiveRecompute, ActivationOffload), or use fewer micro-batches in "
+        "flight."
         for r in rows
         if r.device_total > limit
     ]
