@@ -285,7 +285,9 @@ def rank_main(
         plain = next(m for m in modes if runs[m][0] == runs[mode][0])
         pairs = zip(trainers[plain].net.parameters(), trainer.net.parameters(), strict=True)
         equal = equal and all(torch.equal(p, q) for p, q in pairs)
-    orders = {mode: getattr(t.schedule, "pipeline_order", None) for mode, t in trainers.items()}
+    # the action runtimes' orders (torch's single-stage ``Schedule1F1B`` does not run one: n/a)
+    orders = {mode: t.schedule.pipeline_order if hasattr(t.schedule, "pipeline_order_with_comms") else None
+              for mode, t in trainers.items()}  # fmt: skip
     return {
         "records": records,
         "bitwise_equal": equal,
