@@ -1,6 +1,7 @@
 """``MoEOverlapStrategy(pp=2, vpp=2, ep=2, shard="full" | "optimizer")`` on 4 gloo ranks (dp=2 per stage): each
 rank's chunks sharded with FSDP2 (dense parameters over the stage's dp ranks; the experts' edp is 1 here, the
-8-process test shards them too), under interleaved 1F1B with and without the overlap.
+8-process test shards them too), under interleaved 1F1B with and without the overlap, and HF Qwen3-MoE under 1F1B
+(vpp=1) with the overlap (its paired order).
 
 Oracles, from one spawn:
 - one process training the unsplit model on the same global batches (plain SGD, the gradients clipped by their
@@ -58,7 +59,7 @@ RUNS = (  # (name, model, shard, overlap, other settings)
     ("fp8-none", "gpt", "none", True, {"fp8": "tensorwise"}),
     ("gpt-full-early", "gpt", "full", True, {"overlap_grad_reduce": True}),
     ("gpt-optimizer-early", "gpt", "optimizer", True, {"overlap_grad_reduce": True}),
-    ("gpt-full-1f1b", "gpt", "full", True, {"pipeline_schedule": "1f1b", "vpp": 1}),  # its paired order
+    ("qwen3-full-1f1b", "qwen3", "full", True, {"pipeline_schedule": "1f1b", "vpp": 1}),  # its paired order
 )
 PAIRS = (("gpt-full", "gpt-full-off"), ("qwen3-full", "qwen3-full-off"), ("deepseek-full", "deepseek-full-off"))
 # the same training whatever is sharded, offloaded or gathered in float8 (module docstring)

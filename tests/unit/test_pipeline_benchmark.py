@@ -6,6 +6,7 @@ from __future__ import annotations
 import re
 import sys
 import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -22,7 +23,7 @@ def test_pipeline_options_parse_and_default_to_all_of_dp_for_ep() -> None:
     assert (cfg.pp, cfg.vpp, cfg.ep_size, cfg.schedule_name) == (2, 2, 2, "interleaved_1f1b")
     assert bench.modes_of(cfg) == ["sequential", "overlap"]
     cfg, _ = bench.parse_args(["--ranks", "2", "--pp", "2"])
-    assert (cfg.ep_size, cfg.schedule_name, bench.modes_of(cfg)) == (1, "1f1b", ["sequential"])
+    assert (cfg.ep_size, cfg.schedule_name, bench.modes_of(cfg)) == (1, "1f1b", ["sequential", "overlap"])
 
 
 PP2 = ["--ranks", "4", "--pp", "2", "--vpp", "2"]
@@ -31,7 +32,9 @@ PP2 = ["--ranks", "4", "--pp", "2", "--vpp", "2"]
 @pytest.mark.parametrize(
     ("argv", "message"),
     [
-        (["--vpp", "2"], r"--vpp 2 / --pipeline-schedule None need --pp >= 2, got --pp 1"),
+        (["--vpp", "2"], r"--vpp 2 / --pipeline-schedule None / --compare-schedules / --a2a-delay-ms need --pp >= 2"),
+        ([*PP2, "--a2a-delay-ms", "-1"], r"--a2a-delay-ms -1: must be >= 0"),
+        ([*PP2, "--compare-schedules", "--microbatches", "3"], r"multiple of pp, got 3"),
         (["--pp", "0"], r"--pp 0 / --vpp 1: both must be >= 1"),
         ([*PP2, "--monitor"], r"measures overlap off and on only; drop --monitor"),
         ([*PP2, "--device", "cuda"], r"CPU \(gloo\) only so far; use --device cpu"),
@@ -119,3 +122,23 @@ def test_concurrency_is_one_when_ranks_take_turns_and_pp_when_they_compute_toget
     assert pipelined.concurrency(together) == 3.0
     assert pipelined.concurrency([[(0.0, 2.0)], [(1.0, 3.0)]]) == pytest.approx(4.0 / 3.0)
     assert pipelined.concurrency([[], []]) == 0.0
+
+
+def test_compare_schedules_runs_every_schedule_off_and_on_with_1f1b_sequential_first() -> None:
+    cfg, _ = bench.parse_args(["--ranks", "4", "--pp", "2", "--layers", "8", "--compare-schedules"])
+    runs = pipelined.pp_modes(cfg)
+    assert list(runs)[0] == "1f1b/sequential" and len(runs) == 6
+    assert {(schedule, vpp) for schedule, vpp, _ in runs.values()} == {
+        ("1f1b", 1), ("interleaved_1f1b", 2), ("dualpipev", 2)
+    }
+    assert sorted(overlap for *_, overlap in runs.values()) == [False] * 3 + [True] * 3
+
+
+def test_a_delayed_all_to_all_is_waited_no_earlier_than_its_delay(monkeypatch) -> None:
+    class Done:
+        def wait(self) -> str:
+            return "done"
+
+    monkeypatch.setattr(pipelined.TORCH, "all_to_all", lambda *args, **kwargs: Done())
+    work = pipelined.DelayedCommunicator(0.05).all_to_all(None, None, [], [], None)
+    assert work.wait() == "done" and time.perf_counter() >= work.until  # a lower bound: sleep returns no earlier
