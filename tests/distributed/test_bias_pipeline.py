@@ -1,11 +1,11 @@
 """Aux-loss-free balancing and ``MoEMonitor`` counts at ``pp > 1`` against a pp=1 run on the same in-order data.
 
 4 gloo ranks, ``ep=2``: pp=2 (dp=2, M=4 micro-batches of one sample) under interleaved 1F1B, DualPipeV and 1F1B (its
-paired order; DeepSeek-V3 only) with the overlap on, and pp=1 (dp=4, M=2, sequential), every step the same 8 samples over all ranks.
-Oracle: per MoE layer, the expert bias after each step equals the pp=1 run's (and the pp=1 run's equals one process of
-the unsplit model stepped by hand, bias updated from counts taken by a hook of the test); the ``MoEMonitor`` counts per
-layer equal the pp=1 run's. Models: HF DeepSeek-V3 (``e_score_correction_bias``) and ``MoEGPT`` with this package's
-``TopKRouter(enable_expert_bias=True)``, both tiny with 4 layers.
+paired order; DeepSeek-V3 only) with the overlap on, and pp=1 (dp=4, M=2, sequential), every step the same 8 samples
+over all ranks. Oracle: per MoE layer, the expert bias after each step equals the pp=1 run's (and the pp=1 run's
+equals one process of the unsplit model stepped by hand, bias updated from counts taken by a hook of the test); the
+``MoEMonitor`` counts per layer equal the pp=1 run's. Models: HF DeepSeek-V3 (``e_score_correction_bias``) and
+``MoEGPT`` with this package's ``TopKRouter(enable_expert_bias=True)``, both tiny with 4 layers.
 
 Shapes: G samples per step over all ranks, S tokens per sample, E experts.
 """
