@@ -45,14 +45,18 @@ def choose_offloaded(params: Iterable[Tensor], fraction: float) -> list[Tensor]:
     the given order) until they hold at least ``fraction`` of the elements of every parameter that can step
     (``requires_grad``, not on the meta device). ``fraction=1.0``: every such parameter with at least one element."""
     held = [p for p in params if p.requires_grad and not p.is_meta]
-    total = sum(local(p).numel() for p in held)
-    chosen: list[Tensor] = []
-    count = 0
-    for p in sorted(held, key=lambda p: -local(p).numel()):
+    return [held[i] for i in largest_first([local(p).numel() for p in held], fraction)]
+
+
+def largest_first(sizes: Sequence[int], fraction: float) -> list[int]:
+    """The indices of ``sizes``, largest first (ties in the given order), until they hold at least ``fraction`` of
+    the total: :func:`choose_offloaded`'s rule on element counts (``check``'s memory estimate uses it too)."""
+    total, count, chosen = sum(sizes), 0, []
+    for i in sorted(range(len(sizes)), key=lambda i: -sizes[i]):
         if count >= fraction * total:
             break
-        chosen.append(p)
-        count += local(p).numel()
+        chosen.append(i)
+        count += sizes[i]
     return chosen
 
 

@@ -316,23 +316,38 @@ def _cell(action: Any) -> str:
     return str(action)
 
 
-def docs_orders() -> str:
-    """The orders shown in docs/pipeline.md, computed from torch's schedules (pp=2, vpp=2, 4 micro-batches):
-    interleaved 1F1B rewritten into pairs, and DualPipeV as torch emits it; and 1F1B's paired order at pp=4 with 8
-    micro-batches (:mod:`.paired_1f1b`). Needs no process group."""
+def compute_order(name: str, *, pp: int, vpp: int, num_microbatches: int, overlap: bool) -> dict[int, list[Any]]:
+    """``{pp rank: compute actions}`` of schedule ``name`` at these sizes, with the overlap as :func:`build_schedule`
+    runs it (1F1B's paired order, interleaved 1F1B rewritten into pairs); from stand-in stages, no process group.
+
+    Raises:
+        ValueError, NotImplementedError: see :func:`validate_schedule`.
+    """
     from types import SimpleNamespace
 
-    def local_stages(name: str) -> list[Any]:
-        indices = stage_indices(name, pp=2, vpp=2, pp_rank=0)
-        return [SimpleNamespace(num_stages=4, group_size=2, group_rank=0, stage_index=i, submod=None) for i in indices]
+    validate_schedule(name, pp=pp, vpp=vpp, num_microbatches=num_microbatches, overlap=overlap)
+    if overlap and name == "1f1b":
+        return paired_1f1b_order(pp, num_microbatches)
+    num_stages = pp * vpp
+    stages = [
+        SimpleNamespace(num_stages=num_stages, group_size=pp, group_rank=0, stage_index=i, submod=None,
+                        is_first=i == 0, is_last=i == num_stages - 1)
+        for i in stage_indices(name, pp=pp, vpp=vpp, pp_rank=0)
+    ]  # fmt: skip
+    built = _CLASSES[name](stages[0] if name == "1f1b" else stages, num_microbatches, loss_fn=lambda out, target: out)
+    order = overlap_pairs(built) if overlap and name == "interleaved_1f1b" else built.pipeline_order
+    return {rank: list(actions) for rank, actions in order.items()}
 
-    interleaved = ScheduleInterleaved1F1B(local_stages("interleaved_1f1b"), 4, loss_fn=lambda out, target: out)
-    dualpipev = ScheduleDualPipeV(local_stages("dualpipev"), 4, loss_fn=lambda out, target: out)
+
+def docs_orders() -> str:
+    """The orders shown in docs/pipeline.md (:func:`compute_order`): interleaved 1F1B rewritten into pairs and
+    DualPipeV as torch emits it (pp=2, vpp=2, 4 micro-batches), and 1F1B's paired order at pp=4 with 8 micro-batches
+    (:mod:`.paired_1f1b`). Needs no process group."""
     return (
         "interleaved_1f1b, overlap (pp=2, vpp=2, M=4)\n"
-        + render_order(overlap_pairs(interleaved))
+        + render_order(compute_order("interleaved_1f1b", pp=2, vpp=2, num_microbatches=4, overlap=True))
         + "\n\ndualpipev (pp=2, vpp=2, M=4)\n"
-        + render_order(dualpipev.pipeline_order)
+        + render_order(compute_order("dualpipev", pp=2, vpp=2, num_microbatches=4, overlap=False))
         + "\n\n1f1b, overlap (pp=4, vpp=1, M=8)\n"
-        + render_order(paired_1f1b_order(4, 8))
+        + render_order(compute_order("1f1b", pp=4, vpp=1, num_microbatches=8, overlap=True))
     )

@@ -10,11 +10,12 @@ from torch.autograd.graph import saved_tensors_hooks
 
 from lightning_moe_overlap.cli.memory.activations import ActivationPolicy, LayerShape, chunk_activations
 from lightning_moe_overlap.cli.memory.estimate import MemorySettings, estimate_memory, policy_of
-from lightning_moe_overlap.cli.memory.in_flight import compute_order, peak_bytes, pp1_in_flight
+from lightning_moe_overlap.cli.memory.in_flight import peak_bytes, pp1_in_flight
 from lightning_moe_overlap.cli.memory.optimizer_state import optimizer_state
 from lightning_moe_overlap.cli.memory.table import memory_table, memory_warnings, parse_memory_gb
 from lightning_moe_overlap.config import OverlapConfig
 from lightning_moe_overlap.demo import MoEGPT
+from lightning_moe_overlap.pipeline.schedules import compute_order
 
 SIZES = {"vocab_size": 256, "hidden_size": 64, "num_heads": 4, "num_experts": 8, "top_k": 2, "ffn_hidden_size": 128}
 

@@ -15,9 +15,10 @@ from torch import nn
 
 from lightning_moe_overlap.cli.memory.activations import ActivationPolicy, LayerShape, chunk_activations
 from lightning_moe_overlap.cli.memory.held import HeldBytes, Layout, held_bytes, tp_sharded_dims
-from lightning_moe_overlap.cli.memory.in_flight import compute_order, peak_bytes, pp1_in_flight
+from lightning_moe_overlap.cli.memory.in_flight import peak_bytes, pp1_in_flight
 from lightning_moe_overlap.cli.memory.optimizer_state import OptimizerState, optimizer_state
 from lightning_moe_overlap.config import OverlapConfig
+from lightning_moe_overlap.validation import build_dims, normalize_precision
 
 
 @dataclass(frozen=True)
@@ -79,12 +80,12 @@ class RankMemory:
 def element_bytes(precision: str) -> tuple[int, int]:
     """``(parameter, activation)`` bytes per element of a Lightning ``precision``: ``*-mixed`` keeps float32
     parameters and computes in 16 bits, ``*-true`` keeps both in its dtype."""
-    text = str(precision)
-    if text in ("64", "64-true"):
+    name = normalize_precision(precision)  # "bf16" -> "bf16-mixed", as Lightning reads it
+    if name == "64-true":
         return 8, 8
-    if text in ("bf16-true", "16-true", "transformer-engine-float16"):
+    if name in ("bf16-true", "16-true", "transformer-engine-float16"):
         return 2, 2
-    if text in ("bf16-mixed", "16-mixed", "bf16", "16", "transformer-engine"):
+    if name in ("bf16-mixed", "16-mixed", "transformer-engine"):
         return 4, 2
     return 4, 4
 
@@ -170,15 +171,14 @@ def _hyper(model: nn.Module, *names: str) -> int | None:
 
 def layout_of(cfg: OverlapConfig, settings: MemorySettings) -> Layout:
     """The :class:`Layout` of the config's sizes for ``settings.world_size`` processes."""
-    dp = max(1, settings.world_size // (cfg.pp * cfg.cp * cfg.tp))
+    dims = build_dims(cfg, settings.world_size)  # the layout rules' one implementation (dp, edp)
     param_bytes, _ = element_bytes(settings.precision)
     compute = param_bytes
     dtype = getattr(cfg.fsdp_mp_policy, "param_dtype", None)
     if dtype is not None and cfg.shard != "none":
         compute = dtype.itemsize
-    return Layout(ep=cfg.ep, tp=cfg.tp, dp_cp=dp * cfg.cp, edp=max(1, dp * cfg.cp * cfg.tp // cfg.ep),
-                  shard=cfg.shard, param_bytes=param_bytes, compute_bytes=compute,
-                  offload_fraction=cfg.offload_fraction)  # fmt: skip
+    return Layout(ep=cfg.ep, tp=cfg.tp, dp_cp=dims.dp * dims.cp, edp=dims.edp, shard=cfg.shard,
+                  param_bytes=param_bytes, compute_bytes=compute, offload_fraction=cfg.offload_fraction)  # fmt: skip
 
 
 def estimate_memory(
@@ -232,6 +232,8 @@ def _pipeline_rows(split: Any, cfg: OverlapConfig, shape: LayerShape | None, set
                                              policy=settings.policy)  # fmt: skip
     order = None
     if shape is not None:
+        from lightning_moe_overlap.pipeline.schedules import compute_order
+
         order = compute_order(cfg.resolved_schedule, pp=layout.pp, vpp=layout.vpp,
                               num_microbatches=cfg.num_microbatches, overlap=bool(cfg.overlap))  # fmt: skip
     rows = []

@@ -26,6 +26,7 @@ from types import SimpleNamespace
 from torch import nn
 
 from lightning_moe_overlap.cli.memory.optimizer_state import OptimizerState
+from lightning_moe_overlap.optim.host_offload import largest_first
 
 
 @dataclass(frozen=True)
@@ -123,17 +124,10 @@ def held_bytes(
 
 
 def _offloaded(sizes_desc: list[int], fraction: float | None) -> list[int]:
-    """The shard sizes whose state goes to the host: the largest first until at least ``fraction`` of the
-    elements (``optim/host_offload.py``, ``choose_offloaded``)."""
+    """The shard sizes whose state goes to the host, by the offload's own rule (``largest_first``)."""
     if fraction is None:
         return []
-    total, count, chosen = sum(sizes_desc), 0, []
-    for size in sizes_desc:
-        if count >= fraction * total:
-            break
-        chosen.append(size)
-        count += size
-    return chosen
+    return [sizes_desc[i] for i in largest_first(sizes_desc, fraction)]
 
 
 def _host_bytes(offloaded: list[int], param_bytes: int, optimizer: OptimizerState) -> int:

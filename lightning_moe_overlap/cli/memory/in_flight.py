@@ -17,7 +17,6 @@ half: not counted.)
 from __future__ import annotations
 
 from collections.abc import Mapping
-from types import SimpleNamespace
 from typing import Any
 
 
@@ -25,35 +24,6 @@ def pp1_in_flight(num_microbatches: int, overlap: bool) -> int:
     """Micro-batches that run at once at ``pp = 1``: 2 with overlap (and ``M > 1``), else 1 (the peak of 2 is one
     micro-batch plus half a layer: module docstring)."""
     return 2 if overlap and num_microbatches > 1 else 1
-
-
-def compute_order(schedule: str, *, pp: int, vpp: int, num_microbatches: int, overlap: bool) -> dict[int, list[Any]]:
-    """``{pp rank: torch's compute actions}`` of ``schedule``, with overlapped pairs as the strategy runs it.
-
-    Raises:
-        ValueError, NotImplementedError: sizes the schedule refuses (``pipeline/schedules.py``'s rules).
-    """
-    from lightning_moe_overlap.pipeline.paired_1f1b import paired_1f1b_order
-    from lightning_moe_overlap.pipeline.schedules import _CLASSES, overlap_pairs, stage_indices, validate_schedule
-
-    validate_schedule(schedule, pp=pp, vpp=vpp, num_microbatches=num_microbatches, overlap=overlap)
-    order: dict[int, list[Any]] = {}
-    for rank in range(pp):
-        stages = [
-            SimpleNamespace(num_stages=pp * vpp, group_size=pp, group_rank=rank, stage_index=i, submod=None,
-                            is_first=i == 0, is_last=i == pp * vpp - 1)
-            for i in stage_indices(schedule, pp=pp, vpp=vpp, pp_rank=rank)
-        ]  # fmt: skip
-        built = _CLASSES[schedule](stages[0] if schedule == "1f1b" else stages, num_microbatches,
-                                   loss_fn=lambda out, target: out)  # fmt: skip
-        if overlap and schedule == "1f1b":
-            actions = paired_1f1b_order(pp, num_microbatches)
-        elif overlap and schedule == "interleaved_1f1b":
-            actions = overlap_pairs(built)
-        else:
-            actions = built.pipeline_order
-        order[rank] = list(actions[rank])
-    return order
 
 
 def peak_bytes(actions: list[Any], chunk_bytes: Mapping[int, int]) -> tuple[int, dict[int, int]]:
