@@ -6,7 +6,13 @@ Importing the package registers the strategy under the names ``moe_overlap`` and
 
 from lightning.pytorch.strategies import StrategyRegistry
 
-from lightning_moe_overlap.callbacks import ActivationOffload, MoEMonitor, OverlapTimeline, SelectiveRecompute
+from lightning_moe_overlap.callbacks import (
+    ActivationOffload,
+    ExpertBalance,
+    MoEMonitor,
+    OverlapTimeline,
+    SelectiveRecompute,
+)
 from lightning_moe_overlap.config import OverlapConfig
 from lightning_moe_overlap.loss.tokens import step_tokens
 from lightning_moe_overlap.parallel import ParallelDims, ParallelGroups
@@ -19,6 +25,7 @@ MoEOverlapStrategy.register_strategies(StrategyRegistry)  # idempotent: skips na
 
 __all__ = [
     "ActivationOffload",
+    "ExpertBalance",
     "MoEMonitor",
     "MoEOverlapStrategy",
     "OverlapConfig",

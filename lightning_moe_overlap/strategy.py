@@ -59,6 +59,7 @@ from lightning_moe_overlap.overlap.runtime import CommRuntime
 from lightning_moe_overlap.parallel import ParallelDims, ParallelGroups
 from lightning_moe_overlap.parallel.grads import clip_grad_norm, global_grad_norm
 from lightning_moe_overlap.parallel.mesh import ParallelMesh, build_mesh
+from lightning_moe_overlap.parallelize.expert_placer import ExpertPlacer, PlacementReport
 from lightning_moe_overlap.parallelize.held_tensors import global_shapes, held_tensors
 from lightning_moe_overlap.parallelize.meta_build import meta_build
 from lightning_moe_overlap.parallelize.prepared_model import PreparedModel, adopt, record
@@ -784,7 +785,9 @@ class MoEOverlapStrategy(ParallelStrategy):
     @override
     def lightning_module_state_dict(self) -> dict[str, Any]:
         """This rank's module state through ``get_model_state_dict``: the held tensors, keyed by the unsplit
-        model's names, experts as ``DTensor`` s of global shape ``[E, ...]``."""
+        model's names, experts as ``DTensor`` s of global shape ``[E, ...]`` (logical: re-placed experts are moved
+        back first, and to their placement again once the checkpoint is written)."""
+        self._experts_logical()
         return checkpointer.module_state(self.lightning_module)
 
     @override
@@ -807,6 +810,7 @@ class MoEOverlapStrategy(ParallelStrategy):
                           self.parallel_groups, background=self._background_saves())  # fmt: skip
         if self._prepared is not None:  # `state_dict()` leaves `fully_shard`'s modules sharded
             self._prepared.sharded.release()
+            self._experts_placed()  # written (or staged): the experts go back to their placement
 
     @property
     def saves_in_background(self) -> bool:
@@ -845,6 +849,8 @@ class MoEOverlapStrategy(ParallelStrategy):
         assert module is not None
         trainer = pl_compat.attached_trainer(module)
         fitting = trainer is not None and trainer.state.fn == TrainerFn.FITTING
+        if self._prepared is not None and self._prepared.placer is not None:
+            self._prepared.placer.reset(self.optimizers)  # a checkpoint is logical: it loads into the identity
         checkpoint = checkpointer.load(
             checkpoint_path, module, self.optimizers, strict=module.strict_loading, restore_rng_state=fitting,
             weights_only=weights_only,
@@ -870,7 +876,30 @@ class MoEOverlapStrategy(ParallelStrategy):
 
         Collective: every rank must call it. Loads into the model as built before the strategy sharded it.
         """
-        return checkpointer.full_model_state(self.lightning_module, self.parallel_groups)
+        self._experts_logical()
+        state = checkpointer.full_model_state(self.lightning_module, self.parallel_groups)
+        self._experts_placed()
+        return state
+
+    def expert_placer(self) -> ExpertPlacer:
+        """The experts' placements (``parallelize/expert_placer.py``), from ``setup`` on;
+        :class:`~lightning_moe_overlap.callbacks.ExpertBalance` drives it (docs/expert_placement.md)."""
+        placer = self._built.placer
+        assert placer is not None
+        return placer
+
+    def rebalance_experts(self, step: int, min_gain: float = 0.0) -> PlacementReport:
+        """Re-place the experts from the tokens counted since the last call (collective, at a step boundary)."""
+        return self.expert_placer().rebalance(step, self.optimizers, min_gain)
+
+    def _experts_logical(self) -> None:
+        """Re-placed experts back to the identity before a state dict is read (collective; nothing otherwise)."""
+        if self._prepared is not None and self._prepared.placer is not None:
+            self._prepared.placer.to_logical(self.optimizers)
+
+    def _experts_placed(self) -> None:
+        if self._prepared is not None and self._prepared.placer is not None:
+            self._prepared.placer.restore(self.optimizers)
 
     def export_hf(
         self,
@@ -911,11 +940,14 @@ class MoEOverlapStrategy(ParallelStrategy):
                 "`PretrainedConfig`, a config.json or the folder the run started from) and `prefix=`."
             )
         generation = getattr(hf_model, "generation_config", None) if config is None else None
-        return export_hf_sharded(
+        self._experts_logical()  # a failed export leaves them there: correct, only not balanced until re-placed
+        report = export_hf_sharded(
             self.held_tensors(), self.global_shapes(), dst, config=hf_model.config if config is None else config,
             family=family, prefix=found_prefix if prefix is None else prefix, max_shard_bytes=max_shard_bytes,
             dtype=dtype, overwrite=overwrite, generation_config=generation,
         )  # fmt: skip
+        self._experts_placed()
+        return report
 
     # -- collectives -----------------------------------------------------------------------------------------
     @override

@@ -8,6 +8,7 @@ Each name has a test in ``tests/unit/test_compat_torch.py`` that names the torch
 from __future__ import annotations
 
 import functools
+import itertools
 import os
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -226,6 +227,31 @@ def local_shape_and_offset(tensor: Any) -> tuple[tuple[int, ...], tuple[int, ...
 
     shape, offset = compute_local_shape_and_global_offset(tensor.shape, tensor.device_mesh, tensor.placements)
     return tuple(int(s) for s in shape), tuple(int(o) for o in offset)
+
+
+def row_owners(tensor: Any) -> list[tuple[int, int, int]]:
+    """``(global rank, first row, rows)`` of dim 0 for every rank of a ``DTensor``'s mesh, in mesh order
+    (``torch.distributed.tensor._utils._compute_local_shape_and_global_offset`` at each coordinate: any mesh, any
+    ``Shard`` / ``_StridedShard`` / ``Replicate`` placements, uneven shards as ``torch.chunk`` cuts them).
+
+    Raises:
+        NotImplementedError: a rank holds only part of a row (a placement shards another dimension).
+    """
+    from torch.distributed.tensor._utils import _compute_local_shape_and_global_offset  # noqa: PLC0415
+
+    mesh, shape = tensor.device_mesh, tuple(tensor.shape)
+    owners = []
+    for coordinate in itertools.product(*(range(n) for n in mesh.shape)):
+        local_shape, offset = _compute_local_shape_and_global_offset(shape, mesh.shape, list(coordinate),
+                                                                     tensor.placements)  # fmt: skip
+        if tuple(local_shape[1:]) != shape[1:] or any(offset[1:]):
+            raise NotImplementedError(
+                f"`row_owners`: the DTensor of shape {shape} with placements {tensor.placements} gives the rank at "
+                f"{coordinate} a [{tuple(local_shape)}] block at offset {tuple(offset)}, not whole rows; only tensors "
+                "split along dim 0 have rows to move. Keep such a tensor out of expert re-placement."
+            )
+        owners.append((int(mesh.mesh[coordinate]), int(offset[0]), int(local_shape[0])))
+    return owners
 
 
 def allocate_meta_tensors(module: nn.Module, device: torch.device) -> None:

@@ -7,6 +7,7 @@ overlap schedule, and can be listed in ``trainer.callbacks`` or in a LightningCL
 """
 
 from lightning_moe_overlap.callbacks.activation_offload import ActivationOffload
+from lightning_moe_overlap.callbacks.expert_balance import ExpertBalance
 from lightning_moe_overlap.callbacks.layer_specs import (
     OFFLOAD_MODULE_NAMES,
     OFFLOAD_TENSOR_NAMES,
@@ -29,6 +30,7 @@ __all__ = [
     "OFFLOAD_TENSOR_NAMES",
     "RECOMPUTE_NAMES",
     "ActivationOffload",
+    "ExpertBalance",
     "ExpertStage",
     "MoEMonitor",
     "OffloadEngine",

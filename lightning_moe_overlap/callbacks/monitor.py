@@ -13,6 +13,10 @@ them with one device-to-host copy and logs, through ``LightningModule.log``:
 - per step, averaged over the interval and the ranks: ``moe/a2a_exposed_ms`` (the all-to-all time nothing hid),
   ``moe/a2a_total_ms`` (in flight), ``moe/a2a_hidden_fraction`` (``1 - exposed / total``),
   ``moe/microbatches``, ``moe/tokens_per_s`` (all ranks' tokens over the training-step time);
+- per block of expert-parallel experts, ``moe/<block>/rank_imbalance``: the most loaded ep rank's tokens over the
+  mean rank's, under the block's current placement; after an ``ExpertBalance`` re-placement, its
+  ``rank_imbalance_before`` / ``_after`` and ``moe/placement/moved_experts`` / ``bytes_sent`` / ``seconds``
+  (``callbacks/expert_balance.py``);
 - at ``pp > 1`` the block sums and bias norms are also summed over the pp group: every rank logs every block;
 - a tokens-per-expert histogram per block to loggers whose ``experiment`` has ``add_histogram_raw`` /
   ``add_histogram`` (TensorBoard), on global rank 0.
@@ -31,7 +35,9 @@ from lightning.pytorch import Callback, LightningModule, Trainer
 from typing_extensions import override
 
 from lightning_moe_overlap._compat import lightning as pl_compat
+from lightning_moe_overlap.callbacks.expert_balance import placement_metrics
 from lightning_moe_overlap.moe.capacity import validate_capacity
+from lightning_moe_overlap.moe.ep import ExpertParallelExperts
 from lightning_moe_overlap.moe.stats import RoutingStats, Summary, summarize
 from lightning_moe_overlap.overlap.event_timer import EventCommTimer
 from lightning_moe_overlap.overlap.observers import CommTimer
@@ -63,11 +69,18 @@ class MoEMonitor(Callback):
         self._steps = 0
         self._step_s = 0.0
         self._step_start: float | None = None
+        self._placed: dict[str, ExpertParallelExperts] = {}  # block name -> its expert-parallel experts (ep > 1)
+        self._reports_logged = 0  # the re-placements already logged
 
     # -- attach / detach -------------------------------------------------------------------------------------------
     @override
     def on_fit_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         self.stats = RoutingStats(pl_module, capacity_factor=self.capacity_factor)
+        self._placed = {
+            name.rpartition(".")[0] or name: m
+            for name, m in pl_module.named_modules()
+            if isinstance(m, ExpertParallelExperts) and m.placement.ep > 1
+        }
         runtime = getattr(trainer.strategy, "runtime", None)
         if isinstance(runtime, CommRuntime):
             self._timer = EventCommTimer() if pl_module.device.type == "cuda" else CommTimer()
@@ -151,8 +164,23 @@ class MoEMonitor(Callback):
         mean_step_s = step_s / ranks
         if mean_step_s > 0 and summary.tokens:
             metrics["moe/tokens_per_s"] = summary.tokens / mean_step_s
+        metrics.update(self._placement(trainer, summary))
         self._reset_interval()
         return summary
+
+    def _placement(self, trainer: Trainer, summary: Summary) -> dict[str, float]:
+        """Each held block's rank imbalance under its placement, and the latest re-placement not logged yet."""
+        out = {
+            f"moe/{block}/rank_imbalance": module.placement.imbalance(summary.tokens_per_expert[block])
+            for block, module in self._placed.items()
+            if block in summary.tokens_per_expert
+        }
+        prepared = trainer.strategy.prepared if isinstance(trainer.strategy, MoEOverlapStrategy) else None
+        reports = prepared.placer.reports if prepared is not None and prepared.placer is not None else []
+        if len(reports) > self._reports_logged:
+            out.update(placement_metrics(reports))
+            self._reports_logged = len(reports)
+        return out
 
     def _reset_interval(self) -> None:
         self._steps = 0

@@ -54,6 +54,7 @@ from lightning_moe_overlap.moe.grouped import (
 from lightning_moe_overlap.moe.layer import MoELayer
 from lightning_moe_overlap.moe.experts_layout import ExpertsLayout
 from lightning_moe_overlap.moe.layout_check import check_layout_math
+from lightning_moe_overlap.moe.placement import ExpertPlacement
 from lightning_moe_overlap.moe.shared import overlap_shared_experts
 from lightning_moe_overlap.moe.stages import STAGE_NAMES, ExpertsStage
 from lightning_moe_overlap.moe.te_backend import EXPERT_BACKENDS, ExpertBackend, TEExperts, check_te_layout
@@ -165,6 +166,9 @@ class ExpertParallelExperts(nn.Module):
         self.expert_shard = ExpertShard(num_experts=num_experts, first_expert=first, num_local=count)
         self.num_experts = num_experts
         self.num_local_experts = count
+        # Which logical expert each slot (row) holds; the identity unless re-placed (`moe/placement.py`).
+        self.placement = ExpertPlacement.identity(num_experts, dispatcher.ep_size)
+        self._slot_table: Tensor | None = None  # the placement's slot of each logical expert, None for the identity
         self.capacity_factor = capacity_factor
         self.token_drop_policy: DropPolicy = token_drop_policy
         self.impl: GemmImpl = impl
@@ -197,6 +201,8 @@ class ExpertParallelExperts(nn.Module):
             indices_TK, weights_TK = drop_over_capacity(
                 indices_TK, weights_TK, self.num_experts, self.capacity_factor, self.token_drop_policy
             )
+        if self._slot_table is not None:  # re-placed experts: route to the slots holding them
+            indices_TK = ExpertPlacement.to_slots(indices_TK, self._slot_table)
         fp8 = self.dispatch_recipe()
         if fp8 is None:
             x_RD, splits, handle = self.dispatcher.dispatch(x_TD, indices_TK, weights_TK)
@@ -204,6 +210,23 @@ class ExpertParallelExperts(nn.Module):
             x_RD, splits, handle = self.dispatcher.dispatch(x_TD, indices_TK, weights_TK, fp8=fp8)
         y_RD = self.local_experts(x_RD, splits)
         return self.dispatcher.combine(y_RD, handle).view(shape)
+
+    def set_placement(self, placement: ExpertPlacement) -> None:
+        """Route by ``placement`` from the next forward on. Only the map changes: the rows must already hold the
+        experts it names (``moe/expert_moves.py`` moves them).
+
+        Raises:
+            ValueError: ``placement`` is for another number of experts or another ep.
+        """
+        if (placement.num_experts, placement.ep) != (self.num_experts, self.dispatcher.ep_size):
+            raise ValueError(
+                f"`ExpertParallelExperts.set_placement`: the placement has {placement.num_experts} experts over "
+                f"ep={placement.ep}, but this module holds {self.num_experts} over ep={self.dispatcher.ep_size}; "
+                "build the placement for this module (`ExpertPlacement.identity(E, ep)` and what it leads to)."
+            )
+        device = local(getattr(self, self.layout.up_name)).device
+        self.placement = placement
+        self._slot_table = None if placement.is_identity else placement.slot_table(device)
 
     def dispatch_recipe(self) -> Float8Recipe | None:
         """The FP8 recipe the rows are dispatched in, or None (high precision): the recipe of an FP8 ``kernel``

@@ -39,6 +39,7 @@ if TYPE_CHECKING:
     from lightning_moe_overlap.fp8.apply import Float8Report
     from lightning_moe_overlap.hf.load import HFLoadReport
     from lightning_moe_overlap.moe.model_handle import MoEModelHandle
+    from lightning_moe_overlap.parallelize.expert_placer import ExpertPlacer
     from lightning_moe_overlap.pipeline.pipelined import PipelinedModel
 
 ATTRIBUTE = "moe_overlap_prepared"
@@ -69,6 +70,7 @@ class PreparedModel:
     cp: ContextParallel | None = None
     fp8: Float8Report | None = None
     loaded: HFLoadReport | None = None
+    placer: ExpertPlacer | None = None  # the experts' placements (`expert_placer.py`)
 
     # -- what a step enters, and the routers' balancing-loss weight ---------------------------------------------
     def loss_scope(self) -> AbstractContextManager[None]:

@@ -209,6 +209,15 @@ class ShardedModel:
             self.gather()
             self._fresh = True
 
+    def rows_moved(self, modules: Sequence[nn.Module]) -> None:
+        """After rows of these (resharded) modules' sharded parameters were rewritten (an expert re-placement):
+        ``"optimizer"`` gathers them again now (full parameters at rest); every mode gathers afresh at the next
+        step. Collective over the modules' shard groups in ``"optimizer"``."""
+        if self.mode == "optimizer":
+            for module in modules:
+                module.unshard()  # type: ignore[operator]
+        self._fresh = False
+
     def gather(self) -> None:
         """Gather every parameter (collective over the shard groups; nothing for those already gathered): the
         model's submodules can then be called directly, their parameters being plain tensors once gathered."""

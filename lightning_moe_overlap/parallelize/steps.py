@@ -70,6 +70,7 @@ from lightning_moe_overlap.parallel.grad_reduce import BeforeReduce
 from lightning_moe_overlap.parallel.groups import ParallelGroups
 from lightning_moe_overlap.parallel.mesh import ParallelMesh
 from lightning_moe_overlap.parallel.tp_styles import apply_tensor_parallel
+from lightning_moe_overlap.parallelize.expert_placer import ExpertPlacer
 from lightning_moe_overlap.parallelize.held_tensors import global_shapes, held_tensors
 from lightning_moe_overlap.parallelize.materialize import (
     WEIGHTS_ATTR,
@@ -123,8 +124,9 @@ def parallelize_model(
                          before_reduce=before_reduce)  # fmt: skip
     materialize_deferred(module, deferred, init, sharded.roots)
     loaded = apply_pretrained(module, pipeline)
+    placer = ExpertPlacer(module, ep_model.expert_modules(), sharded, groups.dp_cp_tp)
     return PreparedModel(config, mesh.dims, groups, mesh, runtime, ep_model, pipeline, sharded, tp_grads, cp, fp8,
-                         loaded)  # fmt: skip
+                         loaded, placer)  # fmt: skip
 
 
 def place_model(

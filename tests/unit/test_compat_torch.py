@@ -447,6 +447,27 @@ def test_local_shape_and_offset(world_of_one) -> None:
     )
 
 
+def test_row_owners_of_experts_sharded_over_edp_then_ep() -> None:
+    """The layout ``fully_shard`` over edp gives experts already ``Shard(0)`` over ep (``_StridedShard`` then
+    ``Shard``): rank (edp d, ep r) holds rows ``4r + 2d`` and ``4r + 2d + 1`` of 8; ``Replicate`` holds all."""
+    from types import SimpleNamespace
+
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.placement_types import _StridedShard
+
+    mesh = SimpleNamespace(shape=(2, 2), mesh=torch.tensor([[0, 1], [2, 3]]))
+    fsdp = SimpleNamespace(device_mesh=mesh, shape=torch.Size([8, 3]),
+                           placements=(_StridedShard(0, split_factor=2), Shard(0)))  # fmt: skip
+    assert torch_compat.row_owners(fsdp) == [(0, 0, 2), (1, 4, 2), (2, 2, 2), (3, 6, 2)], _broken(
+        "_compute_local_shape_and_global_offset", "row_owners", "no longer gives strided shards' rows"
+    )
+    replicated = SimpleNamespace(device_mesh=mesh, shape=torch.Size([8, 3]), placements=(Replicate(), Shard(0)))
+    assert torch_compat.row_owners(replicated) == [(0, 0, 4), (1, 4, 4), (2, 0, 4), (3, 4, 4)]
+    columns = SimpleNamespace(device_mesh=mesh, shape=torch.Size([8, 4]), placements=(Shard(1), Shard(0)))
+    with pytest.raises(NotImplementedError, match=r"not whole rows; only tensors split along dim 0 have rows"):
+        torch_compat.row_owners(columns)
+
+
 def test_allocate_meta_tensors_and_module_to_leave_the_others() -> None:
     module = nn.Linear(3, 2)
     bias = module.bias

@@ -1,0 +1,172 @@
+"""Placements (``moe/placement.py``) and ``ExpertBalance``'s rules, in one process.
+
+Oracles: hand-worked maps and loads; for the balanced placement, every placement of small cases enumerated (the
+best most-loaded rank there is) and the greedy packing's bound, max <= 4/3 of the best (Graham's LPT bound), with
+the tolerance the fewer-moves choice may add.
+"""
+
+from __future__ import annotations
+
+import itertools
+import random
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from lightning_moe_overlap import ExpertBalance, MoEOverlapStrategy
+from lightning_moe_overlap.moe.expert_moves import LayerMove, move_rows
+from lightning_moe_overlap.moe.placement import FEWER_MOVES_TOLERANCE, ExpertPlacement, balanced_placement
+
+
+def test_identity_maps_every_expert_to_its_own_slot_and_ranks_by_block():
+    placement = ExpertPlacement.identity(8, 4)
+    assert placement.is_identity and placement.slots_per_rank == 2
+    assert placement.slot_of() == list(range(8))
+    assert [placement.rank_of(e) for e in range(8)] == [0, 0, 1, 1, 2, 2, 3, 3]
+
+
+def test_a_permutation_routes_choices_to_slots_and_keeps_dropped_ones():
+    placement = ExpertPlacement((2, 0, 3, 1), ep=2)  # slot 0 holds expert 2, slot 1 expert 0, ...
+    assert placement.slot_of() == [1, 3, 0, 2]
+    indices = torch.tensor([[0, 1], [2, 3], [4, -1]])  # 4 (= E) and -1 mark dropped choices
+    slots = ExpertPlacement.to_slots(indices, placement.slot_table(torch.device("cpu")))
+    assert slots.tolist() == [[1, 3], [0, 2], [4, -1]]
+    assert slots.dtype == indices.dtype
+
+
+def test_rank_loads_imbalance_and_moved_experts_follow_the_map():
+    placement = ExpertPlacement((2, 0, 3, 1), ep=2)  # rank 0: experts 2, 0; rank 1: experts 3, 1
+    counts = [10.0, 1.0, 5.0, 4.0]
+    assert placement.rank_loads(counts) == [15.0, 5.0]
+    assert placement.imbalance(counts) == 1.5
+    assert ExpertPlacement.identity(4, 2).imbalance([0.0] * 4) == 0.0
+    assert placement.moved_experts(ExpertPlacement((0, 2, 1, 3), ep=2)) == []  # only slots within a rank change
+    assert placement.moved_experts(ExpertPlacement.identity(4, 2)) == [1, 2]  # 1 comes to rank 0, 2 leaves it
+
+
+@pytest.mark.parametrize(
+    "experts,ep,match",
+    [((0, 1, 2), 2, r"3 slots over ep=2; every ep rank holds the same number"), ((0, 0, 1, 2), 2, "not a permutation")],
+)
+def test_a_placement_that_cannot_be_is_refused(experts, ep, match):
+    with pytest.raises(ValueError, match=match):
+        ExpertPlacement(experts, ep)
+
+
+def test_balanced_placement_spreads_hot_experts_and_moves_few():
+    counts = [520.0, 519.0, 486.0, 523.0, 148.0, 155.0, 167.0, 188.0, 161.0, 183.0, 195.0, 186.0, 170.0, 176.0,
+              160.0, 159.0]  # fmt: skip
+    current = ExpertPlacement.identity(16, 4)  # the four hot experts all on rank 0: 2.0x the mean
+    assert current.imbalance(counts) > 1.9
+    placed = balanced_placement(counts, current)
+    assert placed.imbalance(counts) < 1.01
+    assert sorted(placed.rank_of(e) for e in range(4)) == [0, 1, 2, 3]  # one hot expert per rank
+    moved = current.moved_experts(placed)
+    assert len(moved) <= 8  # three hot experts out, three cold in, and what the fine balance adds
+    slot_of = placed.slot_of()
+    assert all(slot_of[e] == e for e in range(16) if e not in moved)  # those that stay keep their slots
+
+
+def test_even_counts_move_nothing():
+    current = ExpertPlacement((3, 1, 0, 2, 5, 4), ep=3)
+    assert balanced_placement([7.0] * 6, current) == current
+
+
+def _best_max(counts: list[float], ep: int) -> float:
+    per_rank = len(counts) // ep
+    return min(
+        max(sum(counts[e] for e in order[r * per_rank : (r + 1) * per_rank]) for r in range(ep))
+        for order in itertools.permutations(range(len(counts)))
+    )
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_balanced_placement_is_within_the_greedy_packings_bound_of_the_best(seed):
+    rng = random.Random(seed)
+    num, ep = rng.choice([(6, 2), (6, 3), (8, 2), (8, 4)])
+    counts = [float(rng.randint(0, 100)) for _ in range(num)]
+    current = ExpertPlacement(tuple(rng.sample(range(num), num)), ep)
+    placed = balanced_placement(counts, current)
+    assert sorted(placed.experts) == list(range(num))
+    best = _best_max(counts, ep)
+    assert max(placed.rank_loads(counts)) <= (4 / 3) * (1 + FEWER_MOVES_TOLERANCE) * best + 1e-9
+
+
+def test_balanced_placement_needs_one_count_per_expert():
+    with pytest.raises(ValueError, match=r"3 counts for a placement of 4 experts; pass one count per logical expert"):
+        balanced_placement([1.0, 2.0, 3.0], ExpertPlacement.identity(4, 2))
+
+
+@pytest.mark.parametrize(
+    "kwargs,match",
+    [({"every_n_steps": 0}, r"every_n_steps=0 must be a positive integer"),
+     ({"min_gain": 1.0}, r"min_gain=1.0 must be a number in \[0, 1\)"),
+     ({"min_gain": True}, r"min_gain=True must be a number")],
+)  # fmt: skip
+def test_expert_balance_refuses_bad_arguments(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        ExpertBalance(**kwargs)
+
+
+def _setup(strategy: object) -> None:
+    ExpertBalance().setup(SimpleNamespace(strategy=strategy), None, "fit")  # type: ignore[arg-type]
+
+
+def test_expert_balance_needs_this_strategy_with_ep_above_one_and_no_optimizer_offload():
+    with pytest.raises(TypeError, match=r"the Trainer's strategy is SimpleNamespace; re-placing experts needs"):
+        _setup(SimpleNamespace())
+    with pytest.raises(ValueError, match=r"ep=1 holds every expert on every rank"):
+        _setup(MoEOverlapStrategy(ep=1))
+    with pytest.raises(NotImplementedError, match=r"optimizer_cpu_offload=True keeps host copies"):
+        _setup(MoEOverlapStrategy(ep=2, optimizer_cpu_offload=True))
+    _setup(MoEOverlapStrategy(ep=2))
+
+
+def test_moving_rows_in_one_process_permutes_every_tensor_in_place():
+    before, after = ExpertPlacement.identity(4, 1), ExpertPlacement((2, 0, 3, 1), 1)
+    weight, moment = torch.arange(12.0).view(4, 3), torch.arange(4.0).view(4, 1) * 10
+    held = weight
+    report = move_rows([LayerMove([weight, moment], before, after)])
+    assert weight is held and weight.tolist() == [[6.0, 7.0, 8.0], [0.0, 1.0, 2.0], [9.0, 10.0, 11.0], [3.0, 4.0, 5.0]]
+    assert moment.view(-1).tolist() == [20.0, 0.0, 30.0, 10.0]  # slot s holds expert after.experts[s]
+    assert (report.rows_sent, report.bytes_sent) == (0, 0)
+
+
+def test_moving_rows_held_twice_is_refused(world_of_one, monkeypatch):
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    from lightning_moe_overlap._compat import torch as torch_compat
+
+    tensor = distribute_tensor(torch.zeros(4, 2), init_device_mesh("cpu", (1,)), [Shard(0)])
+    monkeypatch.setattr(torch_compat, "row_owners", lambda t: [(0, 0, 4), (0, 0, 4)])  # as a `Replicate` would
+    move = LayerMove([tensor], ExpertPlacement.identity(4, 2), ExpertPlacement((1, 0, 2, 3), 2))
+    with pytest.raises(NotImplementedError, match=r"held as 8 rows across its ranks, for 4 slots"):
+        move_rows([move])
+
+
+def test_an_experts_module_routes_by_its_placement_and_refuses_another_modules():
+    """ep=1, one process: the slot table is applied (the module's rows re-placed by hand give the same output),
+    and a placement for another E or ep is refused."""
+    from torch import nn
+
+    from lightning_moe_overlap.moe.ep import apply_expert_parallel
+    from lightning_moe_overlap.moe.experts import Experts
+    from lightning_moe_overlap.overlap.runtime import CommRuntime
+
+    torch.manual_seed(0)
+    holder = nn.Module()
+    holder.experts = Experts(4, 8, 16)
+    (module,) = apply_expert_parallel(holder, None, runtime=CommRuntime())
+    x, indices = torch.randn(6, 8), torch.tensor([[0, 1], [2, 3], [3, 0], [1, 1], [2, 0], [4, 3]])  # 4: dropped
+    weights = torch.rand(6, 2)
+    expected = module(x, indices, weights)
+    placement = ExpertPlacement((2, 0, 3, 1), 1)
+    with torch.no_grad():
+        for param in module.parameters():
+            param.copy_(param[list(placement.experts)])  # slot s now holds expert placement.experts[s]
+    module.set_placement(placement)
+    assert torch.equal(module(x, indices, weights), expected)
+    with pytest.raises(ValueError, match=r"the placement has 4 experts over ep=2, but this module holds 4 over ep=1"):
+        module.set_placement(ExpertPlacement.identity(4, 2))
