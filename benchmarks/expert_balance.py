@@ -8,11 +8,12 @@ it receives (its backward twice that), so a rank's compute is proportional to it
 whatever the host's cores; every all-to-all lasts at least ``--a2a-delay-ms`` (a slower network,
 ``pipelined.DelayedCommunicator``).
 
-Two runs, the same data and steps: ``default`` (no callback) and ``balanced`` (``ExpertBalance`` re-places once,
-after ``--warmup`` steps). Printed: the most loaded rank's tokens over the mean rank's (from the re-placement's
-counts: under the default placement and under the balanced one), the median overlapped step time of the steps after
-the re-placement and its ratio to the default's, and the re-placement itself (its wall time on the slowest rank,
-the rows and bytes all ranks sent).
+Three runs, the same data and steps, in turn for ``--repeats`` rounds in one launch: ``default`` (no callback),
+``balanced`` (``ExpertBalance`` re-places once, after ``--warmup`` steps) and ``replicas`` (the same with
+``redundant_experts=--replicas``, default one per rank). Printed: the most loaded rank's tokens over the mean
+rank's (from the re-placement's counts: under the default placement and under the chosen one), the median
+overlapped step time of the steps after the re-placement and its ratio to the default's, and the re-placement
+itself (its wall time on the slowest rank, the rows and bytes all ranks sent).
 
     PYTHONPATH=. python benchmarks/expert_balance.py [--ranks 4] [--experts 16] [--hot 4] [--steps 8]
 """
@@ -126,11 +127,10 @@ class Timing(Callback):
         self.steps.append(time.perf_counter() - self._start)
 
 
-def _worker(rank: int, world: int, args: argparse.Namespace, balanced: bool) -> dict:
-    torch.set_num_threads(1)
+def _fit(rank: int, world: int, args: argparse.Namespace, balanced: bool, replicas: int) -> dict:
     model = SkewedMoE(args.hidden, args.ffn, args.experts, args.layers)
     timing = Timing(args.us_per_row, args.a2a_delay_ms)
-    balance = ExpertBalance(every_n_steps=args.warmup, min_gain=0.0)
+    balance = ExpertBalance(every_n_steps=args.warmup, min_gain=0.0, redundant_experts=replicas)
     steps = args.warmup + args.steps
     trainer = Trainer(
         accelerator="cpu", devices=world, max_steps=steps, logger=False, enable_progress_bar=False,
@@ -156,6 +156,19 @@ def _worker(rank: int, world: int, args: argparse.Namespace, balanced: bool) -> 
     return out
 
 
+def _worker(rank: int, world: int, args: argparse.Namespace, replicas: int) -> dict:
+    """Every variant in turn, ``--repeats`` rounds (A B C A B C ...): drift affects them alike; medians per variant."""
+    torch.set_num_threads(1)
+    variants = {"default": (False, 0), "balanced": (True, 0), "replicas": (True, replicas)}
+    runs: dict[str, list[dict]] = {name: [] for name in variants}
+    for _ in range(args.repeats):
+        for name, (balanced, extra) in variants.items():
+            runs[name].append(_fit(rank, world, args, balanced, extra))
+    return {
+        name: {**found[-1], "step_s": statistics.median(r["step_s"] for r in found)} for name, found in runs.items()
+    }
+
+
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--ranks", type=int, default=4)
@@ -171,26 +184,29 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--steps", type=int, default=8, help="steps measured after it")
     parser.add_argument("--us-per-row", type=float, default=20.0, help="simulated expert compute per row")
     parser.add_argument("--a2a-delay-ms", type=float, default=2.0)
+    parser.add_argument("--replicas", type=int, default=None, help="replica slots per layer (default: --ranks)")
+    parser.add_argument("--repeats", type=int, default=2, help="rounds of the three runs (medians reported)")
     args = parser.parse_args(argv)
+    replicas = args.ranks if args.replicas is None else args.replicas
     from tests.helpers.distributed import run_distributed
 
-    rows = {}
-    for balanced in (False, True):
-        rows["balanced" if balanced else "default"] = run_distributed(_worker, args.ranks, args, balanced,
-                                                                      timeout_s=1800)[0]  # fmt: skip
-    default, balanced = rows["default"], rows["balanced"]
+    rows = run_distributed(_worker, args.ranks, args, replicas, timeout_s=3600)[0]
+    default = rows["default"]
     print(f"{args.ranks} ranks (ep={args.ranks}), {args.experts} experts, top-2 with the first choice among "
           f"{args.hot} hot experts; {args.layers} layers, {args.microbatches} micro-batches of "
           f"{args.batch * args.seq // args.microbatches} tokens, overlap on; {args.us_per_row:g} us per expert row, "
-          f"all-to-all >= {args.a2a_delay_ms:g} ms")  # fmt: skip
+          f"all-to-all >= {args.a2a_delay_ms:g} ms; {replicas} replicas per layer in the last row")  # fmt: skip
     print(f"{'placement':<10} {'max rank / mean':>16} {'step (s)':>9} {'step / default':>15}")
-    print(f"{'default':<10} {balanced['before']:>16.2f} {default['step_s']:>9.3f} {1.0:>15.2f}")
-    print(f"{'balanced':<10} {balanced['after']:>16.2f} {balanced['step_s']:>9.3f} "
-          f"{balanced['step_s'] / default['step_s']:>15.2f}")  # fmt: skip
-    print(
-        f"re-placement: {balanced['moved']} experts moved over {args.layers} layers, {balanced['rows']} rows, "
-        f"{balanced['bytes'] / 2**20:.2f} MiB sent by all ranks, {1e3 * balanced['seconds']:.1f} ms (slowest rank)"
-    )
+    print(f"{'default':<10} {rows['balanced']['before']:>16.2f} {default['step_s']:>9.3f} {1.0:>15.2f}")
+    for name in ("balanced", "replicas"):
+        row = rows[name]
+        print(f"{name:<10} {row['after']:>16.2f} {row['step_s']:>9.3f} {row['step_s'] / default['step_s']:>15.2f}")
+    for name in ("balanced", "replicas"):
+        row = rows[name]
+        print(
+            f"re-placement ({name}): {row['moved']} experts moved over {args.layers} layers, {row['rows']} rows, "
+            f"{row['bytes'] / 2**20:.2f} MiB sent by all ranks, {1e3 * row['seconds']:.1f} ms (slowest rank)"
+        )
     return rows
 
 

@@ -679,6 +679,8 @@ class MoEOverlapStrategy(ParallelStrategy):
             precompute_float8_scales(self.model)  # the next all-gather's float8 scales, in one all-reduce
         prepared.sharded.after_optimizer_step()
         prepared.ep_model.update_expert_bias(prepared.groups.dp_cp_tp)
+        if prepared.placer is not None and prepared.placer.has_replicas:  # the replicas take the updated weights
+            prepared.placer.refresh_replicas()
         return output
 
     @override
@@ -744,6 +746,9 @@ class MoEOverlapStrategy(ParallelStrategy):
         # before FSDP reduces over dp x cp: the replicas' sum over their tp shards (with `overlap_grad_reduce`, of
         # those whose unit was not reduced during the backward)
         prepared.sharded.end_step(before_rest=None if tp_grads is None else lambda: tp_grads.reduce(self.model))
+        if prepared.placer is not None and prepared.placer.has_replicas:  # before the sums over data parallelism
+            divisor = 1 if prepared.pipeline is None else prepared.pipeline.schedule_divisor
+            prepared.placer.sum_replica_gradients(divisor)
         if not prepared.sharded.sharded:
             prepared.ep_model.sync_expert_gradients(prepared.groups)
 
@@ -888,9 +893,10 @@ class MoEOverlapStrategy(ParallelStrategy):
         assert placer is not None
         return placer
 
-    def rebalance_experts(self, step: int, min_gain: float = 0.0) -> PlacementReport:
-        """Re-place the experts from the tokens counted since the last call (collective, at a step boundary)."""
-        return self.expert_placer().rebalance(step, self.optimizers, min_gain)
+    def rebalance_experts(self, step: int, min_gain: float = 0.0, replicas: int = 0) -> PlacementReport:
+        """Re-place the experts from the tokens counted since the last call, with ``replicas`` replica slots per
+        experts module (collective, at a step boundary)."""
+        return self.expert_placer().rebalance(step, self.optimizers, min_gain, replicas)
 
     def _experts_logical(self) -> None:
         """Re-placed experts back to the identity before a state dict is read (collective; nothing otherwise)."""

@@ -14,9 +14,10 @@ them with one device-to-host copy and logs, through ``LightningModule.log``:
   ``moe/a2a_total_ms`` (in flight), ``moe/a2a_hidden_fraction`` (``1 - exposed / total``),
   ``moe/microbatches``, ``moe/tokens_per_s`` (all ranks' tokens over the training-step time);
 - per block of expert-parallel experts, ``moe/<block>/rank_imbalance``: the most loaded ep rank's tokens over the
-  mean rank's, under the block's current placement; after an ``ExpertBalance`` re-placement, its
-  ``rank_imbalance_before`` / ``_after`` and ``moe/placement/moved_experts`` / ``bytes_sent`` / ``seconds``
-  (``callbacks/expert_balance.py``);
+  mean rank's, under the placement the interval's last step ran with; once ``ExpertBalance`` has re-placed, the
+  latest re-placement's ``rank_imbalance_before`` / ``_after``, and at every logged step the interval's
+  ``moe/placement/moved_experts`` / ``bytes_sent`` / ``seconds`` (0 without a re-placement;
+  ``callbacks/expert_balance.py``);
 - at ``pp > 1`` the block sums and bias norms are also summed over the pp group: every rank logs every block;
 - a tokens-per-expert histogram per block to loggers whose ``experiment`` has ``add_histogram_raw`` /
   ``add_histogram`` (TensorBoard), on global rank 0.
@@ -38,6 +39,7 @@ from lightning_moe_overlap._compat import lightning as pl_compat
 from lightning_moe_overlap.callbacks.expert_balance import placement_metrics
 from lightning_moe_overlap.moe.capacity import validate_capacity
 from lightning_moe_overlap.moe.ep import ExpertParallelExperts
+from lightning_moe_overlap.moe.placement import ExpertPlacement
 from lightning_moe_overlap.moe.stats import RoutingStats, Summary, summarize
 from lightning_moe_overlap.overlap.event_timer import EventCommTimer
 from lightning_moe_overlap.overlap.observers import CommTimer
@@ -70,6 +72,7 @@ class MoEMonitor(Callback):
         self._step_s = 0.0
         self._step_start: float | None = None
         self._placed: dict[str, ExpertParallelExperts] = {}  # block name -> its expert-parallel experts (ep > 1)
+        self._ran_with: dict[str, ExpertPlacement] = {}  # block name -> the placement the last step ran with
         self._reports_logged = 0  # the re-placements already logged
 
     # -- attach / detach -------------------------------------------------------------------------------------------
@@ -106,6 +109,7 @@ class MoEMonitor(Callback):
     @override
     def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int) -> None:
         self._step_start = time.perf_counter()
+        self._ran_with = {block: module.placement for block, module in self._placed.items()}
 
     @override
     def on_train_batch_end(
@@ -169,16 +173,17 @@ class MoEMonitor(Callback):
         return summary
 
     def _placement(self, trainer: Trainer, summary: Summary) -> dict[str, float]:
-        """Each held block's rank imbalance under its placement, and the latest re-placement not logged yet."""
+        """Each held block's rank imbalance under the placement its last step ran with, and the re-placements since
+        the last logged step (``placement_metrics``)."""
         out = {
-            f"moe/{block}/rank_imbalance": module.placement.imbalance(summary.tokens_per_expert[block])
-            for block, module in self._placed.items()
+            f"moe/{block}/rank_imbalance": placement.imbalance(summary.tokens_per_expert[block])
+            for block, placement in self._ran_with.items()
             if block in summary.tokens_per_expert
         }
         prepared = trainer.strategy.prepared if isinstance(trainer.strategy, MoEOverlapStrategy) else None
-        reports = prepared.placer.reports if prepared is not None and prepared.placer is not None else []
-        if len(reports) > self._reports_logged:
-            out.update(placement_metrics(reports))
+        if prepared is not None and prepared.placer is not None and self._placed:
+            reports = prepared.placer.reports
+            out.update(placement_metrics(reports[self._reports_logged :], reports[-1] if reports else None))
             self._reports_logged = len(reports)
         return out
 

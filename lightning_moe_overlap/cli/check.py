@@ -24,7 +24,7 @@ import torch
 from typing_extensions import override
 
 import lightning_moe_overlap  # noqa: F401  (registers the strategy names)
-from lightning_moe_overlap.cli.components import component_problems
+from lightning_moe_overlap.cli.components import component_problems, expert_balance_problems
 from lightning_moe_overlap.config import OverlapConfig
 from lightning_moe_overlap.ep_choices import passing_ep_values
 from lightning_moe_overlap.hf.pretrained import meta_from_pretrained
@@ -217,7 +217,7 @@ def run_checks(
             memory, found = memory_findings(config, cfg, model, world, split, memory_limit)
             problems += found
     problems += check_trainer(cfg, automatic_optimization=automatic)
-    problems += component_problems(trainer)
+    problems += component_problems(trainer) + expert_balance_problems(cfg, trainer)
     return CheckResult(problems, report, memory)
 
 

@@ -15,6 +15,8 @@ from collections.abc import Iterator
 from typing import Any
 
 from lightning_moe_overlap._install import install_hint
+from lightning_moe_overlap.callbacks.expert_balance import ExpertBalance, balance_errors
+from lightning_moe_overlap.config import OverlapConfig
 from lightning_moe_overlap.validation import Problem
 
 # class names (their own or a base's) -> (modules of which one must import, the extra that installs the first)
@@ -63,6 +65,26 @@ def component_problems(trainer: dict[str, Any]) -> list[Problem]:
                 out.append(_missing(where, spec["class_path"], (str(err.name),), extra))
         except Exception as err:  # noqa: BLE001 - the component may be the user's code: a finding, never a traceback
             out.append(_failed(where, spec["class_path"], err))
+    return out
+
+
+def expert_balance_problems(cfg: OverlapConfig, trainer: dict[str, Any]) -> list[Problem]:
+    """The rules an ``ExpertBalance`` among ``trainer.callbacks`` needs of the strategy (rule ``expert-balance``;
+    ``callbacks/expert_balance.py``), and more than one of them."""
+    balancers = []
+    for where, spec in component_specs(trainer):
+        if spec["class_path"].rpartition(".")[2] == ExpertBalance.__name__:
+            try:
+                found = build(spec)
+            except Exception:  # noqa: BLE001 - `component_problems` reports it
+                continue
+            if isinstance(found, ExpertBalance):
+                balancers.append((where, found))
+    out = [Problem("expert-balance", f"{where}: {err}", type(err))
+           for where, balancer in balancers for err in balance_errors(cfg, balancer.redundant_experts)]  # fmt: skip
+    if len(balancers) > 1:
+        out.append(Problem("expert-balance", f"{', '.join(w for w, _ in balancers)}: {len(balancers)} `ExpertBalance` "
+                           "callbacks would each re-place the same experts on their own schedule. Keep one."))  # fmt: skip
     return out
 
 

@@ -55,6 +55,7 @@ from lightning_moe_overlap.moe.layer import MoELayer
 from lightning_moe_overlap.moe.experts_layout import ExpertsLayout
 from lightning_moe_overlap.moe.layout_check import check_layout_math
 from lightning_moe_overlap.moe.placement import ExpertPlacement
+from lightning_moe_overlap.moe.replica_slots import ReplicaSlots
 from lightning_moe_overlap.moe.shared import overlap_shared_experts
 from lightning_moe_overlap.moe.stages import STAGE_NAMES, ExpertsStage
 from lightning_moe_overlap.moe.te_backend import EXPERT_BACKENDS, ExpertBackend, TEExperts, check_te_layout
@@ -169,6 +170,7 @@ class ExpertParallelExperts(nn.Module):
         # Which logical expert each slot (row) holds; the identity unless re-placed (`moe/placement.py`).
         self.placement = ExpertPlacement.identity(num_experts, dispatcher.ep_size)
         self._slot_table: Tensor | None = None  # the placement's slot of each logical expert, None for the identity
+        self.replica_slots: ReplicaSlots | None = None  # with replicas: their rows and the dispatch over E + R slots
         self.capacity_factor = capacity_factor
         self.token_drop_policy: DropPolicy = token_drop_policy
         self.impl: GemmImpl = impl
@@ -201,15 +203,18 @@ class ExpertParallelExperts(nn.Module):
             indices_TK, weights_TK = drop_over_capacity(
                 indices_TK, weights_TK, self.num_experts, self.capacity_factor, self.token_drop_policy
             )
-        if self._slot_table is not None:  # re-placed experts: route to the slots holding them
+        dispatcher = self.dispatcher
+        if self.replica_slots is not None:  # replicated experts: each choice to one copy
+            indices_TK, dispatcher = self.replica_slots.route(indices_TK), self.replica_slots.dispatcher
+        elif self._slot_table is not None:  # re-placed experts: route to the slots holding them
             indices_TK = ExpertPlacement.to_slots(indices_TK, self._slot_table)
         fp8 = self.dispatch_recipe()
         if fp8 is None:
-            x_RD, splits, handle = self.dispatcher.dispatch(x_TD, indices_TK, weights_TK)
+            x_RD, splits, handle = dispatcher.dispatch(x_TD, indices_TK, weights_TK)
         else:  # the rows travel in FP8 and the FP8 kernel reads them as they are (docs/fp8.md, "FP8 dispatch")
-            x_RD, splits, handle = self.dispatcher.dispatch(x_TD, indices_TK, weights_TK, fp8=fp8)
+            x_RD, splits, handle = dispatcher.dispatch(x_TD, indices_TK, weights_TK, fp8=fp8)
         y_RD = self.local_experts(x_RD, splits)
-        return self.dispatcher.combine(y_RD, handle).view(shape)
+        return dispatcher.combine(y_RD, handle).view(shape)
 
     def set_placement(self, placement: ExpertPlacement) -> None:
         """Route by ``placement`` from the next forward on. Only the map changes: the rows must already hold the
@@ -224,9 +229,17 @@ class ExpertParallelExperts(nn.Module):
                 f"ep={placement.ep}, but this module holds {self.num_experts} over ep={self.dispatcher.ep_size}; "
                 "build the placement for this module (`ExpertPlacement.identity(E, ep)` and what it leads to)."
             )
+        if placement.replicas and (self.te_experts is not None or self.kernel is not None):
+            raise NotImplementedError(
+                f"`ExpertParallelExperts.set_placement`: replicas of experts run on the torch backend's own GEMMs; "
+                f"this module has expert_backend={self.expert_backend!r} and kernel={type(self.kernel).__name__}. "
+                "Re-place without replicas, or use expert_backend='torch' without FP8."
+            )
         device = local(getattr(self, self.layout.up_name)).device
         self.placement = placement
         self._slot_table = None if placement.is_identity else placement.slot_table(device)
+        params = dict(self.named_parameters(recurse=False))
+        self.replica_slots = ReplicaSlots(placement, self.dispatcher, params) if placement.replicas else None
 
     def dispatch_recipe(self) -> Float8Recipe | None:
         """The FP8 recipe the rows are dispatched in, or None (high precision): the recipe of an FP8 ``kernel``
@@ -254,7 +267,8 @@ class ExpertParallelExperts(nn.Module):
 
     # -- the stages' computations ---------------------------------------------------------------------------------
     def _run_local(self, x_RD: Tensor, splits: RowSplits | Sequence[int] | Tensor) -> Tensor:
-        splits = row_splits(splits, self.num_local_experts, x_RD.shape[0], "`ExpertParallelExperts`")
+        slots = self.num_local_experts if self.replica_slots is None else self.replica_slots.local_slots
+        splits = row_splits(splits, slots, x_RD.shape[0], "`ExpertParallelExperts`")
         h = self.stages["fc1"](x_RD, splits)
         h = self.stages["act"](h)
         h = self.dispatcher.balance_backward(h)
@@ -277,6 +291,11 @@ class ExpertParallelExperts(nn.Module):
 
     def _project(self, x_RI: Tensor, splits: RowSplits, weight_name: str, bias_name: str | None) -> Tensor:
         weight = getattr(self, weight_name)  # a DTensor over the ep mesh: the kernels run on its local shard
+        replicas = self.replica_slots
+        if replicas is not None:  # the primaries' rows, then the replicas' (no deferred wgrad: validated)
+            bias = replicas.weight(bias_name, local(getattr(self, bias_name))) if bias_name else None
+            return grouped_projection(x_RI, replicas.weight(weight_name, local(weight)), splits, bias=bias,
+                                      transposed=self.layout.transposed, runtime=self.runtime, impl=self.impl)  # fmt: skip
         return grouped_projection(
             x_RI,
             local(weight),

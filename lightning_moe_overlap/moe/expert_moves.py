@@ -29,6 +29,8 @@ from torch.distributed.tensor import DTensor
 from lightning_moe_overlap._compat import torch as torch_compat
 from lightning_moe_overlap.moe.placement import ExpertPlacement
 
+Key = tuple[int, torch.dtype]  # (peer rank, dtype): one buffer each way
+
 
 @dataclass(frozen=True)
 class LayerMove:
@@ -70,8 +72,8 @@ def move_rows(moves: Sequence[LayerMove]) -> MoveReport:
     me = dist.get_rank() if dist.is_initialized() else 0
     plans = [_plan(t, m.before, m.after, me) for m in moves if m.before != m.after for t in m.tensors]
     plans = [p for p in plans if p.send or p.receive or p.keep_dst != p.keep_src]
-    outgoing: dict[tuple[int, torch.dtype], list[Tensor]] = defaultdict(list)
-    sizes: dict[tuple[int, torch.dtype], int] = defaultdict(int)
+    outgoing: dict[Key, list[Tensor]] = defaultdict(list)
+    sizes: dict[Key, int] = defaultdict(int)
     for plan in plans:
         rows = plan.tensor
         for peer, local_rows in plan.send.items():
@@ -79,14 +81,9 @@ def move_rows(moves: Sequence[LayerMove]) -> MoveReport:
         for peer, local_rows in plan.receive.items():
             sizes[peer, rows.dtype] += len(local_rows) * math.prod(rows.shape[1:])
     device = plans[0].tensor.device if plans else torch.device("cpu")
-    sent = {key: torch.cat(parts) for key, parts in sorted(outgoing.items(), key=_order)}
-    received = {key: torch.empty(n, dtype=key[1], device=device) for key, n in sorted(sizes.items(), key=_order)}
-    ops = [dist.P2POp(dist.isend, buf, peer) for (peer, _), buf in sent.items()]
-    ops += [dist.P2POp(dist.irecv, buf, peer) for (peer, _), buf in received.items()]
-    if ops:
-        for request in dist.batch_isend_irecv(ops):
-            request.wait()
-    offsets: dict[tuple[int, torch.dtype], int] = defaultdict(int)
+    sent = {key: torch.cat(parts) for key, parts in outgoing.items()}
+    received = _exchange(sent, sizes, device)
+    offsets: dict[Key, int] = defaultdict(int)
     with torch.no_grad():
         for plan in plans:
             _rewrite(plan, received, offsets)
@@ -95,9 +92,72 @@ def move_rows(moves: Sequence[LayerMove]) -> MoveReport:
     return MoveReport(rows_sent=rows_sent, bytes_sent=bytes_sent, seconds=time.perf_counter() - start)
 
 
-def _order(item: tuple[tuple[int, torch.dtype], object]) -> tuple[int, str]:
+def _exchange(sent: dict[Key, Tensor], sizes: dict[Key, int], device: torch.device) -> dict[Key, Tensor]:
+    """One send and one receive per (peer, dtype), all at once; the received buffers by (peer, dtype)."""
+    received = {key: torch.empty(n, dtype=key[1], device=device) for key, n in sorted(sizes.items(), key=_order)}
+    ops = [dist.P2POp(dist.isend, buf, peer) for (peer, _), buf in sorted(sent.items(), key=_order)]
+    ops += [dist.P2POp(dist.irecv, buf, peer) for (peer, _), buf in received.items()]
+    if ops:
+        for request in dist.batch_isend_irecv(ops):
+            request.wait()
+    return received
+
+
+def _order(item: tuple[Key, object]) -> tuple[int, str]:
     (peer, dtype), _ = item
     return peer, str(dtype)
+
+
+@dataclass(frozen=True)
+class RowTransfer:
+    """Row ``src_row`` of ``src`` on rank ``src_rank`` into row ``dst_row`` of ``dst`` on rank ``dst_rank`` (each
+    tensor given on the rank that holds it, ``None`` elsewhere)."""
+
+    src_rank: int
+    src: Tensor | None
+    src_row: int
+    dst_rank: int
+    dst: Tensor | None
+    dst_row: int
+
+
+def transfer_rows(transfers: Sequence[RowTransfer], *, accumulate: bool = False) -> int:
+    """Copy (``accumulate``: add) rows between ranks in one exchange; the bytes this rank sent. Every rank passes
+    the same transfers in the same order (the order rows are packed and, when adding, summed in). Collective among
+    the ranks named."""
+    me = dist.get_rank() if dist.is_initialized() else 0
+    outgoing: dict[Key, list[Tensor]] = defaultdict(list)
+    sizes: dict[Key, int] = defaultdict(int)
+    device = torch.device("cpu")
+    for t in transfers:
+        if t.src_rank == me and t.dst_rank != me:
+            assert t.src is not None
+            outgoing[t.dst_rank, t.src.dtype].append(t.src[t.src_row].reshape(-1))
+            device = t.src.device
+        elif t.dst_rank == me and t.src_rank != me:
+            assert t.dst is not None
+            sizes[t.src_rank, t.dst.dtype] += math.prod(t.dst.shape[1:])
+            device = t.dst.device
+    sent = {key: torch.cat(parts) for key, parts in outgoing.items()}
+    received = _exchange(sent, sizes, device)
+    offsets: dict[Key, int] = defaultdict(int)
+    with torch.no_grad():
+        for t in transfers:
+            if t.dst_rank != me:
+                continue
+            assert t.dst is not None
+            if t.src_rank == me:
+                assert t.src is not None
+                row = t.src[t.src_row]
+            else:
+                key, width = (t.src_rank, t.dst.dtype), math.prod(t.dst.shape[1:])
+                row = received[key][offsets[key] : offsets[key] + width].view(t.dst.shape[1:])
+                offsets[key] += width
+            if accumulate:
+                t.dst[t.dst_row] += row
+            else:
+                t.dst[t.dst_row] = row
+    return sum(buf.numel() * buf.element_size() for buf in sent.values())
 
 
 def _plan(tensor: Tensor, before: ExpertPlacement, after: ExpertPlacement, me: int) -> _Plan:
@@ -133,7 +193,7 @@ def _owners(tensor: Tensor, me: int) -> list[tuple[int, int]]:
     return [(rank, row) for _, rank, row in sorted(held)]
 
 
-def _rewrite(plan: _Plan, received: dict[tuple[int, torch.dtype], Tensor], offsets: dict) -> None:
+def _rewrite(plan: _Plan, received: dict[Key, Tensor], offsets: dict[Key, int]) -> None:
     rows = plan.tensor
     new = torch.empty_like(rows)
     if plan.keep_dst:

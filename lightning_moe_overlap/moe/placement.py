@@ -29,31 +29,44 @@ from lightning_moe_overlap._checks import is_positive_int
 
 @dataclass(frozen=True)
 class ExpertPlacement:
-    """``experts[s]``: the logical expert slot ``s`` holds; slot ``s`` lives on ep rank ``s // (E / ep)``.
+    """``experts[s]``: the logical expert primary slot ``s`` holds (slot ``s`` lives on ep rank ``s // (E / ep)``);
+    ``replicas[j]``: the logical expert replica slot ``j`` copies (on ep rank ``j // (R / ep)``).
+
+    The primary slots are the experts module's parameter rows; the replica slots are copies of them that the module
+    keeps beside its parameters (``moe/ep.py``). In the dispatch, ep rank ``r`` holds ``(E + R) / ep`` slots: its
+    ``E / ep`` primaries, then its ``R / ep`` replicas.
 
     Raises:
-        ValueError: ``experts`` is not a permutation of ``range(E)``, or ``ep`` does not divide ``E``.
+        ValueError: ``experts`` is not a permutation of ``range(E)``, ``ep`` does not divide ``E`` or ``R``, or a
+            replica names no expert.
     """
 
     experts: tuple[int, ...]
     ep: int
+    replicas: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         num = len(self.experts)
-        if not is_positive_int(self.ep) or num == 0 or num % self.ep:
+        if not is_positive_int(self.ep) or num == 0 or num % self.ep or len(self.replicas) % self.ep:
             raise ValueError(
-                f"`ExpertPlacement`: {num} slots over ep={self.ep!r}; every ep rank holds the same number of slots "
-                "(E % ep == 0, ep >= 1). Build it for the experts module's E and the run's ep."
+                f"`ExpertPlacement`: {num} slots and {len(self.replicas)} replicas over ep={self.ep!r}; every ep rank "
+                "holds the same number of slots and of replicas (E % ep == 0 and R % ep == 0, ep >= 1). Build it for "
+                "the experts module's E and the run's ep, with a multiple of ep replicas."
             )
         if sorted(self.experts) != list(range(num)):
             raise ValueError(
                 f"`ExpertPlacement`: experts={list(self.experts)} is not a permutation of 0..{num - 1}; each "
                 "logical expert must sit in exactly one slot. Pass every expert once."
             )
+        if any(not 0 <= e < num for e in self.replicas):
+            raise ValueError(
+                f"`ExpertPlacement`: replicas={list(self.replicas)} names experts outside 0..{num - 1}; a replica "
+                "copies one of the module's experts."
+            )
 
     @classmethod
     def identity(cls, num_experts: int, ep: int) -> ExpertPlacement:
-        """Slot ``e`` holds expert ``e``: the contiguous-block placement of a run without re-placement."""
+        """Slot ``e`` holds expert ``e``, no replicas: the contiguous-block placement of a run without re-placement."""
         return cls(tuple(range(num_experts)), ep)
 
     @property
@@ -62,28 +75,43 @@ class ExpertPlacement:
 
     @property
     def slots_per_rank(self) -> int:
+        """Primary slots per ep rank (``E / ep``)."""
         return self.num_experts // self.ep
 
     @property
+    def replicas_per_rank(self) -> int:
+        return len(self.replicas) // self.ep
+
+    @property
     def is_identity(self) -> bool:
-        return all(e == s for s, e in enumerate(self.experts))
+        return not self.replicas and all(e == s for s, e in enumerate(self.experts))
 
     def slot_of(self) -> list[int]:
-        """``slot_of[e]``: the slot holding logical expert ``e`` (the inverse permutation)."""
+        """``slot_of[e]``: the primary slot holding logical expert ``e`` (the inverse permutation)."""
         slots = [0] * self.num_experts
         for slot, expert in enumerate(self.experts):
             slots[expert] = slot
         return slots
 
     def rank_of(self, expert: int) -> int:
-        """The ep rank holding logical expert ``expert``."""
+        """The ep rank holding logical expert ``expert``'s primary."""
         return self.slot_of()[expert] // self.slots_per_rank
 
+    def copies(self) -> list[int]:
+        """``copies[e]``: how many slots hold expert ``e`` (1 + its replicas)."""
+        counts = [1] * self.num_experts
+        for expert in self.replicas:
+            counts[expert] += 1
+        return counts
+
     def rank_loads(self, counts_E: Sequence[float]) -> list[float]:
-        """Tokens per ep rank under this placement, from the tokens per logical expert."""
-        loads = [0.0] * self.ep
+        """Tokens per ep rank under this placement, from the tokens per logical expert (an expert's tokens split
+        evenly over its copies)."""
+        loads, copies = [0.0] * self.ep, self.copies()
         for slot, expert in enumerate(self.experts):
-            loads[slot // self.slots_per_rank] += float(counts_E[expert])
+            loads[slot // self.slots_per_rank] += float(counts_E[expert]) / copies[expert]
+        for slot, expert in enumerate(self.replicas):
+            loads[slot // self.replicas_per_rank] += float(counts_E[expert]) / copies[expert]
         return loads
 
     def imbalance(self, counts_E: Sequence[float]) -> float:
@@ -93,7 +121,7 @@ class ExpertPlacement:
         return max(loads) / mean if mean > 0 else 0.0
 
     def moved_experts(self, new: ExpertPlacement) -> list[int]:
-        """The logical experts whose ep rank differs in ``new`` (their rows cross ranks)."""
+        """The logical experts whose primary's ep rank differs in ``new`` (their rows cross ranks)."""
         before, after = self.slot_of(), new.slot_of()
         per_rank = self.slots_per_rank
         return [e for e in range(self.num_experts) if before[e] // per_rank != after[e] // per_rank]
@@ -101,6 +129,25 @@ class ExpertPlacement:
     def slot_table(self, device: torch.device) -> Tensor:
         """``slot_of`` as an int64 tensor on ``device`` (what :meth:`to_slots` indexes)."""
         return torch.tensor(self.slot_of(), dtype=torch.int64, device=device)
+
+    def dispatch_slot(self, expert: int, copy: int) -> int:
+        """The dispatch slot of copy ``copy`` of ``expert`` (0: its primary, then its replicas in slot order)."""
+        per_rank = self.slots_per_rank + self.replicas_per_rank
+        if copy == 0:
+            slot = self.slot_of()[expert]
+            return (slot // self.slots_per_rank) * per_rank + slot % self.slots_per_rank
+        slot = [j for j, e in enumerate(self.replicas) if e == expert][copy - 1]
+        rank = slot // self.replicas_per_rank
+        return rank * per_rank + self.slots_per_rank + slot % self.replicas_per_rank
+
+    def copy_table(self, device: torch.device) -> tuple[Tensor, Tensor]:
+        """``(copies_EC, num_E)``: the dispatch slot of each copy of each expert (a row padded with its last copy)
+        and the copies per expert, on ``device`` (what :meth:`to_copies` indexes)."""
+        copies = self.copies()
+        width = max(copies)
+        table = [[self.dispatch_slot(e, min(c, copies[e] - 1)) for c in range(width)] for e in range(self.num_experts)]
+        return (torch.tensor(table, dtype=torch.int64, device=device),
+                torch.tensor(copies, dtype=torch.int64, device=device))  # fmt: skip
 
     @staticmethod
     def to_slots(indices_TK: Tensor, table_E: Tensor) -> Tensor:
@@ -111,21 +158,42 @@ class ExpertPlacement:
         slots = table_E[indices_TK.clamp(0, num_experts - 1).long()]
         return torch.where(kept, slots.to(indices_TK.dtype), indices_TK)
 
+    @staticmethod
+    def to_copies(indices_TK: Tensor, copies_EC: Tensor, num_E: Tensor, num_slots: int) -> Tensor:
+        """The router's logical choices as dispatch slots when experts have replicas (tables from
+        :meth:`copy_table`; ``num_slots``: ``E + R``): the ``i``-th choice of expert ``e`` in this call (in token
+        order) goes to copy ``i % copies[e]``, so each copy gets an even share (within one) of every rank's choices
+        of ``e``; dropped choices (outside ``[0, E)``) become ``num_slots`` and stay dropped. No host read."""
+        num_experts = copies_EC.shape[0]
+        flat = indices_TK.reshape(-1).long()
+        kept = (flat >= 0) & (flat < num_experts)
+        key = torch.where(kept, flat, num_experts)
+        order = torch.argsort(key, stable=True)
+        counts = torch.bincount(key, minlength=num_experts + 1)
+        starts = torch.cumsum(counts, 0) - counts
+        occurrence = torch.empty_like(key)
+        occurrence[order] = torch.arange(key.numel(), device=key.device) - starts[key[order]]
+        expert = key.clamp(max=num_experts - 1)
+        slots = copies_EC[expert, torch.remainder(occurrence, num_E[expert])]
+        return torch.where(kept, slots, num_slots).view(indices_TK.shape).to(indices_TK.dtype)
+
 
 # A placement that moves fewer experts is preferred when its most loaded rank is within this fraction of the packing's.
 FEWER_MOVES_TOLERANCE = 0.01
 
 
-def balanced_placement(counts_E: Sequence[float], current: ExpertPlacement) -> ExpertPlacement:
+def balanced_placement(counts_E: Sequence[float], current: ExpertPlacement, replicas: int = 0) -> ExpertPlacement:
     """A placement over ``current.ep`` ranks whose most loaded rank carries as few tokens as the greedy packing
-    finds, moving few experts away from ``current``.
+    finds, moving few experts away from ``current``; with ``replicas`` (a multiple of ep), that many replica slots.
 
-    Two candidates: the greedy packing (experts by decreasing count, ties by lower index, each onto the rank with
-    the fewest tokens so far among those with a free slot; the packed groups then named after the ranks holding
-    most of their experts now), and swaps from ``current`` (the most loaded rank trades one expert with another
-    rank while that lowers the pair's larger load). The swaps win when their most loaded rank is within
-    :data:`FEWER_MOVES_TOLERANCE` of the packing's and they move fewer experts. Slots: an expert that stays on its
-    rank keeps its slot; the others take the free slots in increasing order.
+    Replicas first (EPLB's rule): one at a time to the expert with the most tokens per copy; an expert's tokens are
+    then shared evenly by its copies. Primaries: two candidates on those shares, the greedy packing (experts by
+    decreasing share, ties by lower index, each onto the rank with the fewest tokens so far among those with a free
+    slot; the packed groups then named after the ranks holding most of their experts now), and trades from
+    ``current`` (the most loaded rank swaps one expert with another rank while that lowers the pair's larger load).
+    The trades win when their most loaded rank is within :data:`FEWER_MOVES_TOLERANCE` of the packing's and they
+    move fewer experts. An expert that stays on its rank keeps its slot. Replicas last: the largest shares first,
+    each onto the least loaded rank with a free replica slot, a rank without a copy of that expert if one has room.
     """
     num, ep = current.num_experts, current.ep
     if len(counts_E) != num:
@@ -133,12 +201,51 @@ def balanced_placement(counts_E: Sequence[float], current: ExpertPlacement) -> E
             f"`balanced_placement`: {len(counts_E)} counts for a placement of {num} experts; pass one count per "
             "logical expert."
         )
-    counts = [float(c) for c in counts_E]
-    packed = _slotted(_named(_packed(counts, ep, current.slots_per_rank), current), current)
-    swapped = _slotted(_swapped(counts, current), current)
-    packed_max, swapped_max = max(packed.rank_loads(counts)), max(swapped.rank_loads(counts))
+    if not isinstance(replicas, int) or replicas < 0 or replicas % ep:
+        raise ValueError(
+            f"`balanced_placement`: replicas={replicas!r} must be a non-negative multiple of ep={ep} (every rank "
+            "holds the same number of replica slots)."
+        )
+    copies = _copies(counts_E, num, replicas)
+    shares = [float(c) / n for c, n in zip(counts_E, copies)]
+    packed = _slotted(_named(_packed(shares, ep, current.slots_per_rank), current), current)
+    swapped = _slotted(_swapped(shares, current), current)
+    packed_max = max(packed.rank_loads(shares))
     fewer = len(current.moved_experts(swapped)) < len(current.moved_experts(packed))
-    return swapped if fewer and swapped_max <= packed_max * (1.0 + FEWER_MOVES_TOLERANCE) else packed
+    primaries = (
+        swapped if fewer and max(swapped.rank_loads(shares)) <= packed_max * (1 + FEWER_MOVES_TOLERANCE) else packed
+    )
+    return _with_replicas(primaries, shares, copies, replicas // ep)
+
+
+def _copies(counts_E: Sequence[float], num: int, replicas: int) -> list[int]:
+    """Copies per expert: one each, then ``replicas`` more, each to the most tokens per copy (ties: lower index)."""
+    copies = [1] * num
+    for _ in range(replicas):
+        expert = max(range(num), key=lambda e: (float(counts_E[e]) / copies[e], -e))
+        copies[expert] += 1
+    return copies
+
+
+def _with_replicas(
+    primaries: ExpertPlacement, shares: list[float], copies: list[int], per_rank: int
+) -> ExpertPlacement:
+    """``primaries`` plus the replica slots of ``copies``, packed by share onto the least loaded ranks."""
+    if not per_rank:
+        return primaries
+    ep = primaries.ep
+    loads = primaries.rank_loads(shares)
+    holders = [{primaries.rank_of(e)} for e in range(len(copies))]
+    slots: list[list[int]] = [[] for _ in range(ep)]
+    wanted = [e for e in range(len(copies)) for _ in range(copies[e] - 1)]
+    for expert in sorted(wanted, key=lambda e: (-shares[e], e)):
+        free = [r for r in range(ep) if len(slots[r]) < per_rank]
+        fresh = [r for r in free if r not in holders[expert]] or free
+        rank = min(fresh, key=lambda r: (loads[r], r))
+        slots[rank].append(expert)
+        holders[expert].add(rank)
+        loads[rank] += shares[expert]
+    return ExpertPlacement(primaries.experts, ep, tuple(e for rank in slots for e in sorted(rank)))
 
 
 def _groups(placement: ExpertPlacement) -> list[list[int]]:

@@ -21,6 +21,7 @@ mode (full parameters at rest).
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -28,9 +29,11 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 from torch.distributed.fsdp import FSDPModule
+from torch.distributed.tensor import DTensor
 
+from lightning_moe_overlap._compat import torch as torch_compat
 from lightning_moe_overlap.moe.ep import ExpertParallelExperts
-from lightning_moe_overlap.moe.expert_moves import LayerMove, MoveReport, move_rows
+from lightning_moe_overlap.moe.expert_moves import LayerMove, MoveReport, RowTransfer, move_rows, transfer_rows
 from lightning_moe_overlap.moe.placement import ExpertPlacement, balanced_placement
 from lightning_moe_overlap.moe.router import _in_training_forward
 from lightning_moe_overlap.parallelize.sharding import ShardedModel
@@ -40,18 +43,25 @@ Optimizers = Sequence[torch.optim.Optimizer]
 
 @dataclass(frozen=True)
 class LayerPlacementReport:
-    """One experts module at a re-placement: the most loaded ep rank's tokens over the mean before and after
-    (on the counted window), and how many experts changed rank."""
+    """One experts module (``name``: its module name) at a re-placement: the most loaded ep rank's tokens over the
+    mean rank's before and after (on the counted window), the logical experts that changed rank (``moved``), and the
+    placement it runs with from then on."""
 
     name: str
     imbalance_before: float
     imbalance_after: float
-    moved_experts: int
+    moved: tuple[int, ...]
+    placement: ExpertPlacement
+
+    @property
+    def moved_experts(self) -> int:
+        return len(self.moved)
 
 
 @dataclass(frozen=True)
 class PlacementReport:
-    """One re-placement: the global step it followed, each module's report, and this rank's move."""
+    """One re-placement: the global step it followed (``trainer.global_step`` after that optimizer step), each module's
+    report, and this rank's move."""
 
     step: int
     layers: tuple[LayerPlacementReport, ...]
@@ -108,45 +118,47 @@ class ExpertPlacer:
             if not (module.training and _in_training_forward()) or len(args) < 2:
                 return
             num = module.num_experts  # type: ignore[attr-defined]
-            with torch.no_grad():
+            with torch.no_grad():  # no host read: dropped choices land in an extra bin (a bincount would sync on CUDA)
                 flat = args[1].reshape(-1).long()
-                kept = (flat >= 0) & (flat < num)
-                counts[index].append(torch.bincount(flat[kept], minlength=num))  # list.append: safe from two lanes
+                key = torch.where((flat >= 0) & (flat < num), flat, num)
+                row = torch.zeros(num + 1, dtype=torch.int64, device=flat.device).index_add_(0, key, torch.ones_like(key))
+                counts[index].append(row[:num])  # list.append: safe from the two lanes of the overlap
 
         return count
 
-    def counted(self) -> Tensor:
-        """``[modules, E]`` float64: the tokens each logical expert received since the last call, summed over the
-        group (collective over it); the window starts again."""
+    def counted(self) -> list[list[float]]:
+        """The tokens each logical expert of each module received since the last call, summed over the group
+        (collective over it); the window starts again."""
+        if not self.modules:
+            return []
+        device = _device_of(self.modules[0])
         rows = []
         for index, module in enumerate(self.modules):
-            parts = self._counts[index]
-            row = torch.stack(parts).sum(0) if parts else torch.zeros(module.num_experts, dtype=torch.int64)
-            rows.append(row.to(torch.float64).cpu())
-            self._counts[index] = []
-        total = torch.stack(rows) if rows else torch.zeros(0, 0, dtype=torch.float64)
-        if self.group is not None and dist.get_world_size(self.group) > 1 and total.numel():
-            device = _device_of(self.modules[0])
-            on_device = total.to(device)
-            dist.all_reduce(on_device, group=self.group)
-            total = on_device.cpu()  # NOTE: D2H sync (once per re-placement, at a step boundary)
-        return total
+            parts, self._counts[index] = self._counts[index], []
+            zero = torch.zeros(module.num_experts, dtype=torch.int64, device=device)
+            rows.append((torch.stack(parts).sum(0) if parts else zero).to(torch.float64))
+        total = torch.cat(rows)
+        if self.group is not None and dist.get_world_size(self.group) > 1:
+            dist.all_reduce(total, group=self.group)
+        flat = total.tolist()  # NOTE: D2H sync (once per re-placement, at a step boundary)
+        bounds = [0, *itertools.accumulate(m.num_experts for m in self.modules)]
+        return [flat[a:b] for a, b in itertools.pairwise(bounds)]
 
     # -- placing ----------------------------------------------------------------------------------------------------
-    def rebalance(self, step: int, optimizers: Optimizers, min_gain: float = 0.0) -> PlacementReport:
+    def rebalance(self, step: int, optimizers: Optimizers, min_gain: float = 0.0, replicas: int = 0) -> PlacementReport:
         """Re-place every module from the counted window (collective over the group, then the moves): a module
-        moves when its balanced placement lowers the most loaded rank's tokens by more than ``min_gain`` (a
-        fraction of the current most loaded rank's)."""
-        counts = self.counted().tolist()
+        moves when its balanced placement (with ``replicas`` replica slots) lowers the most loaded rank's tokens by
+        more than ``min_gain`` (a fraction of the current most loaded rank's)."""
+        counts = self.counted()
         chosen, layers = [], []
         for index, module in enumerate(self.modules):
             current, row = module.placement, counts[index]
-            balanced = balanced_placement(row, current)
+            balanced = balanced_placement(row, current, replicas)
             before, after = max(current.rank_loads(row)), max(balanced.rank_loads(row))
             new = balanced if after < before * (1.0 - min_gain) else current
             chosen.append(new)
-            layers.append(LayerPlacementReport(self.names[index], current.imbalance(row), new.imbalance(row),
-                                               len(current.moved_experts(new))))  # fmt: skip
+            moved = tuple(current.moved_experts(new))
+            layers.append(LayerPlacementReport(self.names[index], current.imbalance(row), new.imbalance(row), moved, new))
         move = self.place(chosen, optimizers)
         report = PlacementReport(step=step, layers=tuple(layers), move=move)
         self.reports.append(report)
@@ -188,7 +200,53 @@ class ExpertPlacer:
         for module, placement in moving:
             module.set_placement(placement)
         self.sharded.rows_moved(fsdp)
+        self.refresh_replicas()
         return report
+
+    # -- replicas ---------------------------------------------------------------------------------------------------
+    def refresh_replicas(self) -> int:
+        """Copy every replica's rows from its primary (after each optimizer step and each move), in one exchange;
+        the bytes this rank sent. Collective among the modules' ep ranks; nothing without replicas."""
+        transfers = []
+        for module, name, param, rows in self._replicated(_local):
+            for src_rank, src_row, dst_rank, dst_row, me in _replica_routes(module, getattr(module, name)):
+                source, target = (param if src_rank == me else None), (rows if dst_rank == me else None)
+                transfers.append(RowTransfer(src_rank, source, src_row, dst_rank, target, dst_row))
+        return transfer_rows(transfers) if transfers else 0
+
+    def sum_replica_gradients(self, divisor: int = 1) -> None:
+        """Add each replica's weight gradient to its primary's, in replica-slot order, and drop the replicas'
+        (after the step's backward, before the gradients are reduced over data parallelism). ``divisor``: what the
+        parameters' gradients were divided by after the backward and the replicas' were not (torch's pipeline
+        schedule at ``pp > 1``). Collective among the modules' ep ranks; nothing without replicas."""
+        transfers, done = [], []
+        for module, name, grad, rows in self._replicated(lambda p: None if p.grad is None else _local(p.grad)):
+            if grad is None:
+                continue
+            if rows.grad is not None and divisor != 1:
+                rows.grad.div_(divisor)
+            for src_rank, src_row, dst_rank, dst_row, me in _replica_routes(module, getattr(module, name)):
+                source = rows.grad if rows.grad is not None else torch.zeros_like(rows)
+                transfers.append(RowTransfer(dst_rank, source if dst_rank == me else None, dst_row, src_rank,
+                                             grad if src_rank == me else None, src_row))  # fmt: skip
+            done.append(rows)
+        if transfers:
+            transfer_rows(transfers, accumulate=True)
+        for rows in done:
+            rows.grad = None
+
+    @property
+    def has_replicas(self) -> bool:
+        return any(m.replica_slots is not None for m in self.modules)
+
+    def _replicated(self, pick: Callable[[nn.Parameter], Tensor | None]) -> list[tuple]:
+        """``(module, name, pick(parameter), replica rows)`` of every replicated module's parameters, in order."""
+        return [
+            (module, name, pick(param), module.replica_slots.rows[name])
+            for module in self.modules
+            if module.replica_slots is not None
+            for name, param in module.named_parameters(recurse=False)
+        ]
 
     @staticmethod
     def _tensors(module: nn.Module, optimizers: Sequence[torch.optim.Optimizer]) -> list[Tensor]:
@@ -203,6 +261,33 @@ class ExpertPlacer:
                 state = optimizer.state.get(param, {})
                 out += [state[k] for k in sorted(state) if _follows(state[k], param)]
         return out
+
+
+def _local(tensor: Tensor) -> Tensor:
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
+
+
+def _routes(placement: ExpertPlacement, owners: tuple[int, ...], me: int) -> tuple[tuple[int, int, int, int, int], ...]:
+    slot_of, per_rank, replicas_per_rank = placement.slot_of(), placement.slots_per_rank, placement.replicas_per_rank
+    routes = []
+    for j, expert in enumerate(placement.replicas):
+        slot = slot_of[expert]
+        routes.append((owners[slot // per_rank], slot % per_rank, owners[j // replicas_per_rank],
+                       j % replicas_per_rank, me))  # fmt: skip
+    return tuple(routes)
+
+
+def _replica_routes(module: ExpertParallelExperts, param: Tensor) -> tuple[tuple[int, int, int, int, int], ...]:
+    """``(primary rank, primary row, replica rank, replica row, this rank)`` of each replica slot of ``module``:
+    the primary's rows from ``param``'s layout over the ep ranks, replica slot ``j`` on the ``j // (R / ep)``-th of
+    them."""
+    slots = module.replica_slots
+    assert slots is not None
+    if id(param) not in slots.routes:  # one placement per `ReplicaSlots`: computed once
+        me = dist.get_rank() if dist.is_initialized() else 0
+        owners = torch_compat.row_owners(param) if isinstance(param, DTensor) else [(me, 0, param.shape[0])]
+        slots.routes[id(param)] = _routes(module.placement, tuple(rank for rank, _, _ in owners), me)
+    return slots.routes[id(param)]
 
 
 def _follows(value: object, param: Tensor) -> bool:

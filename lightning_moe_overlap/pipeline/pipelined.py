@@ -75,6 +75,7 @@ class PipelinedModel:
         self._before_last_backward: LastBackward | None = None
         self._deferred_wgrad: DeferredWgrad | None = None  # with delay_wgrad: each stage's weight work (schedules.py)
         self.grad_divisor: int | None = None  # with before_last_backward: M where torch would divide, else None
+        self.schedule_divisor = 1  # what torch's schedule divides the gradients by after a training step
         self._ends_step = True  # whether the running train_step's batch is the optimizer step's last
 
     @classmethod
@@ -151,6 +152,8 @@ class PipelinedModel:
         self._train_loss = StepLoss(self.split.loss_fn, tokens, token_loss=self.split.token_loss, weight=weight)
         early = before_last_backward is not None
         self.grad_divisor = self.config.num_microbatches if scale and early else None
+        # what torch's schedule divides the parameters' gradients by after the step (1: it does not divide)
+        self.schedule_divisor = self.config.num_microbatches if scale and not early else 1
         schedule = self._schedule(device, overlap=overlap, loss_fn=self._train_loss, scale_grads=scale and not early,
                                   train=True)  # fmt: skip
         self._train = PipelineExecutor(schedule, engine)

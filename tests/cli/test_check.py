@@ -190,3 +190,22 @@ def test_pipeline_doc_shows_the_real_output(capsys, monkeypatch):
     for argv, shown in runs:
         _, out = _check(capsys, *argv)
         assert out == shown, f"docs/pipeline.md is stale for {argv}: paste\n{out}"
+
+
+def test_expert_balance_rules_are_findings_before_anything_starts(tmp_path):
+    callbacks = tmp_path / "balance.yaml"
+    callbacks.write_text(
+        "trainer:\n  callbacks:\n"
+        "    - class_path: lightning_moe_overlap.ExpertBalance\n      init_args: {redundant_experts: 3}\n"
+        "    - class_path: lightning_moe_overlap.ExpertBalance\n"
+    )
+    config, error = parse_fit_config([str(CONFIGS / "cpu.yaml"), str(callbacks)], ["--trainer.strategy.init_args.ep=2",
+                                     "--trainer.strategy.init_args.shard=full"])  # fmt: skip
+    assert error is None and config is not None
+    found = [p for p in collect_problems(config, 4) if p.rule == "expert-balance"]
+    messages = "\n".join(p.message for p in found)
+    assert "trainer.callbacks[0]: `ExpertBalance`: redundant_experts=3 is not a multiple of ep=2" in messages
+    assert "does not run with shard='full'" in messages
+    assert "trainer.callbacks[0], trainer.callbacks[1]: 2 `ExpertBalance` callbacks" in messages
+    config, _ = parse_fit_config([str(CONFIGS / "cpu.yaml"), str(callbacks)], ["--trainer.strategy.init_args.ep=1"])
+    assert any("ep=1 holds every expert on every rank" in p.message for p in collect_problems(config, 4))

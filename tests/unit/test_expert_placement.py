@@ -46,12 +46,43 @@ def test_rank_loads_imbalance_and_moved_experts_follow_the_map():
 
 
 @pytest.mark.parametrize(
-    "experts,ep,match",
-    [((0, 1, 2), 2, r"3 slots over ep=2; every ep rank holds the same number"), ((0, 0, 1, 2), 2, "not a permutation")],
-)
-def test_a_placement_that_cannot_be_is_refused(experts, ep, match):
+    "experts,ep,replicas,match",
+    [((0, 1, 2), 2, (), r"3 slots and 0 replicas over ep=2; every ep rank holds the same number"),
+     ((0, 1, 2, 3), 2, (1,), r"4 slots and 1 replicas over ep=2; every ep rank holds the same number"),
+     ((0, 0, 1, 2), 2, (), "not a permutation"),
+     ((0, 1, 2, 3), 2, (0, 4), r"replicas=\[0, 4\] names experts outside 0..3")],
+)  # fmt: skip
+def test_a_placement_that_cannot_be_is_refused(experts, ep, replicas, match):
     with pytest.raises(ValueError, match=match):
-        ExpertPlacement(experts, ep)
+        ExpertPlacement(experts, ep, replicas)
+
+
+def test_replicas_take_dispatch_slots_after_each_ranks_primaries_and_share_the_load():
+    placement = ExpertPlacement((0, 1, 2, 3), ep=2, replicas=(0, 3))  # rank 0: 0 1 + copy of 0; rank 1: 2 3 + 3
+    assert placement.copies() == [2, 1, 1, 2] and not placement.is_identity
+    assert [placement.dispatch_slot(0, c) for c in range(2)] == [0, 2]
+    assert [placement.dispatch_slot(3, c) for c in range(2)] == [4, 5]
+    assert placement.rank_loads([10.0, 2.0, 4.0, 6.0]) == [12.0, 10.0]  # 5 + 2 + 5 | 4 + 3 + 3
+    copies_EC, num_E = placement.copy_table(torch.device("cpu"))
+    assert copies_EC.tolist() == [[0, 2], [1, 1], [3, 3], [4, 5]] and num_E.tolist() == [2, 1, 1, 2]
+
+
+def test_a_replicated_experts_choices_alternate_over_its_copies_in_token_order():
+    placement = ExpertPlacement((0, 1, 2, 3), ep=2, replicas=(0, 3))
+    indices = torch.tensor([[0, 3], [0, 1], [4, 0], [3, 0], [2, 3]])  # 4 (= E): dropped
+    slots = ExpertPlacement.to_copies(indices, *placement.copy_table(torch.device("cpu")), num_slots=6)
+    # expert 0's choices in token order -> copies 0, 1, 0, 1; expert 3's -> 0, 1, 0; dropped -> E + R
+    assert slots.tolist() == [[0, 4], [2, 1], [6, 0], [5, 2], [3, 4]]
+
+
+def test_balanced_replicas_go_to_the_hottest_experts_on_ranks_without_a_copy():
+    counts = [90.0, 10.0, 10.0, 10.0, 10.0, 10.0, 10.0, 10.0]
+    placed = balanced_placement(counts, ExpertPlacement.identity(8, 2), replicas=2)
+    assert placed.copies()[0] == 3  # 90 / 2 = 45 per copy is still the most: it takes both replicas
+    assert placed.rank_of(0) in (0, 1) and sorted(placed.replicas) == [0, 0]
+    assert placed.imbalance(counts) < ExpertPlacement.identity(8, 2).imbalance(counts)
+    with pytest.raises(ValueError, match=r"replicas=3 must be a non-negative multiple of ep=2"):
+        balanced_placement(counts, ExpertPlacement.identity(8, 2), replicas=3)
 
 
 def test_balanced_placement_spreads_hot_experts_and_moves_few():
@@ -102,7 +133,8 @@ def test_balanced_placement_needs_one_count_per_expert():
     "kwargs,match",
     [({"every_n_steps": 0}, r"every_n_steps=0 must be a positive integer"),
      ({"min_gain": 1.0}, r"min_gain=1.0 must be a number in \[0, 1\)"),
-     ({"min_gain": True}, r"min_gain=True must be a number")],
+     ({"min_gain": True}, r"min_gain=True must be a number"),
+     ({"redundant_experts": -2}, r"redundant_experts=-2 must be a non-negative integer")],
 )  # fmt: skip
 def test_expert_balance_refuses_bad_arguments(kwargs, match):
     with pytest.raises(ValueError, match=match):
@@ -121,6 +153,23 @@ def test_expert_balance_needs_this_strategy_with_ep_above_one_and_no_optimizer_o
     with pytest.raises(NotImplementedError, match=r"optimizer_cpu_offload=True keeps host copies"):
         _setup(MoEOverlapStrategy(ep=2, optimizer_cpu_offload=True))
     _setup(MoEOverlapStrategy(ep=2))
+
+
+def test_a_second_expert_balance_is_refused():
+    first, second = ExpertBalance(), ExpertBalance(every_n_steps=5)
+    trainer = SimpleNamespace(strategy=MoEOverlapStrategy(ep=2), callbacks=[first, second])
+    with pytest.raises(ValueError, match=r"the Trainer has 2 `ExpertBalance` callbacks; each would re-place"):
+        second.setup(trainer, None, "fit")  # type: ignore[arg-type]
+
+
+def test_replicas_are_refused_where_they_cannot_run():
+    balance = ExpertBalance(redundant_experts=2)
+    balance.setup(SimpleNamespace(strategy=MoEOverlapStrategy(ep=2)), None, "fit")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match=r"redundant_experts=3 is not a multiple of ep=2; every ep rank holds"):
+        ExpertBalance(redundant_experts=3).setup(SimpleNamespace(strategy=MoEOverlapStrategy(ep=2)), None, "fit")
+    strategy = MoEOverlapStrategy(ep=2, shard="full", delay_wgrad=True)
+    with pytest.raises(NotImplementedError, match=r"does not run with shard='full' .*, delay_wgrad=True"):
+        balance.setup(SimpleNamespace(strategy=strategy), None, "fit")  # type: ignore[arg-type]
 
 
 def test_moving_rows_in_one_process_permutes_every_tensor_in_place():
@@ -170,3 +219,41 @@ def test_an_experts_module_routes_by_its_placement_and_refuses_another_modules()
     assert torch.equal(module(x, indices, weights), expected)
     with pytest.raises(ValueError, match=r"the placement has 4 experts over ep=2, but this module holds 4 over ep=1"):
         module.set_placement(ExpertPlacement.identity(4, 2))
+
+
+def test_a_module_with_a_replica_computes_the_experts_output_and_splits_the_gradient():
+    """ep=1, one process, expert 0 replicated: the output is the module's without replicas (each row meets the same
+    weights; GEMM blocking may differ with the row count), and the primary's gradient plus the replica's is the
+    gradient without replicas (a reordered sum)."""
+    from torch import nn
+
+    from lightning_moe_overlap.moe.ep import apply_expert_parallel
+    from lightning_moe_overlap.moe.experts import Experts
+    from lightning_moe_overlap.overlap.runtime import CommRuntime
+
+    torch.manual_seed(0)
+    holder = nn.Module()
+    holder.experts = Experts(4, 8, 16)
+    (module,) = apply_expert_parallel(holder, None, runtime=CommRuntime())
+    x, indices = torch.randn(6, 8), torch.tensor([[0, 1], [0, 3], [3, 0], [1, 1], [0, 2], [4, 0]])
+    weights = torch.rand(6, 2)
+    expected = module(x, indices, weights)
+    expected.square().sum().backward()
+    plain_grads = {name: p.grad.clone() for name, p in module.named_parameters()}
+    module.zero_grad(set_to_none=True)
+    module.set_placement(ExpertPlacement((0, 1, 2, 3), 1, replicas=(0,)))
+    rows = module.replica_slots.rows
+    with torch.no_grad():
+        for name, param in module.named_parameters():
+            rows[name].copy_(param[:1])
+    out = module(x, indices, weights)
+    assert torch.allclose(out, expected, rtol=1e-6, atol=1e-6)
+    out.square().sum().backward()
+    for name, param in module.named_parameters():
+        assert rows[name].grad is not None and rows[name].grad.abs().sum() > 0  # the replica took tokens
+        summed = param.grad.clone()
+        summed[0] += rows[name].grad[0]
+        assert torch.allclose(summed, plain_grads[name], rtol=1e-5, atol=1e-6), name
+    module.kernel = object()  # e.g. FP8's
+    with pytest.raises(NotImplementedError, match=r"replicas of experts run on the torch backend's own GEMMs"):
+        module.set_placement(ExpertPlacement((0, 1, 2, 3), 1, replicas=(0,)))
