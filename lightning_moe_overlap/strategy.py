@@ -893,10 +893,17 @@ class MoEOverlapStrategy(ParallelStrategy):
         assert placer is not None
         return placer
 
-    def rebalance_experts(self, step: int, min_gain: float = 0.0, replicas: int = 0) -> PlacementReport:
+    def rebalance_experts(
+        self, step: int, min_gain: float = 0.0, replicas: int = 0, within_nodes: bool = True
+    ) -> PlacementReport:
         """Re-place the experts from the tokens counted since the last call, with ``replicas`` replica slots per
-        experts module (collective, at a step boundary)."""
-        return self.expert_placer().rebalance(step, self.optimizers, min_gain, replicas)
+        experts module; ``within_nodes``: when the ep group spans nodes, no expert leaves its node (collective, at
+        a step boundary)."""
+        group = self._built.groups.ep
+        nodes = None
+        if within_nodes and group is not None and self.num_nodes > 1:
+            nodes = [rank // self.num_processes for rank in dist.get_process_group_ranks(group)]
+        return self.expert_placer().rebalance(step, self.optimizers, min_gain, replicas, nodes)
 
     def _experts_logical(self) -> None:
         """Re-placed experts back to the identity before a state dict is read (collective; nothing otherwise)."""

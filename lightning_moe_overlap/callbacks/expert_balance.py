@@ -33,9 +33,13 @@ class ExpertBalance(Callback):
         redundant_experts: replica slots per MoE layer (a multiple of ep), given to the experts with the most tokens
             per copy; each replica computes a share of its expert's tokens, and its weight gradient is added to the
             expert's before the optimizer step (the model trained is the one without replicas).
+        within_nodes: when the ep group spans nodes, balance the ranks of each node among themselves and keep every
+            expert on its node (a router limited to a few nodes keeps its bound); False balances over all ranks.
     """
 
-    def __init__(self, every_n_steps: int = 100, min_gain: float = 0.02, redundant_experts: int = 0) -> None:
+    def __init__(
+        self, every_n_steps: int = 100, min_gain: float = 0.02, redundant_experts: int = 0, within_nodes: bool = True
+    ) -> None:
         if not is_positive_int(every_n_steps):
             raise ValueError(
                 f"`ExpertBalance`: every_n_steps={every_n_steps!r} must be a positive integer (the optimizer steps "
@@ -53,7 +57,13 @@ class ExpertBalance(Callback):
             )
         self.every_n_steps = every_n_steps
         self.min_gain = float(min_gain)
+        if not isinstance(within_nodes, bool):
+            raise TypeError(
+                f"`ExpertBalance`: within_nodes={within_nodes!r} must be a bool: True keeps every expert on its node "
+                "when ep spans nodes, False balances over all ranks."
+            )
         self.redundant_experts = redundant_experts
+        self.within_nodes = within_nodes
         self.reports: list[PlacementReport] = []  # every re-placement of this callback's runs
         self._strategy: MoEOverlapStrategy | None = None
         self._step = -1
@@ -92,7 +102,8 @@ class ExpertBalance(Callback):
             return
         self._step = step
         if step % self.every_n_steps == 0:
-            self.reports.append(self._strategy.rebalance_experts(step, self.min_gain, self.redundant_experts))
+            report = self._strategy.rebalance_experts(step, self.min_gain, self.redundant_experts, self.within_nodes)
+            self.reports.append(report)
 
     @override
     def on_train_end(self, trainer: Trainer, pl_module: LightningModule) -> None:

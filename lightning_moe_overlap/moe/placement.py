@@ -218,6 +218,42 @@ def balanced_placement(counts_E: Sequence[float], current: ExpertPlacement, repl
     return _with_replicas(primaries, shares, copies, replicas // ep)
 
 
+def balanced_within_nodes(
+    counts_E: Sequence[float], current: ExpertPlacement, replicas: int, node_of_rank: Sequence[int]
+) -> ExpertPlacement:
+    """:func:`balanced_placement` within each node: the ranks of a node (``node_of_rank[r]``) share out the experts
+    they hold now, with their share of the replicas, and no expert leaves its node. A router whose choices are
+    limited to a few nodes (DeepSeek's group-limited routing over experts laid out by node) keeps that bound."""
+    ep, per_rank = current.ep, current.slots_per_rank
+    if len(node_of_rank) != ep:
+        raise ValueError(
+            f"`balanced_within_nodes`: node_of_rank has {len(node_of_rank)} entries for ep={ep}; pass the node of "
+            "every ep rank."
+        )
+    if len(set(node_of_rank)) == 1:
+        return balanced_placement(counts_E, current, replicas)
+    replicas_per_rank = replicas // ep if replicas % ep == 0 else -1
+    if replicas_per_rank < 0:
+        raise ValueError(
+            f"`balanced_within_nodes`: replicas={replicas!r} must be a non-negative multiple of ep={ep} (every rank "
+            "holds the same number of replica slots)."
+        )
+    experts, chosen = list(current.experts), [0] * replicas
+    for node in sorted(set(node_of_rank)):
+        ranks = [r for r in range(ep) if node_of_rank[r] == node]
+        slots = [r * per_rank + i for r in ranks for i in range(per_rank)]
+        members = sorted(current.experts[s] for s in slots)
+        index = {e: i for i, e in enumerate(members)}
+        here = ExpertPlacement(tuple(index[current.experts[s]] for s in slots), len(ranks))
+        placed = balanced_placement([counts_E[e] for e in members], here, replicas_per_rank * len(ranks))
+        for k, slot in enumerate(slots):
+            experts[slot] = members[placed.experts[k]]
+        for k, rank in enumerate(ranks):
+            for i in range(replicas_per_rank):
+                chosen[rank * replicas_per_rank + i] = members[placed.replicas[k * replicas_per_rank + i]]
+    return ExpertPlacement(tuple(experts), ep, tuple(chosen))
+
+
 def _copies(counts_E: Sequence[float], num: int, replicas: int) -> list[int]:
     """Copies per expert: one each, then ``replicas`` more, each to the most tokens per copy (ties: lower index)."""
     copies = [1] * num

@@ -34,7 +34,7 @@ from torch.distributed.tensor import DTensor
 from lightning_moe_overlap._compat import torch as torch_compat
 from lightning_moe_overlap.moe.ep import ExpertParallelExperts
 from lightning_moe_overlap.moe.expert_moves import LayerMove, MoveReport, RowTransfer, move_rows, transfer_rows
-from lightning_moe_overlap.moe.placement import ExpertPlacement, balanced_placement
+from lightning_moe_overlap.moe.placement import ExpertPlacement, balanced_placement, balanced_within_nodes
 from lightning_moe_overlap.moe.router import _in_training_forward
 from lightning_moe_overlap.parallelize.sharding import ShardedModel
 
@@ -145,15 +145,20 @@ class ExpertPlacer:
         return [flat[a:b] for a, b in itertools.pairwise(bounds)]
 
     # -- placing ----------------------------------------------------------------------------------------------------
-    def rebalance(self, step: int, optimizers: Optimizers, min_gain: float = 0.0, replicas: int = 0) -> PlacementReport:
+    def rebalance(
+        self, step: int, optimizers: Optimizers, min_gain: float = 0.0, replicas: int = 0,
+        node_of_rank: Sequence[int] | None = None,
+    ) -> PlacementReport:  # fmt: skip
         """Re-place every module from the counted window (collective over the group, then the moves): a module
-        moves when its balanced placement (with ``replicas`` replica slots) lowers the most loaded rank's tokens by
-        more than ``min_gain`` (a fraction of the current most loaded rank's)."""
+        moves when its balanced placement (with ``replicas`` replica slots; with ``node_of_rank``, the node of each
+        ep rank, within each node) lowers the most loaded rank's tokens by more than ``min_gain`` (a fraction of
+        the current most loaded rank's)."""
         counts = self.counted()
         chosen, layers = [], []
         for index, module in enumerate(self.modules):
             current, row = module.placement, counts[index]
-            balanced = balanced_placement(row, current, replicas)
+            balanced = (balanced_placement(row, current, replicas) if node_of_rank is None
+                        else balanced_within_nodes(row, current, replicas, node_of_rank))  # fmt: skip
             before, after = max(current.rank_loads(row)), max(balanced.rank_loads(row))
             new = balanced if after < before * (1.0 - min_gain) else current
             chosen.append(new)

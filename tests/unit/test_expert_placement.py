@@ -16,7 +16,12 @@ import torch
 
 from lightning_moe_overlap import ExpertBalance, MoEOverlapStrategy
 from lightning_moe_overlap.moe.expert_moves import LayerMove, move_rows
-from lightning_moe_overlap.moe.placement import FEWER_MOVES_TOLERANCE, ExpertPlacement, balanced_placement
+from lightning_moe_overlap.moe.placement import (
+    FEWER_MOVES_TOLERANCE,
+    ExpertPlacement,
+    balanced_placement,
+    balanced_within_nodes,
+)
 
 
 def test_identity_maps_every_expert_to_its_own_slot_and_ranks_by_block():
@@ -124,6 +129,25 @@ def test_balanced_placement_is_within_the_greedy_packings_bound_of_the_best(seed
     assert max(placed.rank_loads(counts)) <= (4 / 3) * (1 + FEWER_MOVES_TOLERANCE) * best + 1e-9
 
 
+def test_within_nodes_every_expert_keeps_its_node_and_each_nodes_ranks_balance():
+    counts = [40.0, 40.0, 5.0, 5.0, 10.0, 10.0, 10.0, 10.0]  # experts 0 and 1 hot, both on rank 0 (node 0)
+    current, nodes = ExpertPlacement.identity(8, 4), [0, 0, 1, 1]  # ranks 0, 1 on node 0; ranks 2, 3 on node 1
+    placed = balanced_within_nodes(counts, current, 4, nodes)
+    node_of = [nodes[placed.rank_of(e)] for e in range(8)]
+    assert node_of == [nodes[current.rank_of(e)] for e in range(8)] == [0, 0, 0, 0, 1, 1, 1, 1]
+    assert placed.rank_of(0) != placed.rank_of(1)  # node 0's two hot experts on its two ranks
+    assert {(nodes[j // placed.replicas_per_rank] == 0) == (e < 4) for j, e in enumerate(placed.replicas)} == {True}
+    loads = placed.rank_loads(counts)
+    assert loads[0] == loads[1] and loads[0] < current.rank_loads(counts)[0]
+    everywhere = balanced_placement(counts, current, 4)  # across nodes the hot experts may leave node 0
+    assert max(everywhere.rank_loads(counts)) <= max(loads)
+    assert balanced_within_nodes(counts, current, 0, [0, 0, 0, 0]) == balanced_placement(counts, current)
+    with pytest.raises(ValueError, match=r"node_of_rank has 2 entries for ep=4"):
+        balanced_within_nodes(counts, current, 0, [0, 1])
+    with pytest.raises(ValueError, match=r"replicas=2 must be a non-negative multiple of ep=4"):
+        balanced_within_nodes(counts, current, 2, nodes)
+
+
 def test_balanced_placement_needs_one_count_per_expert():
     with pytest.raises(ValueError, match=r"3 counts for a placement of 4 experts; pass one count per logical expert"):
         balanced_placement([1.0, 2.0, 3.0], ExpertPlacement.identity(4, 2))
@@ -153,6 +177,11 @@ def test_expert_balance_needs_this_strategy_with_ep_above_one_and_no_optimizer_o
     with pytest.raises(NotImplementedError, match=r"optimizer_cpu_offload=True keeps host copies"):
         _setup(MoEOverlapStrategy(ep=2, optimizer_cpu_offload=True))
     _setup(MoEOverlapStrategy(ep=2))
+
+
+def test_within_nodes_must_be_a_bool():
+    with pytest.raises(TypeError, match=r"within_nodes=1 must be a bool: True keeps every expert on its node"):
+        ExpertBalance(within_nodes=1)  # type: ignore[arg-type]
 
 
 def test_a_second_expert_balance_is_refused():
