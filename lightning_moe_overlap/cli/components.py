@@ -83,8 +83,9 @@ def expert_balance_problems(cfg: OverlapConfig, trainer: dict[str, Any]) -> list
     out = [Problem("expert-balance", f"{where}: {err}", type(err))
            for where, balancer in balancers for err in balance_errors(cfg, balancer.redundant_experts)]  # fmt: skip
     if len(balancers) > 1:
-        out.append(Problem("expert-balance", f"{', '.join(w for w, _ in balancers)}: {len(balancers)} `ExpertBalance` "
-                           "callbacks would each re-place the same experts on their own schedule. Keep one."))  # fmt: skip
+        where = ", ".join(w for w, _ in balancers)
+        out.append(Problem("expert-balance", f"{where}: {len(balancers)} `ExpertBalance` callbacks would each "
+                           "re-place the same experts on their own schedule. Keep one."))  # fmt: skip
     return out
 
 

@@ -294,8 +294,9 @@ class ExpertParallelExperts(nn.Module):
         replicas = self.replica_slots
         if replicas is not None:  # the primaries' rows, then the replicas' (no deferred wgrad: validated)
             bias = replicas.weight(bias_name, local(getattr(self, bias_name))) if bias_name else None
-            return grouped_projection(x_RI, replicas.weight(weight_name, local(weight)), splits, bias=bias,
-                                      transposed=self.layout.transposed, runtime=self.runtime, impl=self.impl)  # fmt: skip
+            rows = replicas.weight(weight_name, local(weight))
+            return grouped_projection(x_RI, rows, splits, bias=bias, transposed=self.layout.transposed,
+                                      runtime=self.runtime, impl=self.impl)  # fmt: skip
         return grouped_projection(
             x_RI,
             local(weight),

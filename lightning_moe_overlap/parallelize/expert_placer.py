@@ -121,7 +121,8 @@ class ExpertPlacer:
             with torch.no_grad():  # no host read: dropped choices land in an extra bin (a bincount would sync on CUDA)
                 flat = args[1].reshape(-1).long()
                 key = torch.where((flat >= 0) & (flat < num), flat, num)
-                row = torch.zeros(num + 1, dtype=torch.int64, device=flat.device).index_add_(0, key, torch.ones_like(key))
+                row = torch.zeros(num + 1, dtype=torch.int64, device=flat.device)
+                row.index_add_(0, key, torch.ones_like(key))
                 counts[index].append(row[:num])  # list.append: safe from the two lanes of the overlap
 
         return count
@@ -163,7 +164,8 @@ class ExpertPlacer:
             new = balanced if after < before * (1.0 - min_gain) else current
             chosen.append(new)
             moved = tuple(current.moved_experts(new))
-            layers.append(LayerPlacementReport(self.names[index], current.imbalance(row), new.imbalance(row), moved, new))
+            before_after = current.imbalance(row), new.imbalance(row)
+            layers.append(LayerPlacementReport(self.names[index], *before_after, moved, new))
         move = self.place(chosen, optimizers)
         report = PlacementReport(step=step, layers=tuple(layers), move=move)
         self.reports.append(report)

@@ -21,6 +21,7 @@ import pytest
 import torch
 from lightning.pytorch import Callback, Trainer
 from lightning.pytorch.callbacks import ModelCheckpoint
+from safetensors.torch import load_file
 
 from lightning_moe_overlap import ExpertBalance, MoEMonitor, MoEOverlapStrategy, ResumableDataLoader
 from lightning_moe_overlap.demo import MoEGPT
@@ -51,7 +52,7 @@ def _build(name: str, layers: int = 2) -> torch.nn.Module:
 
 def _fit(name: str, world: int, *, ep: int, shard: str = "none", balance: bool, root: Path | None = None,
          ckpt: Path | None = None, save_every: int = 0, pp: int = 1, vpp: int = 1, schedule: str | None = None,
-         micro: int = MICRO, replicas: int = 0, sgd: bool = False) -> dict:  # fmt: skip
+         micro: int = MICRO, replicas: int = 0, sgd: bool = False, export: Path | None = None) -> dict:  # fmt: skip
     model = _build(name, layers=2 * pp * vpp)
     if sgd:  # a rounding difference stays proportional (Adam divides each element by its own magnitude)
         model.configure_optimizers = lambda: torch.optim.SGD(model.parameters(), lr=0.1)
@@ -74,6 +75,11 @@ def _fit(name: str, world: int, *, ep: int, shard: str = "none", balance: bool, 
     )  # fmt: skip
     trainer.fit(model, ckpt_path=ckpt)
     reports = callbacks[0].reports if balance else []
+    exported = None
+    if export is not None:  # the Hub layout from every rank's share, read back whole on rank 0
+        strategy.export_hf(export)
+        strategy.barrier()
+        exported = load_file(export / "model.safetensors") if trainer.is_global_zero else None
     return {
         "losses": losses,
         "moved": sum(layer.moved_experts for r in reports for layer in r.layers),
@@ -81,6 +87,7 @@ def _fit(name: str, world: int, *, ep: int, shard: str = "none", balance: bool, 
         "logged": {k: v for k, v in monitor.last.items() if "rank_imbalance" in k or "placement" in k},
         "replica_checks": checks.compared,
         "full": strategy.full_state_dict(),
+        "exported": exported,
     }
 
 
@@ -114,12 +121,13 @@ def _compare(results: list[dict], a: object, b: object, *, losses: bool = True) 
     assert unequal == [], (a, b, unequal)
 
 
-def _bitwise_worker(rank: int, world: int, cases: list[tuple[str, str]]) -> dict:
+def _bitwise_worker(rank: int, world: int, cases: list[tuple[str, str]], root: Path | None = None) -> dict:
     torch.set_num_threads(1)
     out = {}
     for name, shard in cases:
-        out[name, shard, False] = _fit(name, world, ep=world, shard=shard, balance=False)
-        out[name, shard, True] = _fit(name, world, ep=world, shard=shard, balance=True)
+        for balance in (False, True):
+            export = root / f"{name}-{shard}-{balance}" if root is not None and name != "moegpt" else None
+            out[name, shard, balance] = _fit(name, world, ep=world, shard=shard, balance=balance, export=export)
     return out
 
 
@@ -129,10 +137,12 @@ def _check_bitwise(results: list[dict], cases: list[tuple[str, str]]) -> None:
         _compare(results, (name, shard, False), (name, shard, True))
 
 
-def test_replaced_experts_train_bitwise_like_the_default_placement_at_ep2():
+def test_replaced_experts_train_bitwise_like_the_default_placement_at_ep2(tmp_path):
     cases = [("moegpt", "none"), ("qwen3_moe", "full")]
-    results = run_distributed(_bitwise_worker, 2, cases, timeout_s=600)
+    results = run_distributed(_bitwise_worker, 2, cases, tmp_path, timeout_s=600)
     _check_bitwise(results, cases)
+    plain, placed = results[0]["qwen3_moe", "full", False]["exported"], results[0]["qwen3_moe", "full", True]["exported"]
+    assert plain.keys() == placed.keys() and [k for k in plain if not torch.equal(plain[k], placed[k])] == []
     for rank, runs in enumerate(results):  # every re-placement lowered (or kept) each layer's most loaded rank
         balanced = runs["moegpt", "none", True]
         assert all(after <= before for report in balanced["reports"] for before, after in report), rank
