@@ -83,8 +83,11 @@ class ExpertBalance(Callback):
                 "the same experts on its own schedule. Keep one."
             )
         errors = balance_errors(strategy.config, self.redundant_experts)
-        if errors:
+        if len(errors) == 1:
             raise errors[0]
+        if errors:  # every rule broken, in one error of the first one's kind
+            listed = "\n".join(f"  {i}. {err}" for i, err in enumerate(errors, 1))
+            raise type(errors[0])(f"`ExpertBalance`: {len(errors)} problems:\n{listed}")
 
     @override
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:

@@ -147,7 +147,8 @@ def _missing(where: str, class_path: str, modules: tuple[str, ...], extra: str) 
 def _failed(where: str, class_path: str, err: Exception) -> Problem:
     return Problem(
         "component-build",
-        f"`{where}` is `{class_path}`, and building it as `fit` does failed: {type(err).__name__}: {err}. Fix its "
+        f"`{where}` is `{class_path}`, and building it as `fit` does failed: {type(err).__name__}: "
+        f"{str(err).rstrip('.')}. Fix its "
         "`init_args` (or the class) as the error says.",
         type(err) if isinstance(err, (ValueError, TypeError, ImportError, RuntimeError)) else RuntimeError,
     )

@@ -194,6 +194,8 @@ def balanced_placement(counts_E: Sequence[float], current: ExpertPlacement, repl
     The trades win when their most loaded rank is within :data:`FEWER_MOVES_TOLERANCE` of the packing's and they
     move fewer experts. An expert that stays on its rank keeps its slot. Replicas last: the largest shares first,
     each onto the least loaded rank with a free replica slot, a rank without a copy of that expert if one has room.
+    With replicas, the current primaries with new replicas (no parameter rows move, the replicas are refreshed at
+    every step anyway) win when within :data:`FEWER_MOVES_TOLERANCE` of that choice.
     """
     num, ep = current.num_experts, current.ep
     if len(counts_E) != num:
@@ -215,7 +217,47 @@ def balanced_placement(counts_E: Sequence[float], current: ExpertPlacement, repl
     primaries = (
         swapped if fewer and max(swapped.rank_loads(shares)) <= packed_max * (1 + FEWER_MOVES_TOLERANCE) else packed
     )
-    return _with_replicas(primaries, shares, copies, replicas // ep)
+    chosen = _with_replicas(primaries, shares, copies, replicas // ep)
+    if replicas and current.moved_experts(primaries):  # new replicas alone move no rows: kept if nearly as even
+        kept = _with_replicas(ExpertPlacement(current.experts, ep), shares, copies, replicas // ep)
+        if max(kept.rank_loads(counts_E)) <= max(chosen.rank_loads(counts_E)) * (1 + FEWER_MOVES_TOLERANCE):
+            return kept
+    return _roles_kept(chosen, current)
+
+
+def _roles_kept(placement: ExpertPlacement, current: ExpertPlacement) -> ExpertPlacement:
+    """``placement`` with primary and replica roles traded back where that moves fewer primaries and leaves every
+    rank holding the same copies: expert ``e`` whose primary moved from rank ``a`` to ``b`` while a replica of it
+    stays on ``a``, and an expert ``f`` with its primary on ``a`` and a replica on ``b``, trade both roles (the same
+    loads; ``e``'s rows need not move)."""
+    if not placement.replicas:
+        return placement
+    per_rank, rep_per_rank = placement.slots_per_rank, placement.replicas_per_rank
+    experts, replicas = list(placement.experts), list(placement.replicas)
+    rank_before = [slot // per_rank for slot in current.slot_of()]
+    for _ in range(len(experts)):
+        slot_of = {e: s for s, e in enumerate(experts)}
+        found = None
+        for e in range(len(experts)):
+            a, b = rank_before[e], slot_of[e] // per_rank
+            here = [j for j, r in enumerate(replicas) if r == e and j // rep_per_rank == a]
+            if a == b or not here:
+                continue
+            for f in (experts[s] for s in range(a * per_rank, (a + 1) * per_rank)):
+                there = [j for j, r in enumerate(replicas) if r == f and j // rep_per_rank == b]
+                if there and rank_before[f] != a:
+                    found = (e, f, here[0], there[0])
+                    break
+            if found:
+                break
+        if found is None:
+            break
+        e, f, j_e, j_f = found
+        s_e, s_f = slot_of[e], slot_of[f]
+        experts[s_e], experts[s_f] = f, e
+        replicas[j_e], replicas[j_f] = f, e
+    traded = ExpertPlacement(tuple(experts), placement.ep, tuple(replicas))
+    return _slotted([list(g) for g in _groups(traded)], current, traded.replicas)
 
 
 def balanced_within_nodes(
@@ -342,8 +384,8 @@ def _swapped(counts: list[float], current: ExpertPlacement) -> list[list[int]]:
     return groups
 
 
-def _slotted(groups: list[list[int]], current: ExpertPlacement) -> ExpertPlacement:
-    """The placement with ``groups[r]`` on rank ``r``: experts already there keep their slots."""
+def _slotted(groups: list[list[int]], current: ExpertPlacement, replicas: tuple[int, ...] = ()) -> ExpertPlacement:
+    """The placement with ``groups[r]`` on rank ``r`` (and ``replicas``): experts already there keep their slots."""
     per_rank, slot_now = current.slots_per_rank, current.slot_of()
     experts: list[int | None] = [None] * current.num_experts
     for rank, members in enumerate(groups):
@@ -356,4 +398,4 @@ def _slotted(groups: list[list[int]], current: ExpertPlacement) -> ExpertPlaceme
         free = [s for s in range(rank * per_rank, (rank + 1) * per_rank) if experts[s] is None]
         for slot, expert in zip(free, sorted(arriving)):
             experts[slot] = expert
-    return ExpertPlacement(tuple(int(e) for e in experts), current.ep)  # type: ignore[arg-type]
+    return ExpertPlacement(tuple(int(e) for e in experts), current.ep, replicas)  # type: ignore[arg-type]

@@ -199,6 +199,32 @@ def test_replicas_are_refused_where_they_cannot_run():
     strategy = MoEOverlapStrategy(ep=2, shard="full", delay_wgrad=True)
     with pytest.raises(NotImplementedError, match=r"does not run with shard='full' .*, delay_wgrad=True"):
         balance.setup(SimpleNamespace(strategy=strategy), None, "fit")  # type: ignore[arg-type]
+    both = ExpertBalance(redundant_experts=3)
+    with pytest.raises(ValueError, match=r"(?s)2 problems:\n  1\. .*not a multiple of ep=2.*\n  2\. .*shard='full'"):
+        both.setup(SimpleNamespace(strategy=strategy), None, "fit")  # type: ignore[arg-type]
+
+
+def test_hot_experts_copied_on_each_others_ranks_do_not_trade_primaries():
+    """Recorded in a run (layer 1, step 7): the packing chose e0 <-> e1 primaries and e2 <-> e3, while both ranks
+    hold copies of 0 and 1 before and after; only 2 and 3 need to move."""
+    current = ExpertPlacement((0, 5, 4, 3, 6, 1, 2, 7), 2, replicas=(1, 0))
+    swapped = ExpertPlacement((1, 5, 4, 2, 6, 0, 3, 7), 2, replicas=(0, 1))
+    from lightning_moe_overlap.moe.placement import _roles_kept
+
+    kept = _roles_kept(swapped, current)
+    assert current.moved_experts(kept) == [2, 3]  # not 0 and 1
+    counts = [40.0, 45.0, 9.0, 12.0, 10.0, 11.0, 8.0, 13.0]
+    assert kept.rank_loads(counts) == swapped.rank_loads(counts)  # the same copies on every rank
+
+
+def test_new_replicas_alone_are_preferred_to_moving_primaries_when_as_even():
+    counts = [50.0, 50.0, 10.0, 10.0, 10.0, 10.0, 10.0, 10.0]  # two hot experts, one on each rank
+    current = ExpertPlacement((0, 2, 3, 4, 1, 5, 6, 7), 2, replicas=(1, 0))  # each copied on the other rank: even
+    for _ in range(3):  # as a run re-placing at every step would: no swap of the two hot primaries, ever
+        placed = balanced_placement(counts, current, 2)
+        assert placed.experts == current.experts and current.moved_experts(placed) == []
+        assert placed.rank_loads(counts) == [80.0, 80.0]
+        current = placed
 
 
 def test_moving_rows_in_one_process_permutes_every_tensor_in_place():
