@@ -141,7 +141,7 @@ def test_replaced_experts_train_bitwise_like_the_default_placement_at_ep2(tmp_pa
     cases = [("moegpt", "none"), ("qwen3_moe", "full")]
     results = run_distributed(_bitwise_worker, 2, cases, tmp_path, timeout_s=600)
     _check_bitwise(results, cases)
-    plain, placed = results[0]["qwen3_moe", "full", False]["exported"], results[0]["qwen3_moe", "full", True]["exported"]
+    plain, placed = (results[0]["qwen3_moe", "full", balance]["exported"] for balance in (False, True))
     assert plain.keys() == placed.keys() and [k for k in plain if not torch.equal(plain[k], placed[k])] == []
     for rank, runs in enumerate(results):  # every re-placement lowered (or kept) each layer's most loaded rank
         balanced = runs["moegpt", "none", True]
