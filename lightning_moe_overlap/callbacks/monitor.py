@@ -40,7 +40,7 @@ from lightning_moe_overlap.callbacks.expert_balance import placement_metrics
 from lightning_moe_overlap.moe.capacity import validate_capacity
 from lightning_moe_overlap.moe.ep import ExpertParallelExperts
 from lightning_moe_overlap.moe.placement import ExpertPlacement
-from lightning_moe_overlap.moe.stats import RoutingStats, Summary, summarize
+from lightning_moe_overlap.moe.stats import BLOCK_SCALARS, RoutingStats, Summary, summarize
 from lightning_moe_overlap.overlap.event_timer import EventCommTimer
 from lightning_moe_overlap.overlap.observers import CommTimer
 from lightning_moe_overlap.overlap.runtime import CommRuntime, ObserverHandle
@@ -73,6 +73,7 @@ class MoEMonitor(Callback):
         self._step_start: float | None = None
         self._placed: dict[str, ExpertParallelExperts] = {}  # block name -> its expert-parallel experts (ep > 1)
         self._ran_with: dict[str, ExpertPlacement] = {}  # block name -> the placement the last step ran with
+        self._shares: dict[ExpertPlacement, torch.Tensor] = {}  # each placement's share matrix on the device
         self._reports_logged = 0  # the re-placements already logged
 
     # -- attach / detach -------------------------------------------------------------------------------------------
@@ -150,13 +151,18 @@ class MoEMonitor(Callback):
             dist.all_reduce(reduced, group=group)  # one collective per logging interval
             packed, timing = reduced[: packed.numel()], reduced[packed.numel() :]
         norms = self.stats.bias_norms(device)
+        imbalance = self._rank_imbalance(packed, layout, device)  # the held blocks', from all their ranks' counts
         stages = _stage_group(trainer)
         if stages is not None:  # pp > 1: each block's sums and bias are on the stage that holds it, zeros elsewhere
-            reduced = torch.cat([packed, norms])
+            reduced = torch.cat([packed, norms, imbalance])
             dist.all_reduce(reduced, group=stages)  # a second collective per logging interval, at pp > 1 only
-            packed, norms = reduced[: packed.numel()], reduced[packed.numel() :]
+            size = packed.numel() + norms.numel()
+            packed, norms, imbalance = reduced[: packed.numel()], reduced[packed.numel() : size], reduced[size:]
         names = [b.name for b in self.stats.blocks]
         summary = summarize(names, packed, layout, norms, steps=self._steps)
+        if self._expert_parallel(trainer):  # every block's, on every rank (at pp > 1 too)
+            values = imbalance.tolist()  # NOTE: D2H sync (once per logging interval)
+            summary.metrics.update({f"moe/{name}/rank_imbalance": v for name, v in zip(names, values)})
         step_s, blocked_s, in_flight_s, ranks = timing.tolist()  # NOTE: D2H sync (once per logging interval)
         steps = max(self._steps, 1)
         metrics = summary.metrics
@@ -172,14 +178,32 @@ class MoEMonitor(Callback):
         self._reset_interval()
         return summary
 
+    def _rank_imbalance(self, packed: torch.Tensor, layout: list[dict[str, int]], device: torch.device) -> torch.Tensor:
+        """``[blocks]`` on the device: per block held here with expert-parallel experts, max / mean tokens per ep
+        rank under the placement its last step ran with, from the counts in ``packed`` (summed over the ranks that
+        see distinct tokens); 0 for the others. No host read."""
+        out = torch.zeros(len(layout), dtype=torch.float64, device=device)
+        offset = 0
+        for index, (block, item) in enumerate(zip(self.stats.blocks if self.stats else [], layout)):
+            experts = item["experts"]
+            placement = self._ran_with.get(block.name)
+            if placement is not None:
+                if placement not in self._shares:  # built once per placement (a host-to-device copy)
+                    self._shares[placement] = placement.share_matrix(device)
+                loads = packed[offset : offset + experts].to(torch.float64) @ self._shares[placement]
+                mean = loads.mean()
+                out[index] = torch.where(mean > 0, loads.max() / mean.clamp_min(1e-30), 0.0)
+            offset += experts + BLOCK_SCALARS
+        return out
+
+    @staticmethod
+    def _expert_parallel(trainer: Trainer) -> bool:
+        strategy = trainer.strategy
+        return isinstance(strategy, MoEOverlapStrategy) and strategy.dims.ep > 1
+
     def _placement(self, trainer: Trainer, summary: Summary) -> dict[str, float]:
-        """Each held block's rank imbalance under the placement its last step ran with, and the re-placements since
-        the last logged step (``placement_metrics``)."""
-        out = {
-            f"moe/{block}/rank_imbalance": placement.imbalance(summary.tokens_per_expert[block])
-            for block, placement in self._ran_with.items()
-            if block in summary.tokens_per_expert
-        }
+        """The re-placements since the last logged step (``placement_metrics``; at ``pp > 1`` this stage's)."""
+        out: dict[str, float] = {}
         prepared = trainer.strategy.prepared if isinstance(trainer.strategy, MoEOverlapStrategy) else None
         if prepared is not None and prepared.placer is not None and self._placed:
             reports = prepared.placer.reports

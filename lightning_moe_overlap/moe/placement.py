@@ -114,6 +114,17 @@ class ExpertPlacement:
             loads[slot // self.replicas_per_rank] += float(counts_E[expert]) / copies[expert]
         return loads
 
+    def share_matrix(self, device: torch.device) -> Tensor:
+        """``[E, ep]`` float64: the share of expert ``e``'s tokens that rank ``r`` computes (``counts_E @ it`` is
+        :meth:`rank_loads` on the device)."""
+        shares = torch.zeros(self.num_experts, self.ep, dtype=torch.float64)
+        copies = self.copies()
+        for slot, expert in enumerate(self.experts):
+            shares[expert, slot // self.slots_per_rank] += 1.0 / copies[expert]
+        for slot, expert in enumerate(self.replicas):
+            shares[expert, slot // self.replicas_per_rank] += 1.0 / copies[expert]
+        return shares.to(device)
+
     def imbalance(self, counts_E: Sequence[float]) -> float:
         """The most loaded rank's tokens over the mean rank's (1.0: even; 0.0 when no token was counted)."""
         loads = self.rank_loads(counts_E)
