@@ -77,6 +77,7 @@ def test_cli_fit_help_lists_the_trace_options():
     assert "--trace_step TRACE_STEP" in out.stdout and "--trace_dir TRACE_DIR" in out.stdout
 
 
+@pytest.mark.long  # the config parses in the default run (print_config, check); the fit of cpu.yaml runs there too
 def test_cli_fit_hf_yaml_with_registered_strategy_name():
     out = _run(
         "fit", "--config", str(CONFIGS / "cpu_hf_qwen3.yaml"), "--trainer.strategy=moe_overlap",
@@ -119,7 +120,8 @@ def test_cli_check_invalid_config_lists_every_problem_and_fails():
     assert "accumulate" not in out.stdout and "4 error(s)" in out.stdout
 
 
-@pytest.mark.parametrize("where", ["command line", pytest.param("config file", marks=pytest.mark.long)])
+@pytest.mark.long  # the timeline callback itself runs in tests/distributed/test_monitor.py
+@pytest.mark.parametrize("where", ["command line", "config file"])
 def test_cli_fit_trace_step_writes_the_timeline(tmp_path, where):
     trace = ["--trace_step", "1", "--trace_dir", "tl"]
     if where == "config file":

@@ -98,6 +98,7 @@ def test_a_rank_killed_by_sigkill_is_named_by_every_survivor_in_one_line(tmp_pat
     assert _wait_gone(pids, wait_s=5) == []
 
 
+@pytest.mark.long  # the same attribution as the failure inside the step, outside it
 def test_a_failure_outside_the_schedule_is_attributed_to_its_rank(tmp_path):
     job = _start("raise", 1, tmp_path, devices=2, timeout_s=120)
     pids = _pids(tmp_path, 2)
@@ -121,6 +122,7 @@ def test_a_failure_inside_the_step_is_attributed_and_the_teardown_leaves_fsdp_al
     assert _wait_gone(pids, wait_s=5) == []
 
 
+@pytest.mark.long  # the path of an error of its own on every rank, one message
 def test_the_same_error_on_every_rank_inside_the_step_is_shown_once(tmp_path):
     """Every rank raises the same ``ValueError`` in ``training_step``: rank 0's traceback, one line from rank 1 (not
     a second traceback, nor a ``PeerFailure`` chained to rank 0's own error)."""

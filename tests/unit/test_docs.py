@@ -1,5 +1,6 @@
-"""Every ```python block of the README and docs/ runs (unless marked `<!-- fragment ... -->` just before it),
-and the README's first command, the main job, runs as pasted (after its install step)."""
+"""Every ```python block of the README and docs/ runs (unless marked `<!-- fragment ... -->` just before it; one
+marked `<!-- long ... -->` runs with the `long` tests), and the README's first command, the main job, runs as pasted
+(after its install step)."""
 
 from __future__ import annotations
 
@@ -13,24 +14,29 @@ ROOT = Path(__file__).resolve().parents[2]
 DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 
 
-def _python_blocks(path: Path) -> list[tuple[int, str]]:
+def _python_blocks(path: Path) -> list[tuple[int, str, bool]]:
+    """``(line, code, long)`` of each runnable block."""
     blocks, lines = [], path.read_text().splitlines()
     i = 0
     while i < len(lines):
         if lines[i].strip() == "```python":
-            fragment = i > 0 and lines[i - 1].startswith("<!-- fragment")
+            before = lines[i - 1] if i > 0 else ""
             end = next(j for j in range(i + 1, len(lines)) if lines[j].strip() == "```")
-            if not fragment:
-                blocks.append((i + 1, "\n".join(lines[i + 1 : end])))
+            if not before.startswith("<!-- fragment"):
+                blocks.append((i + 1, "\n".join(lines[i + 1 : end]), before.startswith("<!-- long")))
             i = end
         i += 1
     return blocks
 
 
-RUNNABLE = [(p, line, code) for p in DOCS for line, code in _python_blocks(p)]
+RUNNABLE = [
+    pytest.param(p, line, code, id=f"{p.name}:{line}", marks=[pytest.mark.long] if long else [])
+    for p in DOCS
+    for line, code, long in _python_blocks(p)
+]
 
 
-@pytest.mark.parametrize("path,line,code", RUNNABLE, ids=[f"{p.name}:{line}" for p, line, _ in RUNNABLE])
+@pytest.mark.parametrize("path,line,code", RUNNABLE)
 def test_docs_python_block_runs(path, line, code, tmp_path):
     script = tmp_path / "block.py"  # a file, so Lightning can re-run it for the other ranks
     script.write_text(f"import torch\ntorch.set_num_threads(1)\n{code}\n")
