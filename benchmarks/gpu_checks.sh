@@ -31,4 +31,9 @@ bench=(python3 benchmarks/overlap.py --device cuda --simulate-ep 2 --top-k 8 --e
        --layers 4 --hidden 1024 --ffn 512 --dense-ffn 1024 --tokens 2048 --microbatches 4 --steps 5 --warmup 2)
 step sim_ep_nondeterministic 80 "${bench[@]}" --nondeterministic --trace "$out/sim_ep_trace.json"
 step sim_ep_deterministic 80 "${bench[@]}"
+# 4. The same shape in bf16 (the grouped GEMM path), plain and static dispatch (host syncs per step: 0 expected with
+#    --static), and the ATen ops and host reads per MoE layer of each dispatch path (the launches' proxy).
+step sim_ep_bf16 80 "${bench[@]}" --dtype bfloat16
+step sim_ep_bf16_static 80 "${bench[@]}" --dtype bfloat16 --static
+step moe_ops 60 python3 benchmarks/moe_ops.py --dtype bfloat16 --repeats 5
 cat "$summary"

@@ -68,6 +68,7 @@ MODES: dict[str, tuple[bool, bool]] = {  # name -> (overlap, delay_wgrad)
     "overlap+wgrad": (True, True),
 }
 MONITOR_MODE = "overlap+monitor"
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 PLAIN_MODES = {"sequential/plain": (False, False), "overlap/plain": (True, False)}  # dedup=False
 ALL_MODES = {**MODES, MONITOR_MODE: (True, False), **PLAIN_MODES}
 
@@ -116,6 +117,9 @@ class Config:
             overlapped, in one run (``pipelined.COMPARED``); ``vpp`` and ``pipeline_schedule`` are ignored.
         a2a_delay_ms: with ``pp > 1``: every EP all-to-all lasts at least this long (a wait returns no earlier than
             this after the issue), so the communication is large enough to see on CPU.
+        dtype: ``"float32"`` or ``"bfloat16"``: the parameters and activations (bf16 takes ``torch._grouped_mm`` on
+            CUDA, where float32 takes the per-expert loop).
+        static: the all-to-all dispatcher's static layout (``alltoall_static``: no host read per layer).
     """
 
     ranks: int = 2
@@ -147,6 +151,8 @@ class Config:
     deterministic: bool = True
     compare_schedules: bool = False
     a2a_delay_ms: float = 0.0
+    dtype: str = "float32"
+    static: bool = False
 
     @property
     def ep_size(self) -> int:
@@ -273,8 +279,10 @@ def build_trainer(cfg: Config, mode: str, groups: ParallelGroups, device: torch.
     overlap, delay_wgrad = ALL_MODES[mode]
     communicator = loopback(cfg.simulate_ep_ms, device) if cfg.simulate_ep_ms > 0 else None
     runtime = CommRuntime(delay_wgrad=delay_wgrad, communicator=communicator)
-    net = Net(cfg).to(device)
-    knobs = {"dedup": cfg.dedup and mode not in PLAIN_MODES} if cfg.dispatcher == "alltoall" else {}
+    net = Net(cfg).to(device=device, dtype=DTYPES[cfg.dtype])
+    knobs = {}
+    if cfg.dispatcher == "alltoall":
+        knobs = {"dedup": cfg.dedup and mode not in PLAIN_MODES, "static": cfg.static}
     experts = apply_expert_parallel(net, groups.ep, dispatcher=cfg.dispatcher, runtime=runtime, **knobs)
     traffic, timer = CommTraffic(), CommTimer()
     runtime.attach(traffic)
@@ -309,7 +317,9 @@ def make_batch(cfg: Config, rank: int, device: torch.device) -> tuple[Tensor, Te
     """Inputs and targets ``[microbatches, tokens, hidden]``, different on every rank."""
     g = torch.Generator().manual_seed(1000 + rank)
     shape = (cfg.microbatches, cfg.tokens, cfg.hidden)
-    return torch.randn(shape, generator=g).to(device), torch.randn(shape, generator=g).to(device)
+    dtype = DTYPES[cfg.dtype]
+    return (torch.randn(shape, generator=g).to(device=device, dtype=dtype),
+            torch.randn(shape, generator=g).to(device=device, dtype=dtype))  # fmt: skip
 
 
 def train_step(t: Trainer, cfg: Config, groups: ParallelGroups, batch: tuple[Tensor, Tensor]) -> dict[str, float]:
@@ -558,7 +568,8 @@ def print_summary(summary: dict[str, Any]) -> None:
         f"ranks={cfg['ranks']} ep={cfg['ep'] or cfg['ranks']} layers={cfg['layers']} hidden={cfg['hidden']} "
         f"ffn={cfg['ffn']} dense_ffn={cfg['dense_ffn']} experts={cfg['experts']} top_k={cfg['top_k']} "
         f"tokens={cfg['tokens']} microbatches={cfg['microbatches']} dispatcher={cfg['dispatcher']} "
-        f"device={cfg['device']} torch={summary['torch']}; medians of {cfg['steps']} steps after {cfg['warmup']}"
+        f"static={cfg['static']} dtype={cfg['dtype']} device={cfg['device']} torch={summary['torch']}; "
+        f"medians of {cfg['steps']} steps after {cfg['warmup']}"
     )
     print(
         f"sequential step = compute {1e3 * summary['compute_s']:.1f} ms + EP communication "
@@ -637,6 +648,10 @@ def parse_args(argv: list[str] | None = None) -> tuple[Config, bool]:
     parser.add_argument(
         "--compare-dedup", action="store_true",
         help="run the main modes with --dedup and also measure sequential/plain and overlap/plain (without it)",
+    )
+    parser.add_argument("--dtype", default=defaults.dtype, choices=tuple(DTYPES), help="parameters and activations")
+    parser.add_argument(
+        "--static", action="store_true", help="alltoall: the static layout (fixed slots, no host read per layer)"
     )
     parser.add_argument("--shared-ffn", type=int, default=0, help="ffn size of a shared expert per MoE layer (0: none)")
     parser.add_argument(

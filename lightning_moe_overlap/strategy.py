@@ -136,6 +136,10 @@ class MoEOverlapStrategy(ParallelStrategy):
             per (token, expert) (docs/dispatchers.md, "Deduplicated dispatch"): fewer bytes (-17% at 4 experts
             top-2 over 2 ranks, more at larger top-k) for some extra permutation work. Off by default: on CPU it
             measured slower; turn it on where the all-to-all is bandwidth-bound (across nodes).
+        alltoall_static: With ``dispatcher="alltoall"``, send fixed slots per (rank, expert) whose counts stay on
+            the device, so no layer reads sizes back to the host (docs/dispatchers.md, "Static dispatch"). The slots
+            hold ``capacity_factor``'s capacity (every token when dropless: ``num_experts / top_k`` times the rows on
+            the wire); every ep rank must hold as many tokens per micro-batch.
         process_group_backend: ``"gloo"`` or ``"nccl"``; None picks the default for the device. On NCCL the
             strategy sets ``TORCH_NCCL_ASYNC_ERROR_HANDLING=3`` unless it is set (docs/overlap.md, "Errors on NCCL").
         timeout: Seconds (or a ``timedelta``) a collective may wait before the run fails; None is Lightning's
@@ -217,6 +221,7 @@ class MoEOverlapStrategy(ParallelStrategy):
         shared_expert_overlap: bool = False,
         deepep_num_sms: int = 20,
         alltoall_dedup: bool = False,
+        alltoall_static: bool = False,
         process_group_backend: str | None = None,
         timeout: float | timedelta | None = None,
         start_method: StartMethod = "popen",
@@ -261,6 +266,7 @@ class MoEOverlapStrategy(ParallelStrategy):
             shared_expert_overlap=shared_expert_overlap,
             deepep_num_sms=deepep_num_sms,
             alltoall_dedup=alltoall_dedup,
+            alltoall_static=alltoall_static,
             process_group_backend=process_group_backend,
             start_method=start_method,
             expert_backend=expert_backend,

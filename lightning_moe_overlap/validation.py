@@ -161,6 +161,39 @@ def rule_dedup_without_alltoall(cfg: OverlapConfig) -> list[Problem]:
     )
 
 
+def rule_alltoall_static(cfg: OverlapConfig) -> list[Problem]:
+    """The static all-to-all layout (docs/dispatchers.md, "Static dispatch"): alltoall only, one row per (token,
+    expert), experts on torch's grouped GEMM in high precision."""
+    if not isinstance(cfg.alltoall_static, bool):
+        return _when(
+            True,
+            "alltoall-static",
+            f"`alltoall_static={cfg.alltoall_static!r}` is a {type(cfg.alltoall_static).__name__}; it switches the "
+            "alltoall dispatcher's static layout (no host read per layer) on or off. Pass True or False (default).",
+            error=TypeError,
+        )
+    if not cfg.alltoall_static:
+        return []
+    clashes = [
+        (cfg.dispatcher != "alltoall", f"dispatcher={cfg.dispatcher!r}", "dispatcher='alltoall'"),
+        (cfg.alltoall_dedup, "alltoall_dedup=True (a row per token and rank, sized on the host)",
+         "alltoall_dedup=False"),
+        (cfg.expert_backend != "torch", f"expert_backend={cfg.expert_backend!r} (its GEMMs take host splits)",
+         "expert_backend='torch'"),
+        (cfg.fp8 is not None, f"fp8={cfg.fp8!r} (FP8 rows are scaled in host-sized blocks)", "fp8=None"),
+    ]  # fmt: skip
+    return [
+        Problem(
+            "alltoall-static",
+            f"`alltoall_static=True` with {what}: the static layout sends fixed slots of high-precision rows through "
+            f"the alltoall dispatcher to torch's grouped GEMM, which reads its counts on the device. Use {fix}, or "
+            "alltoall_static=False.",
+        )
+        for clash, what, fix in clashes
+        if clash
+    ]
+
+
 def rule_shared_expert_overlap(cfg: OverlapConfig) -> list[Problem]:
     """Megatron-Bridge pitfall: shared-expert overlap and dispatch overlap both claim the dispatch window."""
     return _when(
@@ -344,6 +377,7 @@ CONFIG_RULES: tuple[Callable[[OverlapConfig], list[Problem]], ...] = (
     rule_capacity,
     rule_flex_backend_without_flex,
     rule_dedup_without_alltoall,
+    rule_alltoall_static,
     rule_shared_expert_overlap,
     rule_pipeline,
     rule_overlap_needs_microbatches,

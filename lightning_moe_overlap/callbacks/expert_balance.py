@@ -151,6 +151,7 @@ def balance_errors(config: OverlapConfig, replicas: int) -> list[Exception]:
         (config.expert_backend != "torch", f"expert_backend={config.expert_backend!r}"),
         (config.fp8 is not None, f"fp8={config.fp8!r}"),
         (config.dispatcher == "flex", "dispatcher='flex' (DeepEP's configured sizes)"),
+        (config.alltoall_static, "alltoall_static=True (slots sized for E experts)"),
     ]
     found = [what for broken, what in unsupported if broken]
     if found:

@@ -72,6 +72,7 @@ class OverlapConfig:
     shared_expert_overlap: bool = False
     deepep_num_sms: int = 20
     alltoall_dedup: bool = False
+    alltoall_static: bool = False
     process_group_backend: str | None = None
     start_method: str = "popen"
     expert_backend: str = "torch"

@@ -124,6 +124,12 @@ class ExpertParallelExperts(nn.Module):
             )
         if expert_backend == "te":
             check_te_layout(layout, owner="`ExpertParallelExperts`")
+            if getattr(dispatcher, "static", False):
+                raise NotImplementedError(
+                    "`ExpertParallelExperts`: expert_backend='te' with a static all-to-all dispatch; Transformer "
+                    "Engine's GroupedLinear takes its row splits on the host, which the static layout never reads. "
+                    "Use expert_backend='torch' (its grouped GEMM reads the counts on the device) or static=False."
+                )
         check_impl(impl, owner="`ExpertParallelExperts`")
         check_activation(layout.act_fn, layout.gate_fn, owner="`ExpertParallelExperts`")
         missing = [name for name in layout.parameter_names if not isinstance(getattr(source, name, None), Tensor)]
@@ -228,6 +234,12 @@ class ExpertParallelExperts(nn.Module):
                 f"`ExpertParallelExperts.set_placement`: the placement has {placement.num_experts} experts over "
                 f"ep={placement.ep}, but this module holds {self.num_experts} over ep={self.dispatcher.ep_size}; "
                 "build the placement for this module (`ExpertPlacement.identity(E, ep)` and what it leads to)."
+            )
+        if placement.replicas and getattr(self.dispatcher, "static", False):
+            raise NotImplementedError(
+                "`ExpertParallelExperts.set_placement`: replicas of experts route through a dispatcher for E + R "
+                "slots, which the static all-to-all layout does not size yet; this module's dispatcher has "
+                "static=True. Re-place without replicas, or use alltoall_static=False."
             )
         if placement.replicas and (self.te_experts is not None or self.kernel is not None):
             raise NotImplementedError(
@@ -431,6 +443,8 @@ def apply_expert_parallel(
     for name, item in found.items():
         layout = layouts[name]
         token_dispatcher = build_dispatcher(dispatcher, ep_group, item.num_experts, runtime, **knobs)
+        if getattr(token_dispatcher, "static", False):  # its slots hold what the layer keeps
+            token_dispatcher.slot_capacity_factor = _drop_factor(item, experts_capacity[name])
         ep_module = ExpertParallelExperts(
             item.module,
             layout,
@@ -451,6 +465,14 @@ def apply_expert_parallel(
             overlap_shared_experts(item.parent, runtime)
         wrapped.append(ep_module)
     return wrapped
+
+
+def _drop_factor(item: FoundExperts, experts_capacity: float | None) -> float | None:
+    """The capacity factor a layer drops with: its experts' (applied here), or its ``MoELayer``'s own."""
+    layer = item.parent
+    if experts_capacity is None and isinstance(layer, MoELayer):
+        return layer.capacity_factor
+    return experts_capacity
 
 
 def _experts_capacity(item: FoundExperts, capacity_factor: float | None, token_drop_policy: str) -> float | None:

@@ -93,15 +93,20 @@ class RowSplits:
     expert, experts repeating (the all-to-all's receive layout, source rank by source rank). Only the loop kernels
     run them, one matmul per segment on a view of its expert's weight, so no permutation of the rows is needed; the
     weight gradient of an expert sums its segments' products.
+
+    Padded: :meth:`padded` describes sorted rows followed by a tail of padding rows that belong to no expert (the
+    static dispatch's empty slots, ``dispatch/static_slots.py``); the kernels never read the tail and leave its
+    output rows unwritten.
     """
 
-    __slots__ = ("num_experts", "_sizes", "_counts", "_offsets", "_segments")
+    __slots__ = ("_counts", "_offsets", "_segments", "_sizes", "num_experts", "padded_tail")
 
     def __init__(self, tokens_per_expert: Sequence[int] | Tensor) -> None:
         self._sizes: tuple[int, ...] | None = None
         self._counts: Tensor | None = None
         self._offsets: Tensor | None = None
         self._segments: tuple[tuple[int, int], ...] | None = None  # (expert, rows) in row order; None: sorted
+        self.padded_tail = False  # rows beyond the counts' sum are padding (`padded`)
         if isinstance(tokens_per_expert, Tensor):
             self._counts = tokens_per_expert.reshape(-1)
             self.num_experts = self._counts.numel()
@@ -129,6 +134,13 @@ class RowSplits:
             totals[e] += n
         splits = cls(totals)
         splits._segments = tuple((int(e), int(n)) for e, n in zip(experts, sizes) if n)
+        return splits
+
+    @classmethod
+    def padded(cls, counts_e: Tensor) -> RowSplits:
+        """Rows sorted by expert (``counts_e``, on the device), then padding rows up to the end."""
+        splits = cls(counts_e)
+        splits.padded_tail = True
         return splits
 
     @property
@@ -185,6 +197,9 @@ class RowSplits:
         """Each row's expert bias: ``[R, O]`` from ``[e, O]``."""
         if self._segments is None:
             repeats = self.counts_on(bias_eO.device)
+            if self.padded_tail:  # the tail gets a zero bias row: one more "expert", the padding
+                repeats = torch.cat([repeats, (num_rows - repeats.sum()).view(1)])
+                bias_eO = torch.cat([bias_eO, bias_eO.new_zeros(1, bias_eO.shape[-1])])
             return torch.repeat_interleave(bias_eO, repeats, dim=0, output_size=num_rows)
         experts, sizes = zip(*self._segments) if self._segments else ((), ())
         index = torch.tensor(experts, dtype=torch.int64).to(bias_eO.device, non_blocking=True)

@@ -54,7 +54,9 @@ class MoEModelHandle:
         model by default. ``ep_mesh``: the 1-D mesh of ``groups.ep``; the expert parameters become ``DTensor``s
         ``Shard(0)`` over it.
         """
-        backend_knobs = {"deepep_num_sms": config.deepep_num_sms, "dedup": config.alltoall_dedup}  # each its own
+        backend_knobs = {  # each backend takes its own
+            "deepep_num_sms": config.deepep_num_sms, "dedup": config.alltoall_dedup, "static": config.alltoall_static
+        }
         self._ep_modules, self._bias_balancers = [], []
         for module in [self.model] if modules is None else modules:
             self._ep_modules += apply_expert_parallel(

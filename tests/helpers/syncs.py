@@ -128,6 +128,11 @@ class SyncCounter:
         setattr(owner, name, value)
         self._stack.callback(lambda: setattr(owner, name, old) if had else delattr(owner, name))
 
+    def thread_counter(self) -> TorchDispatchMode:
+        """A dispatch mode counting into this counter, for another thread (dispatch modes are thread-local:
+        enter one in each of the overlap engine's contexts through its ``context_factory``)."""
+        return _AtenCounter(self)
+
     def __enter__(self) -> SyncCounter:
         for name in _METHODS:
             self._wrap_method(name)

@@ -221,7 +221,7 @@ def test_expert_split_rule() -> None:
 
 def test_dispatcher_names_have_one_spelling() -> None:
     assert tuple(DISPATCHER_CLASSES) == DISPATCHERS
-    assert DISPATCHER_KNOBS["flex"] == FlexDispatcher.knobs and DISPATCHER_KNOBS["alltoall"] == ("dedup",)
+    assert DISPATCHER_KNOBS["flex"] == FlexDispatcher.knobs and DISPATCHER_KNOBS["alltoall"] == ("dedup", "static")
 
 
 @pytest.mark.parametrize("dedup", [False, True])

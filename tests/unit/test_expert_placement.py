@@ -199,6 +199,9 @@ def test_replicas_are_refused_where_they_cannot_run():
     strategy = MoEOverlapStrategy(ep=2, shard="full", delay_wgrad=True)
     with pytest.raises(NotImplementedError, match=r"does not run with shard='full' .*, delay_wgrad=True"):
         balance.setup(SimpleNamespace(strategy=strategy), None, "fit")  # type: ignore[arg-type]
+    with pytest.raises(NotImplementedError, match=r"does not run with alltoall_static=True \(slots sized for E"):
+        static = SimpleNamespace(strategy=MoEOverlapStrategy(ep=2, alltoall_static=True))
+        balance.setup(static, None, "fit")  # type: ignore[arg-type]
     both = ExpertBalance(redundant_experts=3)
     with pytest.raises(ValueError, match=r"(?s)2 problems:\n  1\. .*not a multiple of ep=2.*\n  2\. .*shard='full'"):
         both.setup(SimpleNamespace(strategy=strategy), None, "fit")  # type: ignore[arg-type]

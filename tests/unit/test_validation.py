@@ -56,6 +56,15 @@ def _raise(problems):
         ),
         ({"pp": 2, "pipeline_layout": "Et)|tL"}, ValueError, r"'\)' at position 2 has no matching '\('"),
         ({"alltoall_dedup": "yes"}, TypeError, r"`alltoall_dedup='yes'` is a str; .*Pass True or False \(default\)"),
+        ({"alltoall_static": 1}, TypeError, r"`alltoall_static=1` is a int; .*Pass True or False \(default\)"),
+        (
+            {"alltoall_static": True, "dispatcher": "allgather"},
+            ValueError,
+            r"`alltoall_static=True` with dispatcher='allgather'.*Use dispatcher='alltoall', or alltoall_static=False",
+        ),
+        ({"alltoall_static": True, "alltoall_dedup": True}, ValueError, r"with alltoall_dedup=True .*alltoall_dedup="),
+        ({"alltoall_static": True, "expert_backend": "te"}, ValueError, r"with expert_backend='te' .*'torch'"),
+        ({"alltoall_static": True, "fp8": "tensorwise"}, ValueError, r"with fp8='tensorwise' .*Use fp8=None"),
         ({"tp": 2, "sequence_parallel": False}, ValueError, r"`tp=2` with `sequence_parallel=False`: the MoE blocks"),
         ({"shard": "zero3"}, ValueError, r"`shard='zero3'` is not one of \['none', 'optimizer', 'full'\]"),
         (
@@ -92,6 +101,7 @@ def test_validation_good_configs_pass_silently(recwarn):
     _raise(check_config(OverlapConfig(overlap=False, shared_expert_overlap=True, delay_wgrad=True)))
     _raise(check_config(OverlapConfig(dispatcher="allgather", num_microbatches=2)))
     _raise(check_config(OverlapConfig(alltoall_dedup=True, num_microbatches=2)))
+    _raise(check_config(OverlapConfig(alltoall_static=True, capacity_factor=1.25, num_microbatches=2)))
     _raise(check_config(OverlapConfig(pp=2, vpp=2, num_microbatches=4)))
     _raise(check_config(OverlapConfig(pp=2, num_microbatches=4, pipeline_layout="Et|t|t|tL")))  # vpp from the layout
     _raise(check_config(OverlapConfig(pp=2, pipeline_schedule="dualpipev", vpp=2, num_microbatches=4)))

@@ -20,8 +20,9 @@ never cross the wire: they are applied on the source rank when the outputs are s
 Host syncs: one per dispatch and none in the backward: the send and receive counts that ``all_to_all_single``
 needs as Python split sizes, read after the count exchange's hand-over and wait (:func:`host_ints`, marked
 ``NOTE: D2H sync``; ``docs/overlap.md``, "Host reads and hand-overs"). Everything else (counting, regrouping, the
-combine) stays on the device. The count exchange is a metadata comm point: queued side work (shared experts) waits
-for the token dispatch's, whose transfer can hide it.
+combine) stays on the device. With ``static=True`` none at all: fixed slots per (rank, expert), the same number of
+rows to and from every rank, counts on the device (``static_slots.py``). The count exchange is a metadata comm
+point: queued side work (shared experts) waits for the token dispatch's, whose transfer can hide it.
 
 Shape legend:
     T: tokens on this rank   K: top-k   D: hidden size   E: global experts   e: local experts   G: ep ranks
@@ -56,6 +57,16 @@ from lightning_moe_overlap.moe.dispatch.dedup import (
 )
 from lightning_moe_overlap.moe.dispatch.float8 import float8_all_to_all
 from lightning_moe_overlap.moe.dispatch.host import host_ints
+from lightning_moe_overlap.moe.dispatch.static_slots import (
+    SlotGrid,
+    SlotPlan,
+    SlotUsage,
+    expert_major,
+    fill_slots,
+    plan_slots,
+    read_slots,
+    slot_capacity,
+)
 from lightning_moe_overlap.moe.grouped import RowSplits
 from lightning_moe_overlap.overlap.runtime import CommRuntime
 from lightning_moe_overlap.moe.permute import (
@@ -93,6 +104,27 @@ class AllToAllHandle:
 
 
 @dataclass(frozen=True)
+class StaticHandle:
+    """Per-call state of a static dispatch (``static=True``, ``static_slots.py``).
+
+    Attributes:
+        plan: where this rank's assignments went (their slots, which were sent).
+        weights_TK: the routing weights, applied at combine on this (source) rank.
+        num_tokens: ``T``.
+        out_dtype: dtype of the combined output.
+        rows_per_rank: slots exchanged with each ep rank (``e * C``, the same both ways).
+        perm_R: received slots -> the experts' rows (``static_slots.expert_major``).
+    """
+
+    plan: SlotPlan
+    weights_TK: Tensor
+    num_tokens: int
+    out_dtype: torch.dtype
+    rows_per_rank: int
+    perm_R: Tensor
+
+
+@dataclass(frozen=True)
 class DedupHandle:
     """Per-call state of a deduplicated dispatch (``dedup=True``).
 
@@ -126,31 +158,52 @@ class AllToAllDispatcher(DispatcherBase):
         dedup: send a token once per destination rank, not once per (token, expert) (see ``dedup.py``). Applies
             with top-k > 1 and rows leaving the process (ep > 1, or a simulated-ep loopback); otherwise the plain
             path runs, with bitwise the same result.
+        static: fixed-size slots per (rank, expert) and device-side counts: no host read per call
+            (``static_slots.py``). Slots hold :attr:`slot_capacity_factor`'s capacity (the layer's capacity
+            factor, which ``apply_expert_parallel`` sets), or every token when it is ``None``.
     """
 
     name = "alltoall"
-    knobs = ("dedup",)
+    knobs = ("dedup", "static")
     backward_handoffs = 1  # the token-count exchange
     fp8_dispatch = True  # `dispatch(..., fp8=recipe)` sends the rows in FP8 (deduplicated or not)
 
     def __init__(
-        self, ep_group: ProcessGroup | None, num_experts: int, runtime: CommRuntime | None, dedup: bool = False
+        self,
+        ep_group: ProcessGroup | None,
+        num_experts: int,
+        runtime: CommRuntime | None,
+        dedup: bool = False,
+        static: bool = False,
     ) -> None:
         super().__init__(ep_group, num_experts, runtime)
-        if not isinstance(dedup, bool):
-            raise TypeError(
-                f"`AllToAllDispatcher`: dedup={dedup!r} is a {type(dedup).__name__}, not a bool; it switches the "
-                "deduplicated dispatch on or off. Pass dedup=True or dedup=False (default)."
+        for knob, value, what in (("dedup", dedup, "deduplicated"), ("static", static, "static")):
+            if not isinstance(value, bool):
+                raise TypeError(
+                    f"`AllToAllDispatcher`: {knob}={value!r} is a {type(value).__name__}, not a bool; it switches the "
+                    f"{what} dispatch on or off. Pass {knob}=True or {knob}=False (default)."
+                )
+        if dedup and static:
+            raise ValueError(
+                "`AllToAllDispatcher`: dedup=True and static=True; the static layout sends one row per (token, "
+                "expert) in fixed slots, the deduplicated one a row per (token, rank) in sizes read on the host. "
+                "Pick one of them."
             )
         self.dedup = dedup
+        self.static = static
+        # The capacity factor the static slots hold (the one the layer drops with); None: every token.
+        self.slot_capacity_factor: float | None = None
+        self._usage: Tensor | None = None  # [rows, dropped] of the static dispatches counted, on the device
+        self._calls, self._slots = 0, 0  # ... and their number and slots, known on the host
+        self._grids: dict[tuple[int, torch.device], SlotGrid] = {}  # per slot capacity (and device)
 
     def __repr__(self) -> str:
-        return super().__repr__()[:-1] + f", dedup={self.dedup})"
+        return super().__repr__()[:-1] + f", dedup={self.dedup}, static={self.static})"
 
     # -- dispatch ----------------------------------------------------------------------------------------------
     def dispatch(
         self, x_TD: Tensor, indices_TK: Tensor, weights_TK: Tensor, fp8: Float8Recipe | None = None
-    ) -> tuple[Tensor, RowSplits, AllToAllHandle | DedupHandle]:
+    ) -> tuple[Tensor, RowSplits, AllToAllHandle | DedupHandle | StaticHandle]:
         """Send rows to their experts' ranks; returns ``(x_RD, splits, handle)``.
 
         ``splits``: the rows of each local expert, sorted by local expert or, on CPU with more than one rank, in the
@@ -158,6 +211,14 @@ class AllToAllDispatcher(DispatcherBase):
         recipe's experts (``x_RD`` is then a :class:`~lightning_moe_overlap.float8.rows.Float8Rows`, ``float8.py``), on
         the deduplicated path too (each unique row quantised once, ``dedup.py``).
         """
+        if self.static:
+            if fp8 is not None:
+                raise NotImplementedError(
+                    "`AllToAllDispatcher(static=True)`: the rows cannot travel in FP8 in the static layout; the FP8 "
+                    "dispatch sizes its scales on the host. Dispatch in high precision (fp8_dispatch=False) or use "
+                    "static=False."
+                )
+            return self._dispatch_static(x_TD, indices_TK, weights_TK)
         if self.dedup and self._worth_deduplicating(indices_TK.shape[-1]):
             return self._dispatch_dedup(x_TD, indices_TK, weights_TK, fp8)
         order_TK, counts_E = self._dispatch_preprocess(indices_TK)
@@ -187,6 +248,63 @@ class AllToAllDispatcher(DispatcherBase):
             perm_R=perm_R,
         )
         return x_RD, splits, handle
+
+    def _dispatch_static(
+        self, x_TD: Tensor, indices_TK: Tensor, weights_TK: Tensor
+    ) -> tuple[Tensor, RowSplits, StaticHandle]:
+        """The static dispatch (``static_slots.py``): the same comm points as the plain one, no host read."""
+        num_tokens, top_k = indices_TK.shape
+        local, ranks = self.num_local_experts, self.ep_size
+        capacity = slot_capacity(num_tokens, top_k, self.num_experts, self.slot_capacity_factor)
+        # Preprocess (no comm): every assignment's slot.
+        plan = plan_slots(indices_TK, self.num_experts, capacity)
+        meta_GE1 = torch.cat([plan.sent_E.view(ranks, local), plan.sent_E.new_full((ranks, 1), num_tokens)], dim=1)
+        # Comm point: the rows each rank will find in its slots, and every rank's token count.
+        recv_GE1 = exchange_counts(meta_GE1, self.ep_group, self.runtime)
+        if ranks > 1:
+            torch._assert_async(
+                (recv_GE1[:, local] == num_tokens).all(),
+                f"`AllToAllDispatcher(static=True)`: this rank holds {num_tokens} tokens in this micro-batch and "
+                "another ep rank a different number; the static layout sizes its slots from the token count, so "
+                "every ep rank must hold as many (fixed-length micro-batches, e.g. padded sequences). Pad the "
+                "micro-batches to one length, or use static=False.",
+            )
+        recv_GE = recv_GE1[:, :local]
+        # Comm point: the slots, the same number to and from every rank (no sizes read on the host).
+        rows_per_rank = local * capacity
+        splits_G = [rows_per_rank] * ranks
+        x_MD = all_to_all(fill_slots(x_TD, plan, top_k, self.num_experts * capacity), splits_G, splits_G,
+                          self.ep_group, self.runtime)  # fmt: skip
+        # Postprocess (no comm): the rows that hold a token by local expert, then the empty slots.
+        perm_R = expert_major(recv_GE, self._grid(capacity, x_TD.device))
+        self._count_usage(plan, capacity)
+        handle = StaticHandle(plan, weights_TK, num_tokens, x_TD.dtype, rows_per_rank, perm_R)
+        return permute_rows(x_MD, perm_R), RowSplits.padded(recv_GE.sum(0)), handle
+
+    def _grid(self, capacity: int, device: torch.device) -> SlotGrid:
+        """The fixed index tensors of the receive layout at ``capacity`` (a few capacities: micro-batch lengths)."""
+        key = (capacity, device)
+        if key not in self._grids:
+            if len(self._grids) >= 8:  # lengths keep changing: keep the newest few
+                self._grids.pop(next(iter(self._grids)))
+            self._grids[key] = SlotGrid.build(self.ep_size, self.num_local_experts, capacity, device)
+        return self._grids[key]
+
+    def _count_usage(self, plan: SlotPlan, capacity: int) -> None:
+        """Add this call's rows, slots and drops to the running usage (device adds, no host read)."""
+        call = torch.stack([plan.sent_E, plan.over_E]).sum(1)
+        self._usage = call if self._usage is None else self._usage + call
+        self._calls += 1
+        self._slots += self.num_experts * capacity
+
+    def static_usage(self, reset: bool = True) -> SlotUsage:
+        """The static dispatches' rows, slots and drops since the last reset (one host read: call it at a logging
+        step, not per micro-batch)."""
+        rows, dropped = (0, 0) if self._usage is None else self._usage.tolist()  # NOTE: D2H sync (on request)
+        usage = SlotUsage(self._calls, int(rows), self._slots, int(dropped))
+        if reset:
+            self._usage, self._calls, self._slots = None, 0, 0
+        return usage
 
     def _expert_splits(self, recv_SE: list[list[int]]) -> RowSplits:
         """The rows of each local expert, sorted by local expert."""
@@ -312,8 +430,10 @@ class AllToAllDispatcher(DispatcherBase):
         return permute_rows(x_MD, perm_R), perm_R
 
     # -- combine -----------------------------------------------------------------------------------------------
-    def combine(self, y_RD: Tensor, handle: AllToAllHandle | DedupHandle) -> Tensor:
+    def combine(self, y_RD: Tensor, handle: AllToAllHandle | DedupHandle | StaticHandle) -> Tensor:
         """Send expert outputs back and sum them per token with the routing weights: ``out_TD``."""
+        if isinstance(handle, StaticHandle):
+            return self._combine_static(y_RD, handle)
         if isinstance(handle, DedupHandle):
             return self._combine_dedup(y_RD, handle)
         y_MD = self._combine_preprocess(y_RD, handle)
@@ -333,6 +453,15 @@ class AllToAllDispatcher(DispatcherBase):
     def _combine_postprocess(self, y_AD: Tensor, handle: AllToAllHandle) -> Tensor:
         """No comm: weight each row by its routing weight and sum it into its token (the unpermute)."""
         return scatter_weighted(y_AD, handle.assign_A, handle.weights_TK, handle.num_tokens, handle.out_dtype)
+
+    def _combine_static(self, y_RD: Tensor, handle: StaticHandle) -> Tensor:
+        """Static combine: back to the slots, the equal-split all-to-all back, each assignment's row read from its
+        slot, weighted and summed into its token (the plain combine's order)."""
+        y_MD = permute_rows(y_RD, inverse_permutation(handle.perm_R), handle.perm_R)
+        splits_G = [handle.rows_per_rank] * self.ep_size
+        y_SD = all_to_all(y_MD, splits_G, splits_G, self.ep_group, self.runtime)
+        y_AD = read_slots(y_SD, handle.plan)
+        return scatter_weighted(y_AD, handle.plan.order_A, handle.weights_TK, handle.num_tokens, handle.out_dtype)
 
     def _combine_dedup(self, y_RD: Tensor, handle: DedupHandle) -> Tensor:
         """Deduplicated combine: weight and sum per received row here, send one row per (token, rank) back."""
