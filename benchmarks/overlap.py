@@ -52,6 +52,7 @@ from simulated_ep import count_host_syncs, export_trace, loopback, make_determin
 
 from lightning_moe_overlap.parallel.grads import sync_gradients
 from lightning_moe_overlap.moe.ep import apply_expert_parallel
+from lightning_moe_overlap.parallelize.compile_regions import compile_dense_regions
 from lightning_moe_overlap.moe.layer import MoELayer
 from lightning_moe_overlap.moe.stats import RoutingStats, summarize
 from lightning_moe_overlap.overlap.engine import OverlapEngine
@@ -70,14 +71,16 @@ MODES: dict[str, tuple[bool, bool]] = {  # name -> (overlap, delay_wgrad)
 MONITOR_MODE = "overlap+monitor"
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 PLAIN_MODES = {"sequential/plain": (False, False), "overlap/plain": (True, False)}  # dedup=False
-ALL_MODES = {**MODES, MONITOR_MODE: (True, False), **PLAIN_MODES}
+COMPILED_MODES = {"sequential/compiled": (False, False), "overlap/compiled": (True, False)}  # compile=True
+ALL_MODES = {**MODES, MONITOR_MODE: (True, False), **PLAIN_MODES, **COMPILED_MODES}
 
 
 def modes_of(cfg: Config) -> list[str]:
     """The modes a run measures."""
     if cfg.pp > 1:
         return list(pipelined.pp_modes(cfg))
-    return [*MODES, *([MONITOR_MODE] if cfg.monitor else []), *(PLAIN_MODES if cfg.compare_dedup else [])]
+    return [*MODES, *([MONITOR_MODE] if cfg.monitor else []), *(PLAIN_MODES if cfg.compare_dedup else []),
+            *(COMPILED_MODES if cfg.compare_compile else [])]  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -120,6 +123,8 @@ class Config:
         dtype: ``"float32"`` or ``"bfloat16"``: the parameters and activations (bf16 takes ``torch._grouped_mm`` on
             CUDA, where float32 takes the per-expert loop).
         static: the all-to-all dispatcher's static layout (``alltoall_static``: no host read per layer).
+        compare_compile: also measure ``sequential/compiled`` and ``overlap/compiled``: the dense regions of every
+            block through ``torch.compile`` (``compile=True``, ``parallelize/compile_regions.py``), the experts eager.
     """
 
     ranks: int = 2
@@ -153,6 +158,7 @@ class Config:
     a2a_delay_ms: float = 0.0
     dtype: str = "float32"
     static: bool = False
+    compare_compile: bool = False
 
     @property
     def ep_size(self) -> int:
@@ -284,6 +290,8 @@ def build_trainer(cfg: Config, mode: str, groups: ParallelGroups, device: torch.
     if cfg.dispatcher == "alltoall":
         knobs = {"dedup": cfg.dedup and mode not in PLAIN_MODES, "static": cfg.static}
     experts = apply_expert_parallel(net, groups.ep, dispatcher=cfg.dispatcher, runtime=runtime, **knobs)
+    if mode in COMPILED_MODES:
+        compile_dense_regions([net])
     traffic, timer = CommTraffic(), CommTimer()
     runtime.attach(traffic)
     runtime.attach(timer)
@@ -396,8 +404,10 @@ def rank_main(rank: int, cfg: Config) -> dict[str, Any]:
             record = train_step(trainer, cfg, groups, batch)
             if step >= cfg.warmup:
                 records[mode].append(record)
-    # Per dispatch path: deduplicated and plain agree bitwise only up to top-2 (docs/dispatchers.md).
-    groups_of_modes = [[t for m, t in trainers.items() if (m in PLAIN_MODES) is plain] for plain in (False, True)]
+    # Per dispatch path and per compilation: deduplicated and plain agree bitwise only up to top-2
+    # (docs/dispatchers.md); compiled regions round their fused element-wise work differently from eager.
+    groups_of_modes = [[t for m, t in trainers.items() if m in kind] for kind in (MODES, PLAIN_MODES, COMPILED_MODES)]
+    groups_of_modes[0] += [t for m, t in trainers.items() if m == MONITOR_MODE]
     equal = all(same_parameters(group) for group in groups_of_modes if group)
     probe, simulated = None, None
     if cfg.simulate_ep_ms > 0:
@@ -550,6 +560,13 @@ def summarise(results: list[dict[str, Any]], cfg: Config) -> dict[str, Any]:
             if cfg.compare_dedup and modes["sequential/plain"]["remote_bytes"]
             else None
         ),
+        "compiled": (
+            {mode: statistics.median(a / b for a, b in zip(modes[f"{mode}/compiled"]["steps_s"],
+                                                           modes[mode]["steps_s"]))
+             for mode in ("sequential", "overlap")}
+            if cfg.compare_compile
+            else None
+        ),  # fmt: skip
         "monitor_overhead": (
             statistics.median(a / b for a, b in zip(modes[MONITOR_MODE]["steps_s"], modes["overlap"]["steps_s"])) - 1
             if MONITOR_MODE in modes
@@ -581,12 +598,12 @@ def print_summary(summary: dict[str, Any]) -> None:
         print(f"simulated EP: every all-to-all {cfg['simulate_ep_ms']} ms; host syncs per overlapped step: "
               f"{sim['host_syncs_per_step']}; trace: {sim['trace']}")
     host = summary["host_waits_meaningful"]
-    print(f"{'mode':<16} {'step ms':>8} {'ratio':>6} {'exposed ms':>11} {'step-compute ms':>16} {'CPU busy':>9} "
+    print(f"{'mode':<19} {'step ms':>8} {'ratio':>6} {'exposed ms':>11} {'step-compute ms':>16} {'CPU busy':>9} "
           f"{'run-queue ms':>13} {'sent MB':>8}")
     for mode, v in summary["modes"].items():
         exposed = f"{1e3 * v['blocked_s']:11.1f}" if host else f"{'n/a':>11}"
         print(
-            f"{mode:<16} {1e3 * v['step_s']:8.1f} {v['ratio']:6.3f} {exposed} {1e3 * v['exposed_est_s']:16.1f} "
+            f"{mode:<19} {1e3 * v['step_s']:8.1f} {v['ratio']:6.3f} {exposed} {1e3 * v['exposed_est_s']:16.1f} "
             f"{v['cpu_busy']:9.2f} {1e3 * v['run_delay_s']:13.1f} {v['remote_bytes'] / 1e6:8.2f}"
         )
     dedup = summary["dedup"]
@@ -595,6 +612,10 @@ def print_summary(summary: dict[str, Any]) -> None:
             f"deduplicated / plain all-to-all (median of steps): bytes sent to other ranks {dedup['bytes']:.3f}, "
             f"step time sequential {dedup['sequential']:.3f}, overlapped {dedup['overlap']:.3f}"
         )
+    if summary["compiled"] is not None:
+        compiled = summary["compiled"]
+        print(f"compiled / eager step time (median of steps): sequential {compiled['sequential']:.3f}, "
+              f"overlapped {compiled['overlap']:.3f}")  # fmt: skip
     if summary["monitor_overhead"] is not None:
         print(f"MoEMonitor overhead (overlap+monitor / overlap - 1, median of steps): {summary['monitor_overhead']:+.2%}")
 
@@ -653,6 +674,10 @@ def parse_args(argv: list[str] | None = None) -> tuple[Config, bool]:
     parser.add_argument(
         "--static", action="store_true", help="alltoall: the static layout (fixed slots, no host read per layer)"
     )
+    parser.add_argument(
+        "--compare-compile", action="store_true",
+        help="also measure sequential/compiled and overlap/compiled (torch.compile of every block's dense parts)",
+    )
     parser.add_argument("--shared-ffn", type=int, default=0, help="ffn size of a shared expert per MoE layer (0: none)")
     parser.add_argument(
         "--compare-schedules", action="store_true",
@@ -692,7 +717,8 @@ def pipeline_problem(cfg: Config) -> str | None:
     if cfg.a2a_delay_ms < 0:
         return f"--a2a-delay-ms {cfg.a2a_delay_ms:g}: must be >= 0."
     extras = [flag for flag, on in (("--simulate-ep", cfg.simulate_ep_ms > 0), ("--monitor", cfg.monitor),
-                                    ("--compare-dedup", cfg.compare_dedup)) if on]
+                                    ("--compare-dedup", cfg.compare_dedup),
+                                    ("--compare-compile", cfg.compare_compile)) if on]
     if extras:
         return f"--pp {cfg.pp} measures overlap off and on only; drop {', '.join(extras)} or use --pp 1."
     if cfg.device != "cpu":

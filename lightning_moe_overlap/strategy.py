@@ -195,6 +195,9 @@ class MoEOverlapStrategy(ParallelStrategy):
             of every dp rank's batches (one all-reduce of the count per step; Hugging Face's
             ``average_tokens_across_devices``), not of each rank's own. Ranks with more labelled tokens then weigh
             more, as in one process training the global batch. False: each rank's own mean, averaged over dp.
+        compile: Run the dense parts of every MoE block (attention, norms, dense MLPs, Hugging Face routers and
+            shared experts) through ``torch.compile``, the experts and their dispatch eager (docs/compile.md). Both
+            overlap contexts, the recompute and offload callbacks and ``pp > 1`` compose with it.
         overlap_param_gather: Megatron's ``--overlap-param-gather``. Accepted for the flag table, with a warning: the
             parameters are gathered once per step, before the first micro-batch, so there is no later all-gather to
             prefetch under compute (docs/sharding.md).
@@ -237,6 +240,7 @@ class MoEOverlapStrategy(ParallelStrategy):
         overlap_grad_reduce: bool = False,
         overlap_param_gather: bool = False,
         token_mean_over_dp: bool = False,
+        compile: bool = False,
         accelerator: Accelerator | None = None,
         parallel_devices: list[torch.device] | None = None,
         cluster_environment: ClusterEnvironment | None = None,
@@ -276,6 +280,7 @@ class MoEOverlapStrategy(ParallelStrategy):
             sequence_parallel=sequence_parallel,
             overlap_grad_reduce=overlap_grad_reduce,
             overlap_param_gather=overlap_param_gather,
+            compile=compile,
             token_mean_over_dp=token_mean_over_dp,
             fp8=fp8,
             fsdp_mp_policy=fsdp_mp_policy,

@@ -194,6 +194,17 @@ def rule_alltoall_static(cfg: OverlapConfig) -> list[Problem]:
     ]
 
 
+def rule_compile(cfg: OverlapConfig) -> list[Problem]:
+    """``compile`` switches ``torch.compile`` of the dense regions on or off (docs/compile.md)."""
+    return _when(
+        not isinstance(cfg.compile, bool),
+        "compile",
+        f"`compile={cfg.compile!r}` is a {type(cfg.compile).__name__}; it switches torch.compile of every MoE block's "
+        "dense parts on or off. Pass True or False (default).",
+        error=TypeError,
+    )
+
+
 def rule_shared_expert_overlap(cfg: OverlapConfig) -> list[Problem]:
     """Megatron-Bridge pitfall: shared-expert overlap and dispatch overlap both claim the dispatch window."""
     return _when(
@@ -378,6 +389,7 @@ CONFIG_RULES: tuple[Callable[[OverlapConfig], list[Problem]], ...] = (
     rule_flex_backend_without_flex,
     rule_dedup_without_alltoall,
     rule_alltoall_static,
+    rule_compile,
     rule_shared_expert_overlap,
     rule_pipeline,
     rule_overlap_needs_microbatches,

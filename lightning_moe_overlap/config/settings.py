@@ -73,6 +73,7 @@ class OverlapConfig:
     deepep_num_sms: int = 20
     alltoall_dedup: bool = False
     alltoall_static: bool = False
+    compile: bool = False
     process_group_backend: str | None = None
     start_method: str = "popen"
     expert_backend: str = "torch"

@@ -40,8 +40,7 @@ def sort_by_expert(indices_TK: Tensor, num_experts: int) -> tuple[Tensor, Tensor
         host-side sizes.
     """
     flat = indices_TK.reshape(-1).long()
-    kept = (flat >= 0) & (flat < num_experts)
-    key = torch.where(kept, flat, torch.full_like(flat, num_experts))
+    key = torch.where((flat >= 0) & (flat < num_experts), flat, num_experts)
     order = torch.argsort(key, stable=True)
     return order, count_per_expert(key, num_experts + 1)[:num_experts]
 

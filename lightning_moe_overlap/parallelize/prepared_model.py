@@ -56,7 +56,8 @@ class PreparedModel:
     """The strategy's collaborators for one model, as its first ``setup`` built them.
 
     ``cp``: the module's context-parallel handle at ``cp > 1``; ``fp8``: what was put in FP8 (None without ``fp8``);
-    ``loaded``: what this rank read of the module's ``hf_weights`` (None when it declares none)."""
+    ``loaded``: what this rank read of the module's ``hf_weights`` (None when it declares none); ``compiled``: the
+    names of the modules whose forward ``compile=True`` compiled on this rank."""
 
     config: OverlapConfig
     dims: ParallelDims
@@ -71,6 +72,7 @@ class PreparedModel:
     fp8: Float8Report | None = None
     loaded: HFLoadReport | None = None
     placer: ExpertPlacer | None = None  # the experts' placements (`expert_placer.py`)
+    compiled: tuple[str, ...] = ()  # the modules whose forward runs compiled (`compile=True`, `compile_regions.py`)
 
     # -- what a step enters, and the routers' balancing-loss weight ---------------------------------------------
     def loss_scope(self) -> AbstractContextManager[None]:

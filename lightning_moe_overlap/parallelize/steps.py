@@ -41,6 +41,8 @@ arrive without memory; each rank then allocates only what it holds (``paralleliz
    parameters have their final placement and before the optimizers are built: ``parallelize/held_tensors.py`` gives
    what this rank holds and the whole model's shapes, by the unsplit model's names; each rank reads only its part, and the
    load fails before the first step unless every tensor under the prefix was written.
+9. :func:`apply_compile` (``compile=True``): the forward of every dense region of the held model or chunks through
+   ``torch.compile`` (``parallelize/compile_regions.py``), last, so that every step before sees plain modules.
 
 The groups every step uses come from the one mesh (:meth:`ParallelMesh.process_groups`).
 """
@@ -70,6 +72,7 @@ from lightning_moe_overlap.parallel.grad_reduce import BeforeReduce
 from lightning_moe_overlap.parallel.groups import ParallelGroups
 from lightning_moe_overlap.parallel.mesh import ParallelMesh
 from lightning_moe_overlap.parallel.tp_styles import apply_tensor_parallel
+from lightning_moe_overlap.parallelize.compile_regions import compile_dense_regions
 from lightning_moe_overlap.parallelize.expert_placer import ExpertPlacer
 from lightning_moe_overlap.parallelize.held_tensors import global_shapes, held_tensors
 from lightning_moe_overlap.parallelize.materialize import (
@@ -125,8 +128,20 @@ def parallelize_model(
     materialize_deferred(module, deferred, init, sharded.roots)
     loaded = apply_pretrained(module, pipeline)
     placer = ExpertPlacer(module, ep_model.expert_modules(), sharded, groups.dp_cp_tp)
+    compiled = apply_compile(module, config, pipeline)
     return PreparedModel(config, mesh.dims, groups, mesh, runtime, ep_model, pipeline, sharded, tp_grads, cp, fp8,
-                         loaded, placer)  # fmt: skip
+                         loaded, placer, compiled)  # fmt: skip
+
+
+def apply_compile(module: nn.Module, config: OverlapConfig, pipeline: PipelinedModel | None) -> tuple[str, ...]:
+    """With ``compile=True``: compile the dense regions of what this rank holds; returns their names."""
+    if not config.compile:
+        return ()
+    roots = [module] if pipeline is None else pipeline.held_chunks
+    names = tuple(compile_dense_regions(roots))
+    rank_zero_info(f"MoEOverlapStrategy(compile=True): {len(names)} dense regions compiled (torch.compile), the "
+                   "experts eager.")  # fmt: skip
+    return names
 
 
 def place_model(

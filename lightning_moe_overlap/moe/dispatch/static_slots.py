@@ -71,15 +71,14 @@ def plan_slots(indices_TK: Tensor, num_experts: int, capacity: int) -> SlotPlan:
     """Sort the assignments by expert and give each its slot: the ``p``-th row of expert ``x`` (token order) goes
     to slot ``x * capacity + p``; rows with ``p >= capacity`` and dropped choices (outside ``[0, E)``) to none."""
     flat = indices_TK.reshape(-1).long()
-    routed = (flat >= 0) & (flat < num_experts)
-    key_A = torch.where(routed, flat, torch.full_like(flat, num_experts))
+    key_A = torch.where((flat >= 0) & (flat < num_experts), flat, num_experts)
     order_A = torch.argsort(key_A, stable=True)
     counts = count_per_expert(key_A, num_experts + 1)  # the last bin: dropped choices
     starts = torch.cumsum(counts, 0) - counts
     sorted_key = key_A.index_select(0, order_A)
     pos_A = torch.arange(flat.numel(), device=flat.device) - starts.index_select(0, sorted_key)
     kept_A = (sorted_key < num_experts) & (pos_A < capacity)
-    slot_A = torch.where(kept_A, sorted_key * capacity + pos_A, torch.full_like(pos_A, num_experts * capacity))
+    slot_A = torch.where(kept_A, sorted_key * capacity + pos_A, num_experts * capacity)
     routed_E = counts[:num_experts]
     sent_E = routed_E.clamp(max=capacity)
     return SlotPlan(order_A, slot_A, kept_A, sent_E, routed_E - sent_E)
@@ -90,7 +89,7 @@ def fill_slots(x_TD: Tensor, plan: SlotPlan, top_k: int, num_slots: int) -> Tens
     the backward reads each row's gradient back from its slot)."""
     x_AD = gather_rows(x_TD, plan.order_A, top_k)
     buffer = x_AD.new_zeros(num_slots + 1, x_AD.shape[-1])  # one past the end takes what is not sent
-    return buffer.index_copy(0, plan.slot_A, x_AD)[:num_slots]
+    return buffer.index_copy_(0, plan.slot_A, x_AD)[:num_slots]  # in place: a fresh buffer, no second copy
 
 
 def read_slots(y_SD: Tensor, plan: SlotPlan) -> Tensor:
@@ -102,7 +101,7 @@ def read_slots(y_SD: Tensor, plan: SlotPlan) -> Tensor:
         if y_SD.shape[0]
         else y_SD.new_zeros(plan.slot_A.shape[0], y_SD.shape[-1])
     )
-    return torch.where(plan.kept_A.unsqueeze(-1), rows, torch.zeros((), dtype=rows.dtype, device=rows.device))
+    return torch.where(plan.kept_A.unsqueeze(-1), rows, 0.0)
 
 
 @dataclass(frozen=True)
