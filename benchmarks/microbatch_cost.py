@@ -4,7 +4,8 @@ One process, the model of ``overlap.py`` (its defaults), expert parallelism of o
 compute and the host work around it). Both runs do the same FLOPs; the difference is the cost of cutting the batch.
 ``torch.profiler`` splits each run's time into the GEMMs (``mm``, ``addmm``, ``bmm``, ``_grouped_mm``: their
 efficiency falls with fewer rows per expert), the other ATen ops (their count grows with ``M``), and the rest of
-the wall time (Python, autograd's bookkeeping). Runs alternate ``--repeats`` times; medians.
+the profiled run's wall time (Python, autograd's bookkeeping, the profiler's own cost). ``--repeats`` rounds of an
+unprofiled and a profiled run each; medians.
 
 Usage: ``python benchmarks/microbatch_cost.py [--microbatches 12] [--tokens 128] [--hidden 1024] [--repeats 5]``.
 """
@@ -28,21 +29,26 @@ GEMMS = {"aten::mm", "aten::addmm", "aten::bmm", "aten::_grouped_mm", "aten::bad
 
 
 def measure(fn: Callable[[], None], repeats: int) -> dict[str, float]:
-    """Median wall ms, and from one profiled run: GEMM ms, other ATen ms and the number of ATen ops."""
+    """Medians over ``repeats`` rounds of an unprofiled run (wall ms) and a profiled one: GEMM ms, other ATen ms,
+    the rest of the profiled run's wall time (Python, autograd, the profiler's own cost), and its ATen ops."""
     fn()
-    walls = []
+    rounds: dict[str, list[float]] = {"wall_ms": [], "gemm_ms": [], "other_ops_ms": [], "rest_ms": [], "ops": []}
     for _ in range(repeats):
         start = time.perf_counter()
         fn()
-        walls.append(time.perf_counter() - start)
-    with profile(activities=[ProfilerActivity.CPU]) as prof:
-        fn()
-    events = [e for e in prof.key_averages() if e.key.startswith("aten::")]
-    gemm = sum(e.self_cpu_time_total for e in events if e.key in GEMMS) / 1e3
-    other = sum(e.self_cpu_time_total for e in events if e.key not in GEMMS) / 1e3
-    ops = sum(e.count for e in events)
-    wall = 1e3 * statistics.median(walls)
-    return {"wall_ms": wall, "gemm_ms": gemm, "other_ops_ms": other, "rest_ms": wall - gemm - other, "ops": ops}
+        rounds["wall_ms"].append(1e3 * (time.perf_counter() - start))
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            start = time.perf_counter()
+            fn()
+            profiled = 1e3 * (time.perf_counter() - start)
+        events = [e for e in prof.key_averages() if e.key.startswith("aten::")]
+        gemm = sum(e.self_cpu_time_total for e in events if e.key in GEMMS) / 1e3
+        other = sum(e.self_cpu_time_total for e in events if e.key not in GEMMS) / 1e3
+        rounds["gemm_ms"].append(gemm)
+        rounds["other_ops_ms"].append(other)
+        rounds["rest_ms"].append(profiled - gemm - other)
+        rounds["ops"].append(sum(e.count for e in events))
+    return {key: statistics.median(values) for key, values in rounds.items()}
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -71,7 +77,7 @@ def main(argv: list[str] | None = None) -> None:
     print(f"{'run':<14} {'wall ms':>8} {'GEMM ms':>8} {'other ops ms':>13} {'rest ms':>8} {'ATen ops':>9}")
     for name, v in runs.items():
         print(f"{name:<14} {v['wall_ms']:8.1f} {v['gemm_ms']:8.1f} {v['other_ops_ms']:13.1f} {v['rest_ms']:8.1f} "
-              f"{v['ops']:9d}")  # fmt: skip
+              f"{v['ops']:9.0f}")  # fmt: skip
     a, b = runs["micro-batches"], runs["whole batch"]
     extra = cfg.microbatches - 1
     print(f"per extra micro-batch: {(a['wall_ms'] - b['wall_ms']) / extra:.2f} ms = GEMM "

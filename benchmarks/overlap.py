@@ -592,7 +592,8 @@ def print_summary(summary: dict[str, Any]) -> None:
         f"sequential step = compute {1e3 * summary['compute_s']:.1f} ms + EP communication "
         f"{1e3 * summary['comm_s']:.1f} ms; limit max(compute, comm) / (compute + comm) = {summary['limit']:.3f}"
     )
-    print(f"parameters after the run bitwise equal in every mode (per dispatch path): {summary['bitwise_equal']}")
+    print(f"parameters after the run bitwise equal in every mode (per dispatch path and per compilation): "
+          f"{summary['bitwise_equal']}")
     if summary["simulated"] is not None:
         sim = summary["simulated"]
         print(f"simulated EP: every all-to-all {cfg['simulate_ep_ms']} ms; host syncs per overlapped step: "

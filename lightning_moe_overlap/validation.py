@@ -141,13 +141,19 @@ def rule_flex_backend_without_flex(cfg: OverlapConfig) -> list[Problem]:
     )
 
 
+def _a_type(value: object) -> str:
+    """``"a str"``, ``"an int"``: the type of ``value`` with its article, for messages."""
+    name = type(value).__name__
+    return f"{'an' if name[0] in 'aeiou' else 'a'} {name}"
+
+
 def rule_dedup_without_alltoall(cfg: OverlapConfig) -> list[Problem]:
     """Deduplication is a setting of the alltoall dispatcher; flex (DeepEP) deduplicates by itself."""
     if not isinstance(cfg.alltoall_dedup, bool):
         return _when(
             True,
             "alltoall-dedup",
-            f"`alltoall_dedup={cfg.alltoall_dedup!r}` is a {type(cfg.alltoall_dedup).__name__}; it switches the "
+            f"`alltoall_dedup={cfg.alltoall_dedup!r}` is {_a_type(cfg.alltoall_dedup)}; it switches the "
             "alltoall dispatcher's deduplicated dispatch on or off. Pass True or False (default).",
             error=TypeError,
         )
@@ -168,7 +174,7 @@ def rule_alltoall_static(cfg: OverlapConfig) -> list[Problem]:
         return _when(
             True,
             "alltoall-static",
-            f"`alltoall_static={cfg.alltoall_static!r}` is a {type(cfg.alltoall_static).__name__}; it switches the "
+            f"`alltoall_static={cfg.alltoall_static!r}` is {_a_type(cfg.alltoall_static)}; it switches the "
             "alltoall dispatcher's static layout (no host read per layer) on or off. Pass True or False (default).",
             error=TypeError,
         )
@@ -199,7 +205,7 @@ def rule_compile(cfg: OverlapConfig) -> list[Problem]:
     return _when(
         not isinstance(cfg.compile, bool),
         "compile",
-        f"`compile={cfg.compile!r}` is a {type(cfg.compile).__name__}; it switches torch.compile of every MoE block's "
+        f"`compile={cfg.compile!r}` is {_a_type(cfg.compile)}; it switches torch.compile of every MoE block's "
         "dense parts on or off. Pass True or False (default).",
         error=TypeError,
     )

@@ -288,6 +288,10 @@ def apply_ep(
     if init is not None:
         materialize_experts(pending, init)
     ep_model.set_aux_loss_scale(aux_loss_scale(config.num_microbatches, mesh.dims, pipelined=held is not None))
+    if config.alltoall_static:
+        slots = "every token (dropless)" if config.capacity_factor is None else f"capacity_factor={config.capacity_factor}"
+        rank_zero_info(f"MoEOverlapStrategy(alltoall_static=True): {len(ep_model.expert_modules())} MoE layers "
+                       f"dispatch in static slots holding {slots}; no host read per layer.")  # fmt: skip
 
 
 def apply_fp8_step(

@@ -133,4 +133,4 @@ def test_static_dispatch_refuses_uneven_token_counts() -> None:
     errors = run_distributed_expect_errors(_uneven_worker, 2)
     assert set(errors) == {0, 1}
     for text in errors.values():
-        assert "every ep rank must hold as many" in text and "static=False" in text
+        assert "every ep rank must hold as many" in text and "alltoall_static=False" in text

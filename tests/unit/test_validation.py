@@ -56,7 +56,7 @@ def _raise(problems):
         ),
         ({"pp": 2, "pipeline_layout": "Et)|tL"}, ValueError, r"'\)' at position 2 has no matching '\('"),
         ({"alltoall_dedup": "yes"}, TypeError, r"`alltoall_dedup='yes'` is a str; .*Pass True or False \(default\)"),
-        ({"alltoall_static": 1}, TypeError, r"`alltoall_static=1` is a int; .*Pass True or False \(default\)"),
+        ({"alltoall_static": 1}, TypeError, r"`alltoall_static=1` is an int; .*Pass True or False \(default\)"),
         (
             {"alltoall_static": True, "dispatcher": "allgather"},
             ValueError,

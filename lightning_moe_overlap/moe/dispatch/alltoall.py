@@ -266,8 +266,9 @@ class AllToAllDispatcher(DispatcherBase):
                 (recv_GE1[:, local] == num_tokens).all(),
                 f"`AllToAllDispatcher(static=True)`: this rank holds {num_tokens} tokens in this micro-batch and "
                 "another ep rank a different number; the static layout sizes its slots from the token count, so "
-                "every ep rank must hold as many (fixed-length micro-batches, e.g. padded sequences). Pad the "
-                "micro-batches to one length, or use static=False.",
+                "every ep rank must hold as many (fixed-length micro-batches). Pad every batch to one sequence "
+                "length (e.g. in the DataLoader's collate function), or turn the static layout off "
+                "(MoEOverlapStrategy(alltoall_static=False); static=False on a dispatcher).",
             )
         recv_GE = recv_GE1[:, :local]
         # Comm point: the slots, the same number to and from every rank (no sizes read on the host).
