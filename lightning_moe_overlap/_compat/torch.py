@@ -33,6 +33,12 @@ def cuda_sleep(cycles: int) -> None:
     torch.cuda._sleep(int(cycles))
 
 
+def assert_async(condition: Tensor, message: str) -> None:
+    """``torch._assert_async``: raise ``message`` where ``condition`` (a one-element tensor) is false, without the
+    host waiting for it on CUDA (a device-side assert); on CPU at once, as a ``RuntimeError``."""
+    torch._assert_async(condition, message)
+
+
 def grouped_mm_available() -> bool:
     """Whether this torch build has ``torch._grouped_mm`` (which devices and dtypes it runs is the caller's check)."""
     return hasattr(torch, "_grouped_mm")

@@ -48,6 +48,13 @@ def test_foreach_mul_() -> None:
     assert halved, _broken("torch._foreach_mul_", "foreach_mul_", "no longer scales in place")
 
 
+def test_assert_async() -> None:
+    _require(torch, "_assert_async", "torch._assert_async", "assert_async")
+    torch_compat.assert_async(torch.tensor(True), "never shown")
+    with pytest.raises(RuntimeError, match="the rule and the fix"):
+        torch_compat.assert_async(torch.tensor([1, 2]).eq(1).all(), "the rule and the fix")
+
+
 def test_cuda_sleep() -> None:
     _require(torch.cuda, "_sleep", "torch.cuda._sleep", "cuda_sleep")
     if torch.cuda.is_available():  # the kernel itself needs a GPU; on CPU the name's presence is what can be checked

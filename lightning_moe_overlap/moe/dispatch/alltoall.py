@@ -40,6 +40,7 @@ import torch
 from torch import Tensor
 from torch.distributed import ProcessGroup
 
+from lightning_moe_overlap._compat import torch as torch_compat
 from lightning_moe_overlap.float8.recipes import Float8Recipe
 from lightning_moe_overlap.moe.dispatch.base import DispatcherBase
 from lightning_moe_overlap.moe.dispatch.comm import all_to_all, communicator_of, exchange_counts
@@ -262,7 +263,7 @@ class AllToAllDispatcher(DispatcherBase):
         # Comm point: the rows each rank will find in its slots, and every rank's token count.
         recv_GE1 = exchange_counts(meta_GE1, self.ep_group, self.runtime)
         if ranks > 1:
-            torch._assert_async(
+            torch_compat.assert_async(
                 (recv_GE1[:, local] == num_tokens).all(),
                 f"`AllToAllDispatcher(static=True)`: this rank holds {num_tokens} tokens in this micro-batch and "
                 "another ep rank a different number; the static layout sizes its slots from the token count, so "

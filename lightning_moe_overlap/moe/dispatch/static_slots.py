@@ -22,7 +22,7 @@ Layouts::
 The experts get a :class:`~lightning_moe_overlap.moe.grouped.RowSplits` of device counts with a padded tail, so
 ``torch._grouped_mm`` reads its offsets on the device. Every rank must hold the same number of tokens per
 micro-batch (the slot capacity derives from it): the count exchange carries ``T`` and a rank that sees another
-``T`` stops with an error (``torch._assert_async``: no host read on CUDA).
+``T`` stops with an error (``torch._assert_async``, through ``_compat/torch.py``: no host read on CUDA).
 
 Shape legend:
     T: tokens on this rank   K: top-k   D: hidden size   E: experts   e: local experts   G: ep ranks
@@ -134,7 +134,7 @@ class SlotUsage:
     """What the static layout cost over the calls counted (:meth:`AllToAllDispatcher.static_usage`).
 
     Attributes:
-        calls: dispatches counted.
+        calls: dispatches counted (a recomputed forward dispatches again, and counts).
         rows: rows that carried a token (sent by this rank).
         slots: rows of the send buffers (``E * C`` per call); ``slots - rows`` were padding on the wire.
         dropped: rows over the slot capacity, dropped by the dispatcher (0 when the slots hold the experts'
