@@ -289,7 +289,8 @@ def apply_ep(
         materialize_experts(pending, init)
     ep_model.set_aux_loss_scale(aux_loss_scale(config.num_microbatches, mesh.dims, pipelined=held is not None))
     if config.alltoall_static:
-        slots = "every token (dropless)" if config.capacity_factor is None else f"capacity_factor={config.capacity_factor}"
+        cf = config.capacity_factor
+        slots = "every token (dropless)" if cf is None else f"capacity_factor={cf}"
         rank_zero_info(f"MoEOverlapStrategy(alltoall_static=True): {len(ep_model.expert_modules())} MoE layers "
                        f"dispatch in static slots holding {slots}; no host read per layer.")  # fmt: skip
 

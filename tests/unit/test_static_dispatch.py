@@ -13,6 +13,7 @@ import torch
 from lightning_moe_overlap.moe import MoELayer, apply_expert_parallel
 from lightning_moe_overlap.moe.dispatch import build_dispatcher
 from lightning_moe_overlap.moe.dispatch.alltoall import AllToAllDispatcher
+from lightning_moe_overlap.moe.grouped import RowSplits
 from lightning_moe_overlap.moe.dispatch.static_slots import SlotGrid, expert_major, plan_slots, slot_capacity
 from lightning_moe_overlap.moe.placement import ExpertPlacement
 from tests.helpers.syncs import SyncCounter
@@ -90,3 +91,9 @@ def test_static_dispatch_errors_name_the_rule() -> None:
         module.set_placement(ExpertPlacement((0, 1, 2, 3), 1, replicas=(0,)))
     with pytest.raises(NotImplementedError, match="expert_backend='te' with a static.*static=False"):
         apply_expert_parallel(MoELayer(16, 8, 4, 2), None, dispatcher="alltoall", static=True, expert_backend="te")
+
+
+def test_padded_rows_get_no_expert_bias() -> None:
+    bias = torch.tensor([[1.0, 2.0], [3.0, 4.0]])
+    rows = RowSplits.padded(torch.tensor([2, 1])).bias_rows(bias, num_rows=5)
+    assert rows.tolist() == [[1.0, 2.0], [1.0, 2.0], [3.0, 4.0], [0.0, 0.0], [0.0, 0.0]]
