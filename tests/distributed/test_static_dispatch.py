@@ -89,11 +89,17 @@ def _step(net: nn.Module, variant: str, rank: int, group: dist.ProcessGroup) -> 
     }
 
 
-def _worker(rank: int, world_size: int, top_k: int, capacity: bool) -> dict:
+CASES = [(2, False), (8, False), (2, True)]  # (top-k, capacity factor 1.0 through `MoELayer`)
+
+
+def _worker(rank: int, world_size: int) -> dict:
     group = dist.new_group(list(range(world_size)))
-    base = Net(top_k, capacity)
-    return {variant: _step(copy.deepcopy(base), variant, rank, group)
-            for variant in ("plain", "plain:cuda-layout", "static")}  # fmt: skip
+    results = {}
+    for top_k, capacity in CASES:
+        base = Net(top_k, capacity)
+        results[(top_k, capacity)] = {variant: _step(copy.deepcopy(base), variant, rank, group)
+                                      for variant in ("plain", "plain:cuda-layout", "static")}  # fmt: skip
+    return results
 
 
 def _close(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -103,9 +109,15 @@ def _close(a: torch.Tensor, b: torch.Tensor) -> bool:
     return torch.allclose(a, b, rtol=1e-5, atol=1e-5 * float(b.abs().max()))
 
 
-@pytest.mark.parametrize(("top_k", "capacity"), [(2, False), (8, False), (2, True)])
-def test_static_dispatch_reads_nothing_and_matches_the_plain_dispatch(top_k: int, capacity: bool) -> None:
-    for rank, got in enumerate(run_distributed(_worker, 2, top_k, capacity, timeout_s=120)):
+@pytest.fixture(scope="module")
+def results() -> list[dict]:
+    return run_distributed(_worker, 2, timeout_s=180)
+
+
+@pytest.mark.parametrize(("top_k", "capacity"), CASES)
+def test_static_dispatch_reads_nothing_and_matches_the_plain_dispatch(results, top_k: int, capacity: bool) -> None:
+    for rank, per_case in enumerate(results):
+        got = per_case[(top_k, capacity)]
         plain, cuda_layout, static = got["plain"], got["plain:cuda-layout"], got["static"]
         assert static["reads"] == {}, (rank, static["reads"])
         assert len(static["usage"]) == 2 and plain["usage"] == [], rank

@@ -17,9 +17,11 @@ from lightning_moe_overlap.config import OverlapConfig
 from lightning_moe_overlap.demo import MoEGPT
 from lightning_moe_overlap.demo_hf import HFMoECausalLM
 from lightning_moe_overlap.moe import apply_expert_parallel
+from lightning_moe_overlap.parallel.dtensors import local
 from lightning_moe_overlap.parallelize.compile_regions import dense_regions
 from lightning_moe_overlap.validation import check_config, raise_problems
 from tests.helpers.data import RandomTokens
+from tests.helpers.distributed import run_distributed
 
 
 def _moegpt() -> MoEGPT:
@@ -58,8 +60,8 @@ def _fit(compile: bool, overlap: bool = True, callbacks: tuple = ()) -> dict:
     losses: list[torch.Tensor] = []
     grads: list[list[torch.Tensor]] = []
     model.on_train_batch_end = lambda outputs, *_: losses.append(outputs["loss"].detach().clone())
-    model.on_before_optimizer_step = lambda optimizer: grads.append(
-        [p.grad.clone() for p in model.parameters() if p.grad is not None]
+    model.on_before_optimizer_step = lambda optimizer: grads.append(  # plain tensors: they cross the process queue
+        [local(p.grad).clone() for p in model.parameters() if p.grad is not None]
     )
     strategy = MoEOverlapStrategy(num_microbatches=2, overlap=overlap, compile=compile)
     trainer = Trainer(
@@ -73,22 +75,30 @@ def _fit(compile: bool, overlap: bool = True, callbacks: tuple = ()) -> dict:
     return {"losses": torch.stack(losses), "grads": grads, "compiled": prepared.compiled}
 
 
-def test_a_compiled_fit_follows_the_eager_one_and_stays_bitwise_under_the_overlap() -> None:
+def _fits(rank: int, world: int) -> dict:
+    """The fits, in a process of their own: a Trainer leaves its process group and ``MASTER_PORT`` behind."""
     counters.clear()
     eager = _fit(False)
     compiled = _fit(True)
+    graphs = counters["stats"]["unique_graphs"]
+    sequential = _fit(True, overlap=False)
+    callbacks = (SelectiveRecompute(modules=["core_attn", "layernorm"]), ActivationOffload(modules=["expert_fc1"]))
+    return {"eager": eager, "compiled": compiled, "graphs": graphs, "sequential": sequential,
+            "with_callbacks": _fit(True, callbacks=callbacks)}  # fmt: skip
+
+
+def test_a_compiled_fit_follows_the_eager_one_and_stays_bitwise_under_the_overlap() -> None:
+    (got,) = run_distributed(_fits, 1, timeout_s=300)
+    eager, compiled = got["eager"], got["compiled"]
     assert eager["compiled"] == () and len(compiled["compiled"]) == 7
-    assert counters["stats"]["unique_graphs"] >= 2  # the attention and the norm (one graph for every instance)
+    assert got["graphs"] >= 2  # the attention and the norm (one graph for every instance)
     # Inductor fuses the norms' and the attention's element-wise work and may reorder their sums (over 32 features,
     # 9 positions): float32 rounding of a few ulp per op, carried through 2 layers; 1e-5 relative is ~80 ulp.
     torch.testing.assert_close(compiled["losses"], eager["losses"], rtol=1e-5, atol=0)
-    for got, want in zip(compiled["grads"][0], eager["grads"][0], strict=True):
-        torch.testing.assert_close(got, want, rtol=0, atol=1e-5 * float(want.abs().max()))
+    for mine, want in zip(compiled["grads"][0], eager["grads"][0], strict=True):
+        torch.testing.assert_close(mine, want, rtol=0, atol=1e-5 * float(want.abs().max()))
     # The same compiled code in every schedule: overlapped, sequential, and with the memory callbacks around it.
-    sequential = _fit(True, overlap=False)
-    callbacks = (SelectiveRecompute(modules=["core_attn", "layernorm"]), ActivationOffload(modules=["expert_fc1"]))
-    with_callbacks = _fit(True, callbacks=callbacks)
-    for other in (sequential, with_callbacks):
+    for other in (got["sequential"], got["with_callbacks"]):
         assert torch.equal(other["losses"], compiled["losses"])
-        for got, want in zip(other["grads"], compiled["grads"], strict=True):
-            assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True))
+        for mine, want in zip(other["grads"], compiled["grads"], strict=True):
+            assert all(torch.equal(a, b) for a, b in zip(mine, want, strict=True))

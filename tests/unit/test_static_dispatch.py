@@ -13,8 +13,8 @@ import torch
 from lightning_moe_overlap.moe import MoELayer, apply_expert_parallel
 from lightning_moe_overlap.moe.dispatch import build_dispatcher
 from lightning_moe_overlap.moe.dispatch.alltoall import AllToAllDispatcher
-from lightning_moe_overlap.moe.grouped import RowSplits
 from lightning_moe_overlap.moe.dispatch.static_slots import SlotGrid, expert_major, plan_slots, slot_capacity
+from lightning_moe_overlap.moe.grouped import RowSplits
 from lightning_moe_overlap.moe.placement import ExpertPlacement
 from tests.helpers.syncs import SyncCounter
 
