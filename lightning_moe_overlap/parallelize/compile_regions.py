@@ -35,10 +35,6 @@ _SKIPPED_LEAVES = (nn.Linear, nn.Embedding)
 _CONTAINERS = (nn.ModuleList, nn.ModuleDict, nn.Sequential)
 
 
-def _holds_experts(module: nn.Module) -> bool:
-    return any(isinstance(m, ExpertParallelExperts) for m in module.modules())
-
-
 def _worth_compiling(module: nn.Module) -> bool:
     if isinstance(module, (TopKRouter, *_CONTAINERS)) or getattr(module, COMPILED_ATTR, False):
         return False
@@ -52,11 +48,12 @@ def dense_regions(root: nn.Module) -> list[tuple[str, nn.Module]]:
     some (see the module docstring), in module order; a container without experts is entered (its items are the
     candidates)."""
     found: list[tuple[str, nn.Module]] = []
+    holders = _experts_holders(root)
 
     def visit(prefix: str, module: nn.Module) -> None:
         for name, child in module.named_children():
             path = f"{prefix}{name}"
-            if _holds_experts(child):
+            if id(child) in holders:
                 if not isinstance(child, ExpertParallelExperts):
                     visit(f"{path}.", child)
             elif isinstance(child, _CONTAINERS):
@@ -66,9 +63,20 @@ def dense_regions(root: nn.Module) -> list[tuple[str, nn.Module]]:
             elif _worth_compiling(child):
                 found.append((path, child))
 
-    if _holds_experts(root):
+    if id(root) in holders:
         visit("", root)
     return found
+
+
+def _experts_holders(root: nn.Module) -> set[int]:
+    """``id`` of every module of ``root`` that is or holds expert-parallel experts (one walk of the model)."""
+    modules = dict(root.named_modules())
+    holders: set[int] = set()
+    for name, module in modules.items():
+        if isinstance(module, ExpertParallelExperts):
+            parts = name.split(".") if name else []
+            holders.update(id(modules[".".join(parts[:i])]) for i in range(len(parts) + 1))
+    return holders
 
 
 def compile_dense_regions(roots: Iterable[nn.Module], **options: Any) -> list[str]:

@@ -16,7 +16,7 @@ import torch
 from lightning_moe_overlap.moe import MoELayer, apply_expert_parallel
 from lightning_moe_overlap.moe.dispatch.host import host_ints
 from lightning_moe_overlap.overlap import CommRuntime, run_schedule
-from lightning_moe_overlap.overlap.observers import CommObserver
+from lightning_moe_overlap.overlap.order import CommOrder
 
 pytestmark = [
     pytest.mark.gpu,
@@ -43,13 +43,12 @@ def _step(layer: MoELayer, runtime: CommRuntime, inputs: list[torch.Tensor], ove
     return [p.grad.clone() for p in layer.parameters()]
 
 
-@pytest.mark.parametrize("dispatcher", ["alltoall", "allgather"])
-def test_overlapped_step_has_no_undocumented_host_sync(dispatcher: str) -> None:
-    runtime = CommRuntime()
-    layer = _layer(dispatcher, runtime)
+def _overlapped_equals_sequential_without_syncs(layer: MoELayer, runtime: CommRuntime, dtype: torch.dtype) -> None:
+    """A sequential step (which also warms up cuBLAS, pinned memory, events), then an overlapped one with every
+    synchronisation an error; their gradients bitwise equal."""
     g = torch.Generator(device="cuda").manual_seed(1)
-    inputs = [torch.randn(4, 16, 64, device="cuda", generator=g) for _ in range(2)]
-    sequential = _step(layer, runtime, inputs, overlap=False)  # also warms up cuBLAS, pinned memory, events
+    inputs = [torch.randn(4, 16, 64, device="cuda", generator=g, dtype=dtype) for _ in range(2)]
+    sequential = _step(layer, runtime, inputs, overlap=False)
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
     try:
@@ -58,6 +57,12 @@ def test_overlapped_step_has_no_undocumented_host_sync(dispatcher: str) -> None:
         torch.cuda.set_sync_debug_mode("default")
     for got, want in zip(overlapped, sequential):
         assert torch.equal(got, want)
+
+
+@pytest.mark.parametrize("dispatcher", ["alltoall", "allgather"])
+def test_overlapped_step_has_no_undocumented_host_sync(dispatcher: str) -> None:
+    runtime = CommRuntime()
+    _overlapped_equals_sequential_without_syncs(_layer(dispatcher, runtime), runtime, torch.float32)
 
 
 def test_the_debug_mode_catches_what_the_dispatchers_avoid() -> None:
@@ -74,34 +79,15 @@ def test_the_debug_mode_catches_what_the_dispatchers_avoid() -> None:
         torch.cuda.set_sync_debug_mode("default")
 
 
-class _HostReads(CommObserver):
-    def __init__(self) -> None:
-        self.reads = 0
-
-    def on_host_read(self, holder: object) -> None:
-        self.reads += 1
-
-
 def test_the_static_dispatch_syncs_nothing_in_bf16() -> None:
     """``static=True`` with the experts on ``torch._grouped_mm`` (bf16 on CUDA): not even the documented read of the
     split sizes; the overlapped step's gradients are bitwise the sequential one's. In float32 the CUDA experts take the
     per-expert loop, which reads the counts once per call (docs/dispatchers.md, "Static dispatch")."""
     runtime = CommRuntime()
-    reads = _HostReads()
-    runtime.attach(reads)
+    order = CommOrder()  # records every read of sizes the dispatchers report
+    runtime.attach(order)
     torch.manual_seed(0)
     layer = MoELayer(64, 32, 8, 2, capacity_factor=1.5, aux_loss_coeff=1e-2, z_loss_coeff=1e-3)
     apply_expert_parallel(layer, None, dispatcher="alltoall", runtime=runtime, static=True)
-    layer = layer.cuda().to(torch.bfloat16)
-    g = torch.Generator(device="cuda").manual_seed(1)
-    inputs = [torch.randn(4, 16, 64, device="cuda", generator=g, dtype=torch.bfloat16) for _ in range(2)]
-    sequential = _step(layer, runtime, inputs, overlap=False)
-    torch.cuda.synchronize()
-    torch.cuda.set_sync_debug_mode("error")
-    try:
-        overlapped = _step(layer, runtime, inputs, overlap=True)
-    finally:
-        torch.cuda.set_sync_debug_mode("default")
-    assert reads.reads == 0
-    for got, want in zip(overlapped, sequential):
-        assert torch.equal(got, want)
+    _overlapped_equals_sequential_without_syncs(layer.cuda().to(torch.bfloat16), runtime, torch.bfloat16)
+    assert [e for events in order.events.values() for e in events if e == "host_read"] == []
