@@ -20,8 +20,10 @@ runs its expert GEMMs in bfloat16, so they agree to about 1e-3, not bitwise).
 
 torchtitan 0.3.0 is an optional dependency (``pip install 'lightning-moe-overlap[peer]'``); without it the script
 exits with the install hint. Usage: ``python benchmarks/peer_torchtitan.py [--rounds 5] [--warmup 2] [--json]``
-plus the shape options of ``overlap.py`` (``--help``); ``--autocast`` runs both under bfloat16 autocast (GEMMs of
-the same precision on both sides). See ``docs/benchmarks.md`` for the figures and caveats.
+plus the shape options of ``overlap.py`` (``--help``). Precision: by default torchtitan's expert GEMMs run in
+bfloat16 (its ``GroupedExperts`` casts to it) and ours in float32; ``--autocast`` runs both under bfloat16 autocast,
+``--float32`` runs torchtitan's experts in float32 (:func:`float32_experts`: its own forward without the casts), so
+that both sides do the same float32 arithmetic (the fair comparison on a CPU without bfloat16 instructions). See ``docs/benchmarks.md`` for the figures and caveats.
 """
 
 from __future__ import annotations
@@ -66,6 +68,11 @@ BASELINE = "ours_seq"
 PAIRS = (("tt_full", "ours_full"), ("tt_accum", "ours_seq"), ("ours_overlap", "tt_full"))
 # The same ratios net of the communication floor both sides share (sequential schedules only: the overlap hides
 # part of its communication, so subtracting all of it would not be a floor):
+PRECISIONS = {  # what each side's GEMMs run in
+    "default": "torchtitan's experts bfloat16, the rest float32",
+    "autocast": "all bfloat16 (autocast)",
+    "float32": "all float32",
+}
 NET_PAIRS = (("tt_full", "ours_full", "comm_full"), ("tt_accum", "ours_seq", "comm_micro"))
 
 
@@ -132,6 +139,21 @@ def titan_moe(cfg: Config, ours: nn.Module) -> nn.Module:
     return moe
 
 
+def float32_experts(inner: nn.Module) -> None:
+    """Make torchtitan's ``GroupedExperts`` module ``inner`` compute in float32: its forward (torchtitan 0.3.0,
+    ``models/common/moe.py``) without the casts to bfloat16 (the partial-DTensor backend's path)."""
+    from torch.distributed.tensor import DTensor
+
+    def forward(x_RD: Tensor, num_tokens_per_expert_E: Tensor) -> Tensor:
+        w1, w2, w3 = (w.to_local() if isinstance(w, DTensor) else w for w in (inner.w1_EFD, inner.w2_EDF, inner.w3_EFD))
+        offsets_E = torch.cumsum(num_tokens_per_expert_E, dim=0, dtype=torch.int32)
+        h_RF = nn.functional.silu(inner._grouped_mm(A=x_RD, B_t=w1.transpose(-2, -1), offs=offsets_E))
+        h_RF = h_RF * inner._grouped_mm(A=x_RD, B_t=w3.transpose(-2, -1), offs=offsets_E)
+        return inner._grouped_mm(A=h_RF, B_t=w2.transpose(-2, -1), offs=offsets_E).type_as(x_RD)
+
+    inner.forward = forward
+
+
 def titan_dims(cfg: Config) -> Any:
     """torchtitan's ``ParallelDims`` for ep over all ranks (the rest data parallel), partial-DTensor backend."""
     from torchtitan.distributed import ParallelDims as TitanDims
@@ -159,12 +181,14 @@ class TitanTrainer:
     expert: list[nn.Parameter]
 
 
-def build_titan(cfg: Config, dims: Any) -> TitanTrainer:
+def build_titan(cfg: Config, dims: Any, float32: bool = False) -> TitanTrainer:
     net = Net(cfg)  # same seed, same dense weights and routers as ours
     for block in net.blocks:
         moe = titan_moe(cfg, block.moe)
         if cfg.ep_size > 1:
             moe.parallelize(dims)
+        if float32:
+            float32_experts(moe.routed_experts.inner_experts)
         block.moe = TitanMoE(moe)
     expert_ids = {id(p) for block in net.blocks for p in block.moe.moe.routed_experts.parameters()}
     params = list(net.parameters())
@@ -266,7 +290,7 @@ def comm_step(floor: CommFloor) -> dict[str, float]:
 
 # -- one rank --------------------------------------------------------------------------------------------------------
 def rank_main(
-    rank: int, cfg: Config, rounds: int, warmup: int, profile: tuple[str, ...] = (), autocast: bool = False
+    rank: int, cfg: Config, rounds: int, warmup: int, profile: tuple[str, ...] = (), precision: str = "default"
 ) -> dict[str, Any]:
     device = torch.device("cpu")
     groups = build_mesh(ParallelDims.from_world_size(cfg.ranks, ep=cfg.ep_size), "cpu").process_groups(rank)
@@ -279,7 +303,11 @@ def rank_main(
         "ours_overlap": (build_trainer(cfg, "overlap", groups, device), cfg, "micro"),
         "ours_full": (build_trainer(full, "sequential", groups, device), full, "full"),
     }
-    titan = {"tt_accum": (build_titan(cfg, dims), cfg, "micro"), "tt_full": (build_titan(full, dims), full, "full")}
+    f32 = precision == "float32"
+    titan = {
+        "tt_accum": (build_titan(cfg, dims, f32), cfg, "micro"),
+        "tt_full": (build_titan(full, dims, f32), full, "full"),
+    }
     model = ours["ours_seq"][0]
     floors = {mode: comm_floor({"micro": cfg, "full": full}[which], groups, model.dense, model.expert)
               for mode, which in COMM_MODES.items()}
@@ -288,6 +316,7 @@ def rank_main(
 
     def run(mode: str, step: int, plain: bool = False) -> tuple[float, float]:
         # --autocast: the whole step under bfloat16 autocast, both models alike (the engine's lanes inherit it)
+        autocast = precision == "autocast"
         with torch.autocast("cpu", dtype=torch.bfloat16) if autocast else contextlib.nullcontext():
             return run_step(mode, step, plain)
 
@@ -332,7 +361,7 @@ def first_step_loss(net: nn.Module, cfg: Config, batch: tuple[Tensor, Tensor]) -
 
 
 def rank_entry(
-    rank: int, cfg: Config, rounds: int, warmup: int, profile: tuple[str, ...], autocast: bool, port: int, queue: Any
+    rank: int, cfg: Config, rounds: int, warmup: int, profile: tuple[str, ...], precision: str, port: int, queue: Any
 ) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(cfg.threads)
@@ -340,7 +369,7 @@ def rank_entry(
     warnings.filterwarnings("ignore", message="In CPU autocast, but the target dtype is not supported")
     try:
         dist.init_process_group("gloo", rank=rank, world_size=cfg.ranks, timeout=timedelta(seconds=600))
-        queue.put((rank, True, rank_main(rank, cfg, rounds, warmup, profile, autocast)))
+        queue.put((rank, True, rank_main(rank, cfg, rounds, warmup, profile, precision)))
     except BaseException:  # noqa: BLE001 - reported by the launcher
         queue.put((rank, False, traceback.format_exc()))
     finally:
@@ -349,14 +378,14 @@ def rank_entry(
 
 
 def launch(
-    cfg: Config, rounds: int, warmup: int, profile: tuple[str, ...] = (), autocast: bool = False
+    cfg: Config, rounds: int, warmup: int, profile: tuple[str, ...] = (), precision: str = "default"
 ) -> list[dict[str, Any]]:
     """Spawn one process per rank and collect their results (index = rank)."""
-    return spawn_ranks(cfg.ranks, rank_entry, cfg, rounds, warmup, profile, autocast)
+    return spawn_ranks(cfg.ranks, rank_entry, cfg, rounds, warmup, profile, precision)
 
 
 # -- summary ---------------------------------------------------------------------------------------------------------
-def summarise(results: list[dict[str, Any]], cfg: Config, rounds: int, autocast: bool = False) -> dict[str, Any]:
+def summarise(results: list[dict[str, Any]], cfg: Config, rounds: int, precision: str = "default") -> dict[str, Any]:
     """Per round the slowest rank's step; per mode the median step and the median of its per-round ratios."""
     steps = {mode: [max(r["records"][mode][i][0] for r in results) for i in range(rounds)] for mode in MODES}
     cpu = {mode: [statistics.fmean(r["records"][mode][i][1] for r in results) for i in range(rounds)] for mode in MODES}
@@ -373,7 +402,7 @@ def summarise(results: list[dict[str, Any]], cfg: Config, rounds: int, autocast:
     return {
         "config": asdict(cfg),
         "rounds": rounds,
-        "autocast": "bfloat16" if autocast else None,
+        "precision": PRECISIONS[precision],
         "torch": torch.__version__,
         "torchtitan": importlib.metadata.version("torchtitan"),
         "modes": {
@@ -404,7 +433,7 @@ def print_summary(s: dict[str, Any]) -> None:
     print(
         f"ranks={cfg['ranks']} ep={cfg['ep'] or cfg['ranks']} layers={cfg['layers']} hidden={cfg['hidden']} "
         f"ffn={cfg['ffn']} experts={cfg['experts']} top_k={cfg['top_k']} tokens={cfg['tokens']} "
-        f"microbatches={cfg['microbatches']} autocast={s['autocast'] or 'off'} torch={s['torch']} "
+        f"microbatches={cfg['microbatches']} precision: {s['precision']}; torch={s['torch']} "
         f"torchtitan={s['torchtitan']}; "
         f"medians of {s['rounds']} interleaved rounds"
     )
@@ -424,7 +453,7 @@ def print_summary(s: dict[str, Any]) -> None:
     print("loss relative difference: " + ", ".join(f"{k} {v:.1e}" for k, v in s["loss_rel_diff"].items()))
 
 
-def parse_args(argv: list[str] | None = None) -> tuple[Config, int, int, tuple[str, ...], bool, bool]:
+def parse_args(argv: list[str] | None = None) -> tuple[Config, int, int, tuple[str, ...], bool, str]:
     defaults = Config()
     parser = argparse.ArgumentParser(
         description=__doc__.splitlines()[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
@@ -442,26 +471,35 @@ def parse_args(argv: list[str] | None = None) -> tuple[Config, int, int, tuple[s
         "(without it torchtitan's expert GEMMs still run in bfloat16, ours in float32)",
     )
     parser.add_argument(
+        "--float32", action="store_true",
+        help="torchtitan's expert GEMMs in float32 (its forward without the casts to bfloat16), as ours: the same "
+        "arithmetic on both sides",
+    )
+    parser.add_argument(
         "--profile", nargs="*", default=[], choices=MODEL_MODES, metavar="MODE",
         help=f"after the rounds, profile one step of each MODE ({', '.join(MODEL_MODES)}) and print rank 0's top "
         "ops",
     )
     args = vars(parser.parse_args(argv))
     rounds, warmup, as_json, autocast = args.pop("rounds"), args.pop("warmup"), args.pop("json"), args.pop("autocast")
+    float32 = args.pop("float32")
+    if autocast and float32:
+        parser.error("--autocast and --float32 ask for two precisions; pick one")
     profile = tuple(args.pop("profile"))
-    return Config(**args), rounds, warmup, profile, as_json, autocast
+    precision = "autocast" if autocast else "float32" if float32 else "default"
+    return Config(**args), rounds, warmup, profile, as_json, precision
 
 
 def main(argv: list[str] | None = None) -> None:
-    cfg, rounds, warmup, profile, as_json, autocast = parse_args(argv)
+    cfg, rounds, warmup, profile, as_json, precision = parse_args(argv)
     problem = check_torchtitan()
     if problem:
         sys.exit(problem)
     warning = busy_warning()
     if warning:
         print(warning, file=sys.stderr)
-    results = launch(cfg, rounds, warmup, profile, autocast)
-    summary = summarise(results, cfg, rounds, autocast)
+    results = launch(cfg, rounds, warmup, profile, precision)
+    summary = summarise(results, cfg, rounds, precision)
     if as_json:
         print(json.dumps(summary, indent=2))
     else:

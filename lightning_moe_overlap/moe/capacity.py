@@ -22,7 +22,7 @@ from torch import Tensor
 
 from lightning_moe_overlap._checks import is_positive_number
 from lightning_moe_overlap.config import DROP_POLICIES, DropPolicy
-from lightning_moe_overlap.moe.permute import count_per_expert
+from lightning_moe_overlap.moe.permute import count_per_expert, expert_key
 
 
 def expert_capacity(num_tokens: int, top_k: int, num_experts: int, capacity_factor: float) -> int:
@@ -78,10 +78,8 @@ def drop_over_capacity(
     validate_capacity(capacity_factor, policy, owner="`drop_over_capacity`")
     num_tokens, top_k = indices_TK.shape
     capacity = expert_capacity(num_tokens, top_k, num_experts, capacity_factor)
-    flat = indices_TK.reshape(-1).long()
-    valid = (flat >= 0) & (flat < num_experts)
-    expert = torch.where(valid, flat, torch.full_like(flat, num_experts))
-    position = torch.arange(flat.numel(), device=flat.device)
+    expert = expert_key(indices_TK, num_experts)  # dropped already: E
+    position = torch.arange(expert.numel(), device=expert.device)
     if policy == "probs":
         # Sort by (expert, -weight, position): stable sort on weight first, then on expert.
         by_weight = torch.argsort(-weights_TK.detach().reshape(-1).float(), stable=True)

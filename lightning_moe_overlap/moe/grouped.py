@@ -38,6 +38,7 @@ Shape legend:
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable, Sequence
 from typing import Literal
 
@@ -182,8 +183,8 @@ class RowSplits:
         if self._offsets is None:
             if self._counts is not None:  # on the device already: no host round trip
                 self._offsets = torch.cumsum(self._counts, 0, dtype=torch.int32)
-            else:  # one host-to-device copy (pageable: staged at once, no device sync)
-                ends = torch.cumsum(torch.tensor(self._sizes, dtype=torch.int64), 0).to(torch.int32)
+            else:  # summed on the host, one host-to-device copy (pageable: staged at once, no device sync)
+                ends = torch.tensor(list(itertools.accumulate(self._sizes)), dtype=torch.int32)
                 self._offsets = ends.to(device, non_blocking=True)
         return self._offsets
 

@@ -39,10 +39,15 @@ def sort_by_expert(indices_TK: Tensor, num_experts: int) -> tuple[Tensor, Tensor
         kept assignments; slicing needs the count on the host, which the caller fetches together with its other
         host-side sizes.
     """
-    flat = indices_TK.reshape(-1).long()
-    key = torch.where((flat >= 0) & (flat < num_experts), flat, num_experts)
+    key = expert_key(indices_TK, num_experts)
     order = torch.argsort(key, stable=True)
     return order, count_per_expert(key, num_experts + 1)[:num_experts]
+
+
+def expert_key(indices_TK: Tensor, num_experts: int) -> Tensor:
+    """The flat expert ids as int64 with every id outside ``[0, E)`` (a dropped choice) set to ``E``: clamped into
+    ``[-1, E]``, then ``-1`` wraps to ``E`` (two ops where a mask and a ``where`` take five)."""
+    return indices_TK.reshape(-1).long().clamp(-1, num_experts).remainder(num_experts + 1)
 
 
 def count_per_expert(expert_A: Tensor, num_bins: int) -> Tensor:
@@ -55,10 +60,16 @@ def count_per_expert(expert_A: Tensor, num_bins: int) -> Tensor:
     return counts.scatter_add_(0, expert_A, torch.ones_like(expert_A))
 
 
-def gather_rows(x_TD: Tensor, assign_A: Tensor, top_k: int) -> Tensor:
+def gather_rows(x_TD: Tensor, assign_A: Tensor, top_k: int, token_A: Tensor | None = None) -> Tensor:
     """The token row of each assignment: ``x_AD[i] = x_TD[assign_A[i] // K]`` (differentiable; the backward sums
-    a token's ``<= K`` row gradients without atomics)."""
-    return take_rows(x_TD, torch.div(assign_A, top_k, rounding_mode="floor"), top_k)
+    a token's ``<= K`` row gradients without atomics). ``token_A``: :func:`token_of` of ``assign_A``, when the
+    caller has it."""
+    return take_rows(x_TD, token_of(assign_A, top_k) if token_A is None else token_A, top_k)
+
+
+def token_of(assign_A: Tensor, top_k: int) -> Tensor:
+    """The token of each flat (token, choice) id: ``assign_A // K``."""
+    return torch.div(assign_A, top_k, rounding_mode="floor")
 
 
 def take_rows(x_ND: Tensor, row_A: Tensor, max_per_row: int) -> Tensor:
@@ -142,16 +153,18 @@ class _SumRows(torch.autograd.Function):
 
 
 def scatter_weighted(
-    y_AD: Tensor, assign_A: Tensor, weights_TK: Tensor, num_tokens: int, out_dtype: torch.dtype
-) -> Tensor:
+    y_AD: Tensor, assign_A: Tensor, weights_TK: Tensor, num_tokens: int, out_dtype: torch.dtype,
+    token_A: Tensor | None = None,
+) -> Tensor:  # fmt: skip
     """Weight each assignment's output by its routing weight and sum per token: ``out_TD`` (differentiable).
 
     Matches Hugging Face experts modules: the product is taken in the promoted dtype of output and weight, then
-    cast to ``out_dtype`` before the per-token sum. Tokens with no kept assignment get zeros.
+    cast to ``out_dtype`` before the per-token sum. Tokens with no kept assignment get zeros. ``token_A``:
+    :func:`token_of` of ``assign_A``, when the caller has it.
     """
     top_k = weights_TK.shape[-1]
     w_A = take_rows(weights_TK.reshape(-1, 1), assign_A, 1).view(-1)  # ids are unique: one entry per weight
-    token_A = torch.div(assign_A, top_k, rounding_mode="floor")
+    token_A = token_of(assign_A, top_k) if token_A is None else token_A
     return _WeightedScatter.apply(y_AD, w_A, token_A, num_tokens, out_dtype, top_k)
 
 
@@ -166,9 +179,10 @@ class _WeightedScatter(torch.autograd.Function):
     def forward(  # type: ignore[override]
         ctx, y_AD: Tensor, w_A: Tensor, token_A: Tensor, num_tokens: int, out_dtype: torch.dtype, top_k: int
     ) -> Tensor:
-        contrib_AD = (y_AD * w_A.unsqueeze(-1)).to(out_dtype)
+        product_AD = y_AD * w_A.unsqueeze(-1)
+        contrib_AD = product_AD.to(out_dtype)
         ctx.save_for_backward(y_AD, w_A, token_A)
-        ctx.product_dtype = torch.promote_types(y_AD.dtype, w_A.dtype)
+        ctx.product_dtype = product_AD.dtype  # the promoted dtype of the two
         return _sum_by_slot(contrib_AD, token_A, num_tokens, top_k)  # [T, D]: a token has <= K assignments
 
     @staticmethod

@@ -1,7 +1,8 @@
 """Top-k router of the reference MoE layer, on megatron-core's routing math.
 
 Returns ``(router_logits_TE, weights_TK, indices_TK)`` like a Hugging Face v5 router. Scores follow
-megatron-core's ``topk_routing_with_score_function``:
+megatron-core's ``topk_routing_with_score_function``, computed on the ``[T, K]`` values without its dense ``[T, E]``
+outputs (``topk_select.py``: bitwise its results, 8 ops fewer per forward):
 
 - ``softmax`` with ``pre_softmax=False``: top-k of the logits, then softmax over the k (weights sum to 1; equal
   to HF's softmax -> top-k -> renormalise); with ``pre_softmax=True``: softmax over all experts, then top-k;
@@ -38,6 +39,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from lightning_moe_overlap._compat import torch as torch_compat
+from lightning_moe_overlap.moe.topk_select import select_topk
 
 ScoreFunction = Literal["softmax", "sigmoid"]
 
@@ -187,26 +189,25 @@ class TopKRouter(torch_compat.Float32Buffers):
             z_loss = mcore.z_loss_func(logits_TE, self.z_loss_coeff) / self._sequence_ranks()
             self.metrics["z_loss"] = z_loss.detach()
             logits_TE = AuxLossScaler.apply(logits_TE, z_loss, self.aux_loss_scale)
-        probs_TE, map_TE = mcore.topk_routing_with_score_function(
+        weights_TK, indices_TK = select_topk(
             logits_TE,
             self.top_k,
-            use_pre_softmax=self.pre_softmax,
+            mcore=mcore,
+            pre_softmax=self.pre_softmax,
             num_groups=self.num_groups,
             group_topk=self.group_topk,
             scaling_factor=self.scaling_factor,
             score_function=self.score_function,
             expert_bias=self.expert_bias,
         )
-        # Exactly K experts per row are selected: top-k of the 0/1 map finds them without a host sync.
-        indices_TK = torch.topk(map_TE.to(logits_TE.dtype), self.top_k, dim=-1).indices.sort(dim=-1).values
-        weights_TK = probs_TE.gather(1, indices_TK)
         if train_losses and self.aux_loss_coeff > 0:
             aux_loss = self._load_balancing_loss(logits_TE)
             self.metrics["load_balancing_loss"] = aux_loss.detach()
             weights_TK = AuxLossScaler.apply(weights_TK, aux_loss, self.aux_loss_scale)
         if self.local_tokens_per_expert is not None and self.training and _in_training_forward():
             with torch.no_grad():
-                self.local_tokens_per_expert += map_TE.sum(dim=0)
+                flat = indices_TK.reshape(-1)
+                self.local_tokens_per_expert.scatter_add_(0, flat, torch.ones_like(flat))
         return logits_TE, weights_TK, indices_TK
 
     def _sequence_ranks(self) -> int:

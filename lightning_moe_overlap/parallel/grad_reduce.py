@@ -21,13 +21,22 @@ step's LAST backward, so that its reduce-scatter runs while the backward of the 
   was reduced. A unit that got no gradient on a rank (a module unused there) holds itself and those after it back
   to :meth:`finish`, which reduces the rest in the same order, so every rank issues the same collectives in the
   same order on each process group, whatever the data.
-- Reducing runs on one thread of its own (the reduction lane), in that order: FSDP's ``post_backward`` blocks on
-  gloo, and a backward that blocked there could wait for a peer that is still before one of its own all-to-alls.
-  On CUDA the lane only launches onto FSDP's reduce-scatter stream, after an event recorded on the stream that
-  produced the gradients.
+- One thread, one order (where the collectives launch onto streams: NCCL). Each unit is reduced on the thread that
+  runs the backward, in the hook that finds it final: that thread also issues the backward's all-to-alls, so each
+  rank submits the reduce-scatters and the all-to-alls to their two communicators in one sequence, the order in
+  which its autograd reaches them. Two communicators need that sequence to be the same on every rank (NCCL does not
+  promise progress otherwise, least of all with one hardware queue), and it is: every rank runs the same backward
+  graph in autograd's fixed order (by sequence number, gradient accumulation first), and the same units become final
+  on every rank: a module unused on one rank only would break FSDP2's own reduction first (its reduce-scatter packs
+  the parameters that hold a gradient, so the ranks' inputs would differ in size). FSDP's ``post_backward`` only launches onto its reduce-scatter stream, after that stream
+  waited for the current one, so the backward does not wait for the reduction.
+- On a lane of its own (gloo). There FSDP's reduce-scatter blocks the host until every rank is in it, so issued on
+  the backward's thread it would hold the backward back to the slowest rank; a thread of its own (the reduction
+  lane) runs them one by one, in the same order. Gloo keeps each process group's connections to itself, so the
+  two threads' collectives cannot stall each other. :func:`blocks_the_host` chooses.
 - ``finish`` (the step's ``end_step``, on the calling thread) waits for the lane and removes the hooks; the unit
   reductions left over and FSDP's end-of-backward callback then run as without the flag.
-- ``before_reduce(params)``, when given, runs on the lane just before each unit's reduce-scatter, with the unit's
+- ``before_reduce(params)``, when given, runs on the reducing thread just before each unit's reduce-scatter, with the unit's
   gathered parameters: at ``tp > 1`` the sum of the tensor-parallel replicas' gradients over tp, which must precede
   the reduction over dp x cp (``parallelize/tensor_plan.py``, ``TensorParallelGrads``).
 """
@@ -100,17 +109,24 @@ class ReductionLane:
                 self._errors.append(err)
 
 
+def blocks_the_host(backend: str) -> bool:
+    """Whether a collective of this process-group backend blocks the calling thread until every rank is in it (gloo),
+    so that the early reductions go to a lane of their own rather than the backward's thread."""
+    return backend == "gloo"
+
+
 class EarlyReduction:
     """Reduces each FSDP unit of ``units`` (``(name, module)`` in the model's order) as soon as its gradients are
     final in the armed backward (module docstring). ``observer(event, unit)`` is told of each ``"ready"`` (the
     unit's gradients are final, on autograd's thread), ``"issue"`` (handed to the lane) and ``"reduced"`` (its
     ``post_backward`` returned, on the lane). The units of ``held_back`` (experts whose weight gradients are
     deferred, ``delay_wgrad``) are left out of the order (the same on every rank): they are reduced after
-    :meth:`finish`, the other units as usual."""
+    :meth:`finish`, the other units as usual. ``on_lane``: reduce on a thread of its own (gloo) rather than on the
+    backward's thread (module docstring)."""
 
     def __init__(
         self, units: Sequence[tuple[str, nn.Module]], observer: Observer | None = None,
-        before_reduce: BeforeReduce | None = None, held_back: Sequence[nn.Module] = (),
+        before_reduce: BeforeReduce | None = None, held_back: Sequence[nn.Module] = (), on_lane: bool = True,
     ) -> None:  # fmt: skip
         # The reverse of the model's order: the order in which a backward finishes the units.
         self.order = [_Unit(name, m, torch_compat.fsdp_module_groups(m)) for name, m in reversed(list(units))]
@@ -125,17 +141,21 @@ class EarlyReduction:
         self._lock = threading.Lock()  # hooks may run on more than one autograd thread (one per device)
         self._cursor = 0
         self._handles: list[Any] = []
+        self.on_lane = on_lane
+        self._active = False  # between the step's first arm and finish (or reset)
         self._lane: ReductionLane | None = None
 
     @property
     def armed(self) -> bool:
-        return self._lane is not None
+        return self._active
 
     def arm(self, root: nn.Module | None = None) -> None:
         """Before a last backward (nothing else running): hook every gathered parameter of the units under ``root``
-        (None: every unit), and start the lane at the step's first arm. The units' gradient sync must be on
+        (None: every unit), and start the lane (``on_lane``) at the step's first arm. The units' gradient sync must
+        be on
         (``set_requires_gradient_sync(True)``). A unit not armed yet holds the ones after it back."""
-        if self._lane is None:  # the step's first arm
+        first = not self._active
+        if first:
             self.reset()
         inside = None if root is None else {id(m) for m in root.modules()}
         chosen = [
@@ -150,17 +170,18 @@ class EarlyReduction:
                 device = device or param.device
                 unit.pending.add(id(param))
                 self._handles.append(param.register_post_accumulate_grad_hook(self._hook(index)))
-        if self._lane is None:
+        if first:
             self._cursor = 0
-            self._lane = ReductionLane(device or torch.device("cpu"))
+            self._active = True
+            self._lane = ReductionLane(device or torch.device("cpu")) if self.on_lane else None
         with self._lock:
             self._issue_ready()  # units without a parameter that takes a gradient
 
     def finish(self) -> None:
-        """After the last backward: wait for the reductions issued, remove the hooks. Raises the lane's first
+        """After the last backward: wait for the reductions issued on the lane, remove the hooks. Raises the lane's first
         error. The units not issued are left to FSDP's end of step (``ShardedModel.end_step``), in model order, their
         gradients divided first (:meth:`_divide`)."""
-        lane, self._lane = self._lane, None
+        lane, self._lane, self._active = self._lane, None, False
         self._remove_hooks()
         if lane is not None:
             lane.drain()
@@ -182,7 +203,7 @@ class EarlyReduction:
 
     def reset(self) -> None:
         """Drop what a failed step left armed, without waiting for it (that step has raised its error)."""
-        lane, self._lane = self._lane, None
+        lane, self._lane, self._active = self._lane, None, False
         self._remove_hooks()
         if lane is not None:
             lane.abandon()
@@ -210,14 +231,18 @@ class EarlyReduction:
         return landed
 
     def _issue_ready(self) -> None:
-        """Issue, in order, every unit from the cursor on whose gradients are final (lock held)."""
-        assert self._lane is not None
+        """Issue, in order, every unit from the cursor on whose gradients are final (lock held): to the lane, or
+        run here, on the backward's thread."""
+        assert self._active
         while self._cursor < len(self.order) and self._final(self.order[self._cursor]):
             unit = self.order[self._cursor]
             unit.issued = True
             self._cursor += 1
             self._tell("issue", unit.name)
-            self._lane.submit(self._reduction(unit, _ready_event(unit)))
+            if self._lane is not None:
+                self._lane.submit(self._reduction(unit, _ready_event(unit)))
+            else:
+                self._reduction(unit, None)()
 
     @staticmethod
     def _final(unit: _Unit) -> bool:

@@ -231,7 +231,7 @@ class TensorParallelGrads:
     module holds the gathered ones, whose gradients are the ones to sum (before FSDP reduces over dp x cp).
 
     With ``overlap_grad_reduce`` each FSDP unit's replicas are summed just before the unit's early reduction
-    (:meth:`reduce_unit`, on the reduction lane); :meth:`reduce` then sums the ones left, at the end of the step."""
+    (:meth:`reduce_unit`, where that reduction runs); :meth:`reduce` then sums the ones left, at the end of the step."""
 
     names: tuple[str, ...]
     group: ProcessGroup
@@ -264,9 +264,9 @@ class TensorParallelGrads:
     def unit_reducer(self, model: nn.Module, group: ProcessGroup) -> Callable[[list[Tensor]], None]:
         """The ``before_reduce`` of ``overlap_grad_reduce``'s early reductions (``parallel/grad_reduce.py``): sums
         the replicas among an FSDP unit's gathered parameters over ``group`` (the tp ranks, a communicator of its
-        own: the lane issues these sums while the backward issues the plan's tp collectives on :attr:`group`),
-        before the unit's reduction over dp x cp. Every rank of the tp group reduces the same units in the same
-        order (the lane's), so the collectives pair up."""
+        own: on gloo the reduction lane issues these sums while the backward issues the plan's tp collectives on
+        :attr:`group`), before the unit's reduction over dp x cp. Every rank of the tp group reduces the same units
+        in the same order, so the collectives pair up."""
 
         def reduce_unit(params: list[Tensor]) -> None:
             replicas = {id(model.get_parameter(name)) for name in self.names}

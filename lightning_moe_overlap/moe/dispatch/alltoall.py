@@ -77,6 +77,7 @@ from lightning_moe_overlap.moe.permute import (
     permute_rows,
     scatter_weighted,
     sort_by_expert,
+    token_of,
 )
 
 
@@ -86,6 +87,7 @@ class AllToAllHandle:
 
     Attributes:
         assign_A: flat (token, choice) ids of the rows sent, in send order.
+        token_A: the token of each (``assign_A // K``).
         weights_TK: the routing weights, applied at combine on this (source) rank.
         num_tokens: ``T``.
         out_dtype: dtype of the combined output (that of the input tokens).
@@ -96,6 +98,7 @@ class AllToAllHandle:
     """
 
     assign_A: Tensor
+    token_A: Tensor
     weights_TK: Tensor
     num_tokens: int
     out_dtype: torch.dtype
@@ -225,7 +228,8 @@ class AllToAllDispatcher(DispatcherBase):
         order_TK, counts_E = self._dispatch_preprocess(indices_TK)
         send_E, recv_SE, recv_GE = self._exchange_counts(counts_E)
         assign_A = order_TK[: sum(send_E)]
-        x_AD = gather_rows(x_TD, assign_A, indices_TK.shape[-1])
+        token_A = token_of(assign_A, indices_TK.shape[-1])
+        x_AD = gather_rows(x_TD, assign_A, indices_TK.shape[-1], token_A)
         input_splits = tuple(
             sum(send_E[r * self.num_local_experts : (r + 1) * self.num_local_experts]) for r in range(self.ep_size)
         )
@@ -241,6 +245,7 @@ class AllToAllDispatcher(DispatcherBase):
                 splits = self._expert_splits(recv_SE)
         handle = AllToAllHandle(
             assign_A=assign_A,
+            token_A=token_A,
             weights_TK=weights_TK,
             num_tokens=x_TD.shape[0],
             out_dtype=x_TD.dtype,
@@ -454,7 +459,8 @@ class AllToAllDispatcher(DispatcherBase):
 
     def _combine_postprocess(self, y_AD: Tensor, handle: AllToAllHandle) -> Tensor:
         """No comm: weight each row by its routing weight and sum it into its token (the unpermute)."""
-        return scatter_weighted(y_AD, handle.assign_A, handle.weights_TK, handle.num_tokens, handle.out_dtype)
+        return scatter_weighted(y_AD, handle.assign_A, handle.weights_TK, handle.num_tokens, handle.out_dtype,
+                                handle.token_A)  # fmt: skip
 
     def _combine_static(self, y_RD: Tensor, handle: StaticHandle) -> Tensor:
         """Static combine: back to the slots, the equal-split all-to-all back, each assignment's row read from its

@@ -37,7 +37,7 @@ import torch
 from torch import Tensor
 
 from lightning_moe_overlap.moe.capacity import expert_capacity
-from lightning_moe_overlap.moe.permute import count_per_expert, gather_rows
+from lightning_moe_overlap.moe.permute import count_per_expert, expert_key, gather_rows
 
 
 def slot_capacity(num_tokens: int, top_k: int, num_experts: int, capacity_factor: float | None) -> int:
@@ -70,13 +70,12 @@ class SlotPlan:
 def plan_slots(indices_TK: Tensor, num_experts: int, capacity: int) -> SlotPlan:
     """Sort the assignments by expert and give each its slot: the ``p``-th row of expert ``x`` (token order) goes
     to slot ``x * capacity + p``; rows with ``p >= capacity`` and dropped choices (outside ``[0, E)``) to none."""
-    flat = indices_TK.reshape(-1).long()
-    key_A = torch.where((flat >= 0) & (flat < num_experts), flat, num_experts)
+    key_A = expert_key(indices_TK, num_experts)
     order_A = torch.argsort(key_A, stable=True)
     counts = count_per_expert(key_A, num_experts + 1)  # the last bin: dropped choices
     starts = torch.cumsum(counts, 0) - counts
     sorted_key = key_A.index_select(0, order_A)
-    pos_A = torch.arange(flat.numel(), device=flat.device) - starts.index_select(0, sorted_key)
+    pos_A = torch.arange(key_A.numel(), device=key_A.device) - starts.index_select(0, sorted_key)
     kept_A = (sorted_key < num_experts) & (pos_A < capacity)
     slot_A = torch.where(kept_A, sorted_key * capacity + pos_A, num_experts * capacity)
     routed_E = counts[:num_experts]
