@@ -5,9 +5,12 @@ megatron-core's ``topk_routing_with_score_function``, computed on the ``[T, K]``
 outputs (``topk_select.py``: bitwise its results, 8 ops fewer per forward):
 
 - ``softmax`` with ``pre_softmax=False``: top-k of the logits, then softmax over the k (weights sum to 1; equal
-  to HF's softmax -> top-k -> renormalise); with ``pre_softmax=True``: softmax over all experts, then top-k;
+  to HF's softmax -> top-k -> renormalise up to rounding, not bitwise); with ``pre_softmax=True``: softmax over
+  all experts, then top-k;
 - ``sigmoid``: sigmoid scores, top-k (optionally on ``score + expert_bias``), renormalised when ``k > 1``;
-- ``num_groups``/``group_topk``: DeepSeek-V3 group-limited top-k (pick ``group_topk`` groups first);
+- ``num_groups``/``group_topk``: DeepSeek-V3 group-limited top-k: the ``group_topk`` groups with the largest sums
+  of their top ``top_k // group_topk`` scores are kept, then top-k among their experts (the scores are the ones the
+  top-k reads: the logits for ``softmax`` without ``pre_softmax``, the biased sigmoid scores with an expert bias);
 - ``scaling_factor`` multiplies the weights.
 
 Losses are attached to the graph, megatron's ``MoEAuxLossAutoScaler`` way: the forward value is unchanged, and
@@ -291,6 +294,15 @@ def _validate_router(
             f"num_experts={num_experts}; the rules are num_experts % num_groups == 0, "
             "1 <= group_topk <= num_groups and top_k % group_topk == 0. Pick num_groups among the divisors of "
             "num_experts and a group_topk that divides top_k."
+        )
+    if num_groups is not None and group_topk is not None and top_k // group_topk > num_experts // num_groups:
+        per_group = num_experts // num_groups
+        raise ValueError(
+            f"{owner}: top_k={top_k}, group_topk={group_topk}, num_groups={num_groups}, num_experts={num_experts}; "
+            f"each kept group is scored by the sum of its top top_k // group_topk = {top_k // group_topk} scores and "
+            f"holds num_experts // num_groups = {per_group} experts, so the rule is top_k // group_topk <= "
+            f"num_experts // num_groups. Keep more groups (group_topk >= {-(-top_k // per_group)}), use fewer "
+            "groups, or a smaller top_k."
         )
     if enable_expert_bias and score_function != "sigmoid":
         raise NotImplementedError(

@@ -33,8 +33,9 @@ step's LAST backward, so that its reduce-scatter runs while the backward of the 
 - On a lane of its own (gloo). There FSDP's reduce-scatter blocks the host until every rank is in it, so issued on
   the backward's thread it would hold the backward back to the slowest rank; a thread of its own (the reduction
   lane) runs them one by one, in the same order. Gloo keeps each process group's connections to itself, so the
-  two threads' collectives cannot stall each other. :func:`blocks_the_host` chooses.
-- ``finish`` (the step's ``end_step``, on the calling thread) waits for the lane and removes the hooks; the unit
+  two threads' collectives cannot stall each other. :func:`blocks_the_host` chooses, from the device of the units'
+  parameters, at the step's first :meth:`EarlyReduction.arm`.
+- ``finish`` (the step's ``end_step``, on the calling thread) waits for the lane (gloo) and removes the hooks; the unit
   reductions left over and FSDP's end-of-backward callback then run as without the flag.
 - ``before_reduce(params)``, when given, runs on the reducing thread just before each unit's reduce-scatter, with the unit's
   gathered parameters: at ``tp > 1`` the sum of the tensor-parallel replicas' gradients over tp, which must precede
@@ -109,24 +110,26 @@ class ReductionLane:
                 self._errors.append(err)
 
 
-def blocks_the_host(backend: str) -> bool:
-    """Whether a collective of this process-group backend blocks the calling thread until every rank is in it (gloo),
-    so that the early reductions go to a lane of their own rather than the backward's thread."""
-    return backend == "gloo"
+def blocks_the_host(device: torch.device) -> bool:
+    """Whether a collective on tensors of ``device`` blocks the calling thread until every rank is in it: on CPU
+    tensors torch.distributed runs gloo, whose collectives do; NCCL's (CUDA) are launched onto a stream. Where it
+    blocks, the early reductions go to a lane of their own rather than the backward's thread."""
+    return device.type == "cpu"
 
 
 class EarlyReduction:
     """Reduces each FSDP unit of ``units`` (``(name, module)`` in the model's order) as soon as its gradients are
     final in the armed backward (module docstring). ``observer(event, unit)`` is told of each ``"ready"`` (the
-    unit's gradients are final, on autograd's thread), ``"issue"`` (handed to the lane) and ``"reduced"`` (its
-    ``post_backward`` returned, on the lane). The units of ``held_back`` (experts whose weight gradients are
+    unit's gradients are final, on autograd's thread), ``"issue"`` (its turn in the order came: run on autograd's
+    thread, or handed to the lane) and ``"reduced"`` (its ``post_backward`` returned, where it ran). The units of ``held_back`` (experts whose weight gradients are
     deferred, ``delay_wgrad``) are left out of the order (the same on every rank): they are reduced after
-    :meth:`finish`, the other units as usual. ``on_lane``: reduce on a thread of its own (gloo) rather than on the
-    backward's thread (module docstring)."""
+    :meth:`finish`, the other units as usual. ``on_lane``: reduce on a thread of its own rather than on the
+    backward's thread; None (the default): where :func:`blocks_the_host` says so, per step (module docstring)."""
 
     def __init__(
         self, units: Sequence[tuple[str, nn.Module]], observer: Observer | None = None,
-        before_reduce: BeforeReduce | None = None, held_back: Sequence[nn.Module] = (), on_lane: bool = True,
+        before_reduce: BeforeReduce | None = None, held_back: Sequence[nn.Module] = (),
+        on_lane: bool | None = None,
     ) -> None:  # fmt: skip
         # The reverse of the model's order: the order in which a backward finishes the units.
         self.order = [_Unit(name, m, torch_compat.fsdp_module_groups(m)) for name, m in reversed(list(units))]
@@ -173,7 +176,9 @@ class EarlyReduction:
         if first:
             self._cursor = 0
             self._active = True
-            self._lane = ReductionLane(device or torch.device("cpu")) if self.on_lane else None
+            device = device or torch.device("cpu")
+            lane = blocks_the_host(device) if self.on_lane is None else self.on_lane
+            self._lane = ReductionLane(device) if lane else None
         with self._lock:
             self._issue_ready()  # units without a parameter that takes a gradient
 

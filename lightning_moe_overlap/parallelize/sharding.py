@@ -49,7 +49,7 @@ from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
 from lightning_moe_overlap._compat import torch as torch_compat
 from lightning_moe_overlap.config import ShardMode
-from lightning_moe_overlap.parallel.grad_reduce import BeforeReduce, EarlyReduction, Observer, blocks_the_host
+from lightning_moe_overlap.parallel.grad_reduce import BeforeReduce, EarlyReduction, Observer
 from lightning_moe_overlap.parallel.mesh import ParallelMesh
 
 
@@ -65,7 +65,7 @@ class ShardedModel:
 
     def __init__(
         self, roots: Sequence[FSDPModule], mode: ShardMode = "none", *, overlap_grad_reduce: bool = False,
-        before_reduce: BeforeReduce | None = None, held_back: Sequence[nn.Module] = (), on_lane: bool = True,
+        before_reduce: BeforeReduce | None = None, held_back: Sequence[nn.Module] = (),
     ) -> None:  # fmt: skip
         self.roots = list(roots)
         self.mode = mode
@@ -77,9 +77,7 @@ class ShardedModel:
         # Each unit reduced as soon as its gradients are final in the last backward (sharded modes only).
         self.early: EarlyReduction | None = None
         if overlap_grad_reduce and self.sharded:
-            self.early = EarlyReduction(
-                self.named_units(), before_reduce=before_reduce, held_back=held_back, on_lane=on_lane
-            )
+            self.early = EarlyReduction(self.named_units(), before_reduce=before_reduce, held_back=held_back)
 
     @classmethod
     def replicate(cls, roots: Sequence[nn.Module], ignored: Iterable[nn.Parameter], mesh: DeviceMesh) -> ShardedModel:
@@ -113,7 +111,7 @@ class ShardedModel:
         between the experts and the root, so that each layer's dense gradients are a unit reduced on its own;
         ``before_reduce`` runs on each unit's gathered parameters just before its early reduction, and the units of
         ``held_back`` (experts whose weight gradients are deferred) are left to the end of the step. The reductions
-        run on a lane of their own where a collective blocks the host (gloo), else on the backward's thread
+        run on a lane of their own where a collective blocks the host (gloo, CPU), else on the backward's thread
         (``grad_reduce.py``)."""
         roots = [roots] if isinstance(roots, nn.Module) else list(roots)
         divide = float(mesh.dims.dp * mesh.dims.cp)
@@ -122,15 +120,14 @@ class ShardedModel:
         layers = [m for root in roots for m in layer_modules(root, experts)] if overlap_grad_reduce else []
         layers = [fully_shard(m, mesh=mesh["dp_cp"], **kwargs) for m in layers]  # type: ignore[arg-type]
         roots = [fully_shard(root, mesh=mesh["dp_cp"], **kwargs) for root in roots]  # type: ignore[misc]
-        backend = dist.get_backend(mesh.group("dp_cp"))
-        gloo = backend == "gloo"  # no pre-multiplied sum: divide afterwards
+        gloo = dist.get_backend(mesh.group("dp_cp")) == "gloo"  # no pre-multiplied sum: divide afterwards
         units = [*((m, "edp") for m in modules), *((m, "dp_cp") for m in layers), *((r, "dp_cp") for r in roots)]
         for module, kind in units:
             module.set_gradient_divide_factor(divide)
             # Not over one rank: torch then divides both while copying and after the (skipped) reduce-scatter
             module.set_force_sum_reduction_for_comms(gloo and mesh[kind].size() > 1)
         return cls(roots, mode=mode, overlap_grad_reduce=overlap_grad_reduce, before_reduce=before_reduce,
-                   held_back=held_back, on_lane=blocks_the_host(backend))  # fmt: skip
+                   held_back=held_back)  # fmt: skip
 
     @property
     def sharded(self) -> bool:

@@ -2,7 +2,7 @@
 thread where a collective launches onto a stream (NCCL), on a lane of their own where it blocks the host (gloo).
 
 2 gloo ranks, ep=2, ``MoEGPT``, ``shard="full"``, overlapped, 3 micro-batches. The backward-thread mode is what CUDA
-takes; here it is forced (``sharding.blocks_the_host`` patched), which gloo allows because the order is the same on
+takes; here it is forced (``grad_reduce.blocks_the_host`` patched), which gloo allows because the order is the same on
 every rank: a rank blocked in a reduce-scatter waits only for a peer on its way to the same one.
 
 Oracles, none of them the code under test: a record of every all-to-all and reduce-scatter each rank submitted
@@ -23,6 +23,7 @@ from torch.utils.data import DataLoader
 
 from lightning_moe_overlap import MoEOverlapStrategy
 from lightning_moe_overlap.demo import MoEGPT
+from lightning_moe_overlap.parallel import grad_reduce
 from lightning_moe_overlap.parallelize import sharding
 from tests.helpers.distributed import run_distributed
 
@@ -84,7 +85,7 @@ class _Collectives:
 def _fit(on_backward_thread: bool) -> dict:
     with pytest.MonkeyPatch.context() as monkeypatch:
         if on_backward_thread:
-            monkeypatch.setattr(sharding, "blocks_the_host", lambda backend: False)
+            monkeypatch.setattr(grad_reduce, "blocks_the_host", lambda device: False)
         record = _Collectives(monkeypatch)
         trainer = Trainer(
             accelerator="cpu", devices=WORLD, max_steps=STEPS, logger=False, enable_checkpointing=False,

@@ -166,6 +166,16 @@ def test_update_expert_bias_without_bias_raises() -> None:
         ({"num_groups": 3, "group_topk": 1}, ValueError, r"num_experts % num_groups == 0"),
         ({"num_groups": 4, "group_topk": 5}, ValueError, r"1 <= group_topk <= num_groups"),
         ({"top_k": 3, "num_groups": 4, "group_topk": 2}, ValueError, r"top_k % group_topk == 0"),
+        # E=8 in 4 groups of 2: top-4 from one group would need 4 experts in it (megatron's top-k fails inside)
+        (
+            {"top_k": 4, "num_groups": 4, "group_topk": 1},
+            ValueError,
+            (
+                r"top_k // group_topk = 4 .* holds num_experts // num_groups = 2 .*top_k // group_topk <= "
+                r"num_experts // num_groups. Keep more groups \(group_topk >= 2\)"
+            ),
+        ),
+        ({"top_k": 6, "num_groups": 4, "group_topk": 2}, ValueError, r"group_topk >= 3"),
         ({"enable_expert_bias": True}, NotImplementedError, "applies the expert bias only to sigmoid scores"),
     ],
 )
