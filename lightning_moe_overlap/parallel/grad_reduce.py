@@ -18,28 +18,28 @@ step's LAST backward, so that its reduce-scatter runs while the backward of the 
   one in this backward.
 - The order of the collectives is fixed, not taken from the hooks: units are reduced in :attr:`order` (the
   reverse of their order in the model, i.e. the order a backward finishes them), each once every unit before it
-  was reduced. A unit that got no gradient on a rank (a module unused there) holds itself and those after it back
-  to :meth:`finish`, which reduces the rest in the same order, so every rank issues the same collectives in the
-  same order on each process group, whatever the data.
+  was reduced. A unit that gets no gradient (a module the forward does not use) holds itself and those after it
+  back to :meth:`finish`, which reduces the rest in the same order, so every rank issues the same collectives in
+  the same order on each process group. (A module unused on some ranks only is outside what FSDP2 supports: its
+  reduce-scatter packs the parameters that hold a gradient, so the ranks' inputs would differ in size.)
 - One thread, one order (where the collectives launch onto streams: NCCL). Each unit is reduced on the thread that
   runs the backward, in the hook that finds it final: that thread also issues the backward's all-to-alls, so each
   rank submits the reduce-scatters and the all-to-alls to their two communicators in one sequence, the order in
   which its autograd reaches them. Two communicators need that sequence to be the same on every rank (NCCL does not
   promise progress otherwise, least of all with one hardware queue), and it is: every rank runs the same backward
-  graph in autograd's fixed order (by sequence number, gradient accumulation first), and the same units become final
-  on every rank: a module unused on one rank only would break FSDP2's own reduction first (its reduce-scatter packs
-  the parameters that hold a gradient, so the ranks' inputs would differ in size). FSDP's ``post_backward`` only launches onto its reduce-scatter stream, after that stream
-  waited for the current one, so the backward does not wait for the reduction.
+  graph in autograd's fixed order (by sequence number, gradient accumulation first), and the same units become
+  final on every rank (above). FSDP's ``post_backward`` only launches onto its reduce-scatter stream, after that
+  stream waited for the current one, so the backward does not wait for the reduction.
 - On a lane of its own (gloo). There FSDP's reduce-scatter blocks the host until every rank is in it, so issued on
   the backward's thread it would hold the backward back to the slowest rank; a thread of its own (the reduction
   lane) runs them one by one, in the same order. Gloo keeps each process group's connections to itself, so the
   two threads' collectives cannot stall each other. :func:`blocks_the_host` chooses, from the device of the units'
   parameters, at the step's first :meth:`EarlyReduction.arm`.
-- ``finish`` (the step's ``end_step``, on the calling thread) waits for the lane (gloo) and removes the hooks; the unit
-  reductions left over and FSDP's end-of-backward callback then run as without the flag.
-- ``before_reduce(params)``, when given, runs on the reducing thread just before each unit's reduce-scatter, with the unit's
-  gathered parameters: at ``tp > 1`` the sum of the tensor-parallel replicas' gradients over tp, which must precede
-  the reduction over dp x cp (``parallelize/tensor_plan.py``, ``TensorParallelGrads``).
+- ``finish`` (the step's ``end_step``, on the calling thread) waits for the lane (gloo) and removes the hooks; the
+  unit reductions left over and FSDP's end-of-backward callback then run as without the flag.
+- ``before_reduce(params)``, when given, runs where the reduction runs, just before each unit's reduce-scatter, with
+  the unit's gathered parameters: at ``tp > 1`` the sum of the tensor-parallel replicas' gradients over tp, which
+  must precede the reduction over dp x cp (``parallelize/tensor_plan.py``, ``TensorParallelGrads``).
 """
 
 from __future__ import annotations
@@ -121,10 +121,11 @@ class EarlyReduction:
     """Reduces each FSDP unit of ``units`` (``(name, module)`` in the model's order) as soon as its gradients are
     final in the armed backward (module docstring). ``observer(event, unit)`` is told of each ``"ready"`` (the
     unit's gradients are final, on autograd's thread), ``"issue"`` (its turn in the order came: run on autograd's
-    thread, or handed to the lane) and ``"reduced"`` (its ``post_backward`` returned, where it ran). The units of ``held_back`` (experts whose weight gradients are
-    deferred, ``delay_wgrad``) are left out of the order (the same on every rank): they are reduced after
-    :meth:`finish`, the other units as usual. ``on_lane``: reduce on a thread of its own rather than on the
-    backward's thread; None (the default): where :func:`blocks_the_host` says so, per step (module docstring)."""
+    thread, or handed to the lane) and ``"reduced"`` (its ``post_backward`` returned, where it ran). The units of
+    ``held_back`` (experts whose weight gradients are deferred, ``delay_wgrad``) are left out of the order (the same
+    on every rank): they are reduced after :meth:`finish`, the other units as usual. ``on_lane``: reduce on a thread
+    of its own rather than on the backward's thread; None (the default): where :func:`blocks_the_host` says so, per
+    step (module docstring)."""
 
     def __init__(
         self, units: Sequence[tuple[str, nn.Module]], observer: Observer | None = None,
@@ -155,8 +156,7 @@ class EarlyReduction:
     def arm(self, root: nn.Module | None = None) -> None:
         """Before a last backward (nothing else running): hook every gathered parameter of the units under ``root``
         (None: every unit), and start the lane (``on_lane``) at the step's first arm. The units' gradient sync must
-        be on
-        (``set_requires_gradient_sync(True)``). A unit not armed yet holds the ones after it back."""
+        be on (``set_requires_gradient_sync(True)``). A unit not armed yet holds the ones after it back."""
         first = not self._active
         if first:
             self.reset()
@@ -183,9 +183,9 @@ class EarlyReduction:
             self._issue_ready()  # units without a parameter that takes a gradient
 
     def finish(self) -> None:
-        """After the last backward: wait for the reductions issued on the lane, remove the hooks. Raises the lane's first
-        error. The units not issued are left to FSDP's end of step (``ShardedModel.end_step``), in model order, their
-        gradients divided first (:meth:`_divide`)."""
+        """After the last backward: wait for the reductions issued on the lane, remove the hooks. Raises the lane's
+        first error. The units not issued are left to FSDP's end of step (``ShardedModel.end_step``), in model
+        order, their gradients divided first (:meth:`_divide`)."""
         lane, self._lane, self._active = self._lane, None, False
         self._remove_hooks()
         if lane is not None:

@@ -231,7 +231,8 @@ class TensorParallelGrads:
     module holds the gathered ones, whose gradients are the ones to sum (before FSDP reduces over dp x cp).
 
     With ``overlap_grad_reduce`` each FSDP unit's replicas are summed just before the unit's early reduction
-    (:meth:`reduce_unit`, where that reduction runs); :meth:`reduce` then sums the ones left, at the end of the step."""
+    (:meth:`reduce_unit`, where that reduction runs); :meth:`reduce` then sums the ones left, at the end of the
+    step."""
 
     names: tuple[str, ...]
     group: ProcessGroup
