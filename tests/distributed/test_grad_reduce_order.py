@@ -19,30 +19,20 @@ import torch
 import torch.distributed as dist
 from lightning.pytorch import Trainer
 from torch.distributed.tensor import DTensor
-from torch.utils.data import DataLoader
 
 from lightning_moe_overlap import MoEOverlapStrategy
-from lightning_moe_overlap.demo import MoEGPT
 from lightning_moe_overlap.parallel import grad_reduce
 from lightning_moe_overlap.parallelize import sharding
+from tests.distributed.test_overlap_grad_reduce import _model  # the same model and data as the reduction's tests
 from tests.helpers.distributed import run_distributed
 
-WORLD, EP, STEPS, BATCH, MICRO, VOCAB = 2, 2, 2, 6, 3, 64
+WORLD, EP, STEPS, MICRO = 2, 2, 2, 3
 LANE = "moe-overlap-grad-reduce"  # the reduction lane's thread name
-
-
-def _model() -> MoEGPT:
-    torch.manual_seed(0)
-    model = MoEGPT(vocab_size=VOCAB, hidden_size=32, num_layers=2, num_heads=4, num_experts=4, top_k=2,
-                   ffn_hidden_size=16, aux_loss_coeff=0.0, lr=1e-2)  # fmt: skip
-    data = torch.randint(0, VOCAB, (WORLD * BATCH * STEPS, 8), generator=torch.Generator().manual_seed(5))
-    model.train_dataloader = lambda: DataLoader(data, batch_size=BATCH)
-    return model
 
 
 class _Collectives:
     """Every all-to-all and reduce-scatter submitted, as ``(thread name, op, group ranks)``, and the marks
-    ``("mark", "last-backward" | "end-step", ...)`` around each step's last backward."""
+    ``("mark", "before_last_backward" | "end_step", ())`` around each step's last backward."""
 
     def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
         self.log: list[tuple[str, str, tuple[int, ...]]] = []
